@@ -1,0 +1,1 @@
+"""Triton kernels with plain-torch references; ``kernels.ops`` dispatches by device."""

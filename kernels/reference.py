@@ -1,0 +1,122 @@
+"""Plain-torch reference implementations: the CPU path and the oracle for kernel tests.
+
+Layouts (shared with the Triton kernels):
+  q            [num_tokens, num_q_heads, head_dim]
+  k_cache      [num_blocks, block_size, num_kv_heads, head_dim] (v_cache alike)
+  block_table  [num_reqs, max_blocks_per_req] int32
+  seq_lens     [num_reqs] int32 on the device: KV length after this step's tokens
+  query_start_loc        [num_reqs + 1] int32 on the device
+  query_start_loc_cpu    [num_reqs + 1] int32 on the CPU (known at schedule time)
+  slot_mapping [num_tokens] int64, block_id * block_size + offset; -1 = skip
+
+No function here reads exact sequence lengths on the CPU: loops run over the
+CPU query starts and buffers are sized by ``max_seq_len_upper_bound``; the
+device ``seq_lens`` only enter masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V into the paged cache; slots < 0 (padding) are skipped."""
+    nb, bs, h, d = k_cache.shape
+    valid = slot_mapping >= 0
+    # Route padded slots to a scratch index past the end instead of boolean indexing
+    # (which would sync on a GPU); the scratch row is dropped.
+    idx = torch.where(valid, slot_mapping, torch.full_like(slot_mapping, nb * bs))
+    kf = torch.cat([k_cache.view(nb * bs, h, d), k_cache.new_empty(1, h, d)])
+    vf = torch.cat([v_cache.view(nb * bs, h, d), v_cache.new_empty(1, h, d)])
+    kf.index_copy_(0, idx, key.to(k_cache.dtype))
+    vf.index_copy_(0, idx, value.to(v_cache.dtype))
+    k_cache.view(nb * bs, h, d).copy_(kf[:-1])
+    v_cache.view(nb * bs, h, d).copy_(vf[:-1])
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor,
+    max_seq_len_upper_bound: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's query tokens over its paged KV.
+
+    Query token i of request r sits at position ``seq_lens[r] - q_len[r] + i`` and
+    attends keys ``0..position``. Computed in float32.
+    """
+    num_tokens, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    group = hq // hkv
+    out = torch.empty_like(q)
+    starts = query_start_loc_cpu.tolist()  # CPU tensor: no device sync
+    nblk = (max_seq_len_upper_bound + bs - 1) // bs
+    kv_pos = torch.arange(nblk * bs, device=q.device)
+    for r in range(len(starts) - 1):
+        s, e = starts[r], starts[r + 1]
+        if e == s:
+            continue
+        blocks = block_table[r, :nblk].long().clamp(min=0)
+        k = k_cache[blocks].reshape(nblk * bs, hkv, d).float()
+        v = v_cache[blocks].reshape(nblk * bs, hkv, d).float()
+        k = k.repeat_interleave(group, dim=1)  # [L, hq, d]
+        v = v.repeat_interleave(group, dim=1)
+        qr = q[s:e].float()  # [n, hq, d]
+        q_pos = seq_lens[r] - (e - s) + torch.arange(e - s, device=q.device)  # device
+        scores = torch.einsum("nhd,lhd->hnl", qr, k) * scale
+        mask = kv_pos[None, :] <= q_pos[:, None]  # [n, L]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+    return out
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm with optional fused residual add: returns (normed, new_residual).
+
+    With a residual, ``new_residual = x + residual`` and the norm is applied to it
+    (the pre-norm decoder pattern). Accumulates in float32.
+    """
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        residual = x
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    out = (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    return out.to(x.dtype), residual
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style (rotate-half) RoPE. q [T, Hq, D], k [T, Hk, D];
+    cos_sin_cache [max_pos, D] = cat(cos[:, :D/2], sin[:, :D/2])."""
+    d = q.shape[-1]
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, : d // 2].unsqueeze(1), cs[:, d // 2 :].unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)

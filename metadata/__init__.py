@@ -1,0 +1,1 @@
+"""Contracts shared by the driver and the workers: config, wire structs, attention metadata."""

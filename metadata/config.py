@@ -1,0 +1,205 @@
+"""Engine configuration: one msgspec Struct tree, validated once at startup.
+
+Flat keyword options (``LLM(model=..., block_size=32)``, CLI flags) are routed to
+their section by name; unknown names and removed names are errors that say what
+to use instead. Nothing is read from the environment.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration value or option name is invalid; the message names the option."""
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    """Local Hugging Face checkpoint directory; None serves the built-in demo model."""
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+
+
+class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Fixed number of KV blocks; overrides the memory-based sizing."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory budget for the KV cache; default 1 GiB on CPU, profiled on GPU."""
+    gpu_memory_utilization: float = 0.9
+
+
+class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+
+
+class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    ray_address: str | None = None
+    worker_start_timeout_s: float = 120.0
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    sync_check: Literal["off", "warn", "error"] = "off"
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    disable_log_stats: bool = False
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from flat option names (``block_size=32``), validated."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for name, value in options.items():
+            if name in REMOVED_OPTIONS:
+                raise ConfigError(f"option '{name}' was removed: {REMOVED_OPTIONS[name]}")
+            if name in _TOP_LEVEL:
+                top[name] = value
+            elif name in _OPTION_SECTION:
+                sections[_OPTION_SECTION[name]][name] = value
+            else:
+                raise ConfigError(_unknown_message(name))
+        raw = dict(top, **{k: v for k, v in sections.items() if v})
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "EngineConfig":
+        """Build from a nested mapping (``{"cache": {"block_size": 32}}``), validated."""
+        _reject_removed(raw)
+        try:
+            cfg = msgspec.convert(raw, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_friendly(str(exc))) from None
+        cfg.validate()
+        return cfg
+
+    # --------------------------------------------------------------- validate
+    def validate(self) -> None:
+        _range("block_size", self.cache.block_size, 1, 1024)
+        if self.cache.block_size & (self.cache.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.cache.block_size}")
+        if self.cache.num_kv_blocks is not None:
+            _range("num_kv_blocks", self.cache.num_kv_blocks, 1, 1 << 30)
+        if self.cache.kv_cache_memory_bytes is not None:
+            _range("kv_cache_memory_bytes", self.cache.kv_cache_memory_bytes, 1, 1 << 50)
+        if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}"
+            )
+        _range("max_num_seqs", self.scheduler.max_num_seqs, 1, 65536)
+        _range("max_num_batched_tokens", self.scheduler.max_num_batched_tokens, 1, 1 << 24)
+        if self.model.max_model_len is not None:
+            _range("max_model_len", self.model.max_model_len, 1, 1 << 24)
+        _range("seed", self.model.seed, 0, (1 << 63) - 1)
+        _range("tensor_parallel_size", self.parallel.tensor_parallel_size, 1, 1024)
+        _range("pipeline_parallel_size", self.parallel.pipeline_parallel_size, 1, 1024)
+        if self.parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "pipeline_parallel_size > 1 is not supported yet; use tensor_parallel_size"
+            )
+        if self.parallel.worker_start_timeout_s <= 0:
+            raise ConfigError("worker_start_timeout_s must be > 0")
+        if (
+            not self.scheduler.enable_chunked_prefill
+            and self.model.max_model_len is not None
+            and self.model.max_model_len > self.scheduler.max_num_batched_tokens
+        ):
+            raise ConfigError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens "
+                f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.model.max_model_len}); enable chunked prefill or raise the budget"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+_TOP_LEVEL = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
+_OPTION_SECTION = {
+    field: section for section, typ in _SECTIONS.items() for field in typ.__struct_fields__
+}
+ALL_OPTIONS = sorted(_TOP_LEVEL | set(_OPTION_SECTION))
+_CHOICES: dict[str, tuple] = {}
+
+REMOVED_OPTIONS: dict[str, str] = {
+    "swap_space": "preemption is by recompute; there is no CPU swap space",
+    "seq_lens_cpu": "exact CPU sequence lengths do not exist; use device seq_lens "
+    "or AttentionMetadata.seq_lens_upper_bound",
+    "gpu_sync_check": "use sync_check = 'off' | 'warn' | 'error'",
+    "use_v2_block_manager": "there is one block manager; drop the option",
+    "disable_async_output_proc": "use async_scheduling = true | false",
+    "enable_async_scheduling": "use async_scheduling",
+    "tp": "use tensor_parallel_size",
+    "tp_size": "use tensor_parallel_size",
+}
+
+
+def _reject_removed(raw: dict[str, Any]) -> None:
+    for key, value in raw.items():
+        if key in REMOVED_OPTIONS:
+            raise ConfigError(f"option '{key}' was removed: {REMOVED_OPTIONS[key]}")
+        if key in _SECTIONS and isinstance(value, dict):
+            for sub in value:
+                if sub in REMOVED_OPTIONS:
+                    raise ConfigError(f"option '{sub}' was removed: {REMOVED_OPTIONS[sub]}")
+
+
+def _unknown_message(name: str) -> str:
+    close = difflib.get_close_matches(name, ALL_OPTIONS, n=3)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown option '{name}'{hint} (valid options: {', '.join(ALL_OPTIONS)})"
+
+
+def _friendly(msg: str) -> str:
+    # msgspec: "Object contains unknown field `x` - at `$.cache`"
+    if "unknown field" in msg:
+        name = msg.split("`")[1]
+        return _unknown_message(name)
+    path = msg.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in msg else ""
+    option = path.split(".")[-1]
+    choices = _CHOICES.get(option)
+    extra = f" (allowed: {', '.join(repr(c) for c in choices)})" if choices else ""
+    where = f"option '{option}': " if option else ""
+    return f"invalid engine config: {where}{msg.split(' - at ')[0]}{extra}"
+
+
+def _literal_choices() -> dict[str, tuple]:
+    import typing
+
+    out: dict[str, tuple] = {}
+    for typ in (EngineConfig, *_SECTIONS.values()):
+        for name, hint in typing.get_type_hints(typ).items():
+            if typing.get_origin(hint) is Literal:
+                out[name] = typing.get_args(hint)
+    return out
+
+
+def _range(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+_CHOICES.update(_literal_choices())

@@ -1,0 +1,82 @@
+"""User-facing sampling parameters (vLLM-compatible names), validated on construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, cond: str, value: object) -> SamplingParamsError:
+            return SamplingParamsError(f"{name} must be {cond}, got {value!r}")
+
+        for name in ("n", "top_k", "min_tokens"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise bad(name, "an integer", getattr(self, name))
+        if not 1 <= self.n <= 128:
+            raise bad("n", "in [1, 128]", self.n)
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if self.top_k < 0:
+            raise bad("top_k", ">= 1, or 0 / -1 to disable", self.top_k)
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and not 0 <= self.seed < (1 << 63):
+            raise bad("seed", "in [0, 2**63)", self.seed)
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", "an integer >= 1", self.max_tokens)
+        if self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "in [0, 20]", self.logprobs)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings", self.stop)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

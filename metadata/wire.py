@@ -1,0 +1,95 @@
+"""Per-step wire structs: ``StepPlan`` (driver -> every worker) and ``StepResult`` back.
+
+A request's full data crosses once, in ``NewRequest``; afterwards a step carries
+only deltas. There is deliberately no exact CPU sequence-length field: a row
+carries its query length and ``seq_len_upper_bound``, which is exact without
+speculative decoding and optimistic (all drafts accepted) with it. Workers keep
+the exact lengths on the device.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The device-side part of a request's sampling parameters (validated by the driver)."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = disabled
+    min_p: float
+    seed: int  # always set: the driver draws one for unseeded requests
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    min_tokens_stop_ids: list[int]  # ids masked until min_tokens outputs exist
+    num_logprobs: int  # -1 = none, 0 = sampled token only, k = sampled + top k
+
+
+class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Sent once when a request (or a preempted request resuming) is placed on the workers."""
+
+    handle: int  # driver-assigned id, unique per placement
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # confirmed outputs to recompute after preemption
+    sampling: SamplingOptions
+    block_ids: list[int]
+
+
+class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One request's share of a step; rows appear in batch order."""
+
+    handle: int
+    num_scheduled_tokens: int  # query length of this row in this step
+    seq_len_upper_bound: int  # >= the device seq_len after this step's tokens
+    new_block_ids: list[int]  # appended to the row's block table before the step
+    sample: bool  # False for a prefill chunk that does not reach the prompt's end
+
+
+class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
+    step_id: int
+    new_requests: list[NewRequest] = []
+    rows: list[ScheduledRow] = []
+    finished_handles: list[int] = []  # finished or aborted: release the worker's row
+    preempted_handles: list[int] = []  # preempted: release; may return as a NewRequest
+    shutdown: bool = False
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    sampled_logprob: float
+    sampled_rank: int  # 1-based rank of the sampled token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class SampledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    handle: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class StepResult(msgspec.Struct, forbid_unknown_fields=True):
+    step_id: int
+    outputs: list[SampledRow] = []
+    error: str | None = None
+    rank: int = 0
+    worker_time_s: float = 0.0
+
+
+_plan_encoder = msgspec.msgpack.Encoder()
+_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+_result_decoder = msgspec.msgpack.Decoder(StepResult)
+
+
+def encode(obj: StepPlan | StepResult) -> bytes:
+    return _plan_encoder.encode(obj)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    return _plan_decoder.decode(data)
+
+
+def decode_result(data: bytes) -> StepResult:
+    return _result_decoder.decode(data)
