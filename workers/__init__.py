@@ -1,0 +1,1 @@
+"""Worker side: the Ray actor and everything on its device."""

@@ -1,0 +1,92 @@
+"""Parse a Hugging Face ``config.json`` into the shape this engine needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.models.rope import inverse_frequencies
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be served; the message says why and what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
+        kv_heads = max(1, self.num_kv_heads // tp_size)
+        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
+
+
+def load_arch(model_dir: str | Path) -> ModelArch:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (rope if rope else None)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inverse_frequencies(head_dim, theta, scaling)  # refuses unsupported rope types now
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    qwen2 = arch == "Qwen2ForCausalLM"
+    return ModelArch(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if qwen2 else bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )

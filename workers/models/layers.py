@@ -1,0 +1,126 @@
+"""Tensor-parallel building blocks. Each parameter carries a ``shard`` rule the
+loader applies to the full checkpoint tensor, so checkpoints load unchanged at
+any tensor-parallel size."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from workers.distributed import TPGroup
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, shard: tuple[int, int, int] | None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.shard = shard  # (dim, rank, size) or None for replicated
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows across ranks (output stays sharded)."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        if out_f % tp.size:
+            raise ValueError(f"output size {out_f} is not divisible by tensor_parallel_size {tp.size}")
+        self.weight = _param((out_f // tp.size, in_f), dtype, (0, tp.rank, tp.size))
+        self.bias = _param((out_f // tp.size,), dtype, (0, tp.rank, tp.size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class MergedColumnLinear(nn.Module):
+    """Several column-parallel projections fused into one matmul (q|k|v, gate|up).
+
+    ``parts[i] = (start, length)``: the rows of checkpoint tensor i that this rank
+    holds (a slice for sharded heads, a whole head for replicated KV heads).
+    """
+
+    def __init__(self, in_f: int, parts: list[tuple[int, int]], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.parts = parts
+        self.offsets = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
+        total = sum(n for _, n in parts)
+        self.weight = _param((total, in_f), dtype, None)
+        self.bias = _param((total,), dtype, None) if bias else None
+
+    def load_part(self, target: torch.Tensor, tensor: torch.Tensor, index: int) -> None:
+        """Copy this rank's rows of checkpoint part ``index`` into ``target`` (weight or bias)."""
+        start, length = self.parts[index]
+        off = self.offsets[index]
+        target.data[off : off + length].copy_(tensor.narrow(0, start, length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def shard_rows(full: int, tp: TPGroup) -> tuple[int, int]:
+    if full % tp.size:
+        raise ValueError(f"size {full} is not divisible by tensor_parallel_size {tp.size}")
+    n = full // tp.size
+    return tp.rank * n, n
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        if in_f % tp.size:
+            raise ValueError(f"input size {in_f} is not divisible by tensor_parallel_size {tp.size}")
+        self.tp = tp
+        self.weight = _param((out_f, in_f // tp.size), dtype, (1, tp.rank, tp.size))
+        # the bias is added once, after the reduction
+        self.bias = _param((out_f,), dtype, None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; out-of-shard ids contribute zeros, then all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.per_rank = (vocab + tp.size - 1) // tp.size
+        self.start = tp.rank * self.per_rank
+        self.vocab = vocab
+        self.weight = _param((self.per_rank, dim), dtype, (0, tp.rank, tp.size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.per_rank)
+        emb = nn.functional.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        emb = emb * inside.unsqueeze(-1).to(emb.dtype)
+        return self.tp.all_reduce(emb)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-sharded output projection; logits are gathered to every rank."""
+
+    def __init__(self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab = vocab
+        self.per_rank = (vocab + tp.size - 1) // tp.size
+        self.weight = _param((self.per_rank, dim), dtype, (0, tp.rank, tp.size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(h, self.weight)
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), dtype, None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)

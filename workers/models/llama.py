@@ -1,0 +1,144 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from metadata.attention_metadata import AttentionMetadata
+from workers.distributed import TPGroup
+from workers.models.arch import ModelArch
+from workers.models.layers import (
+    MergedColumnLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_rows,
+)
+from workers.models.rope import cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def local_kv_heads(arch: ModelArch, tp: TPGroup) -> tuple[int, int]:
+    """(first kv head, count) this rank holds: sharded, or one replicated head when kv < tp."""
+    if arch.num_kv_heads >= tp.size:
+        if arch.num_kv_heads % tp.size:
+            raise ValueError(
+                f"num_key_value_heads {arch.num_kv_heads} is not divisible by "
+                f"tensor_parallel_size {tp.size}"
+            )
+        n = arch.num_kv_heads // tp.size
+        return tp.rank * n, n
+    if tp.size % arch.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {tp.size} must be a multiple of num_key_value_heads "
+            f"{arch.num_kv_heads} to replicate KV heads"
+        )
+    return tp.rank * arch.num_kv_heads // tp.size, 1
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        d = arch.head_dim
+        if arch.num_heads % tp.size:
+            raise ValueError(
+                f"num_attention_heads {arch.num_heads} is not divisible by tensor_parallel_size {tp.size}"
+            )
+        self.num_heads = arch.num_heads // tp.size
+        kv_first, self.num_kv_heads = local_kv_heads(arch, tp)
+        self.head_dim = d
+        self.scale = d**-0.5
+        q_start, q_len = shard_rows(arch.num_heads * d, tp)
+        kv_part = (kv_first * d, self.num_kv_heads * d)
+        self.qkv_proj = MergedColumnLinear(
+            arch.hidden_size, [(q_start, q_len), kv_part, kv_part], arch.qkv_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, tp, dtype)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+
+    def forward(self, h, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
+        t = h.shape[0]
+        qkv = self.qkv_proj(h)
+        nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :nq].reshape(t, self.num_heads, self.head_dim)
+        k = qkv[:, nq : nq + nk].reshape(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nk :].reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+        k_cache, v_cache = kv
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = ops.paged_attention(
+            q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
+            meta.query_start_loc_cpu, meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
+        )
+        return self.o_proj(o.reshape(t, nq))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        part = shard_rows(arch.intermediate_size, tp)
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp, dtype)
+        self.inter = part[1]
+
+    def forward(self, x):
+        gu = self.gate_up_proj(x)
+        return self.down_proj(nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Attention(arch, tp, dtype)
+        self.mlp = MLP(arch, tp, dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, h, residual, positions, meta, kv, cos_sin):
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)[0]
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, meta, kv, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Checkpoint names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...);
+    the loader maps q/k/v and gate/up onto the fused projections."""
+
+    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "cos_sin",
+            cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32),
+            persistent=False,
+        )
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[KVCache]):
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, positions, meta, kv, self.cos_sin)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

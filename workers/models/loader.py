@@ -1,0 +1,124 @@
+"""Load a Hugging Face safetensors checkpoint (sharded or not) into a model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.distributed import TPGroup
+from workers.models.arch import ModelArch, ModelLoadError, load_arch
+from workers.models.layers import MergedColumnLinear
+from workers.models.llama import LlamaForCausalLM
+from workers.models.rope import cos_sin_cache
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints load)")
+    return files
+
+
+def _shard(tensor: torch.Tensor, dim: int, rank: int, local: int) -> torch.Tensor:
+    """This rank's slice along ``dim``; the last vocab shard is zero-padded."""
+    start = rank * local
+    avail = max(0, min(local, tensor.shape[dim] - start))
+    part = tensor.narrow(dim, min(start, tensor.shape[dim]), avail)
+    if avail < local:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = local - avail
+        part = torch.cat([part, tensor.new_zeros(pad_shape)], dim=dim)
+    return part
+
+
+def _expected_slots(model: torch.nn.Module, arch: ModelArch) -> set[tuple[str, int | None]]:
+    """Every (parameter, fused part) the checkpoint must provide."""
+    slots: set[tuple[str, int | None]] = set()
+    fused = {n for n, m in model.named_modules() if isinstance(m, MergedColumnLinear)}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if arch.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        owner = name.rsplit(".", 1)[0]
+        if owner in fused:
+            n_parts = len(dict(model.named_modules())[owner].parts)
+            slots.update((name, i) for i in range(n_parts))
+        else:
+            slots.add((name, None))
+    return slots
+
+
+def load_model(
+    model_dir: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[LlamaForCausalLM, ModelArch]:
+    arch = load_arch(model_dir)
+    files = checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, tp, dtype, max_positions)
+    model = model.to_empty(device=device)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.cos_sin = cos_sin_cache(
+        arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
+    ).to(device)
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pending = _expected_slots(model, arch)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for ckpt_name in f.keys():
+                if "rotary_emb.inv_freq" in ckpt_name:
+                    continue
+                pname, index = _map_name(ckpt_name)
+                param = params.get(pname)
+                if param is None:
+                    if pname == "lm_head.weight":  # tied checkpoints may still store it
+                        continue
+                    raise ModelLoadError(f"unexpected tensor '{ckpt_name}' in checkpoint {file.name}")
+                tensor = f.get_tensor(ckpt_name).to(param.dtype)
+                with torch.no_grad():
+                    if index is not None:
+                        owner = modules[pname.rsplit(".", 1)[0]]
+                        owner.load_part(param, tensor, index)
+                    else:
+                        _load_plain(param, tensor, ckpt_name)
+                pending.discard((pname, index))
+    if pending:
+        missing = sorted(n if i is None else f"{n}[part {i}]" for n, i in pending)
+        raise ModelLoadError(
+            f"{model_dir}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
+        )
+    model.eval()
+    return model, arch
+
+
+def _map_name(name: str) -> tuple[str, int | None]:
+    name = name.removeprefix("model.")
+    m = _FUSED_RE.match(name)
+    if m:
+        fused, index = _FUSED[m.group(2)]
+        return f"{m.group(1)}.{fused}.{m.group(3)}", index
+    return name, None
+
+
+def _load_plain(param: torch.nn.Parameter, tensor: torch.Tensor, ckpt_name: str) -> None:
+    shard = getattr(param, "shard", None)
+    if shard is not None:
+        dim, rank, _ = shard
+        tensor = _shard(tensor, dim, rank, param.shape[dim])
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ModelLoadError(
+            f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)
