@@ -31,7 +31,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + rows[:, None] * stride_nr + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / hidden + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / hidden + eps)
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],

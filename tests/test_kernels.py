@@ -1,0 +1,266 @@
+"""The Triton kernels under the interpreter (CPU), against ``kernels.reference``.
+
+TRITON_INTERPRET must be set before *triton itself* is imported: triton's own
+``tl.max``/``tl.cdiv`` helpers are decorated at import time, and an interpreted
+kernel calling compiled helpers fails ("Cannot call @triton.jit'd outside of
+the scope of a kernel"). Setting it in the pytest process would also make
+every kernel imported later interpreted, including those of the GPU tests
+collected with ``-m gpu``. So this module runs itself in a child pytest with
+TRITON_INTERPRET=1 set from the start (once per session, all tests together),
+and each test of the parent process reports its own child outcome.
+"""
+
+import os
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # true in the child
+
+import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import xml.etree.ElementTree as ET  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import reference as ref  # noqa: E402
+
+if INTERPRETED:
+    import triton
+    from kernels import kv_write as kvw
+    from kernels import paged_attention as pa
+    from kernels import rms_norm as rms
+    from kernels import rotary as rot
+else:
+    triton = pa = kvw = rms = rot = None  # only the child touches triton
+
+
+@functools.lru_cache(maxsize=None)
+def _child_outcomes() -> dict:
+    """Run this file under the interpreter once; map test name -> None | failure text."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        xml_path = os.path.join(tmp, "junit.xml")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-m", "not gpu",
+             "-p", "no:cacheprovider", f"--junitxml={xml_path}"],
+            cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        if not os.path.exists(xml_path):
+            raise RuntimeError(f"interpreted child pytest did not run:\n{proc.stdout}\n{proc.stderr}")
+        outcomes = {}
+        for case in ET.parse(xml_path).iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            outcomes[case.get("name")] = None if bad is None else (bad.text or bad.get("message"))
+        return outcomes
+
+
+def _delegate(fn):
+    """Same name, params and marks as ``fn``; asserts the child's outcome for it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        name = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0].split("::")[-1]
+        outcomes = _child_outcomes()
+        if name not in outcomes:
+            pytest.fail(f"{name} did not run in the interpreted child", pytrace=False)
+        if outcomes[name] is not None:
+            pytest.fail(f"under TRITON_INTERPRET=1:\n{outcomes[name]}", pytrace=False)
+
+    return wrapper
+
+
+def test_kernels_are_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(pa._paged_attention_kernel, InterpretedFunction)
+    assert isinstance(kvw._write_kv_kernel, InterpretedFunction)
+    assert isinstance(rms._rms_norm_kernel, InterpretedFunction)
+    assert isinstance(rot._rotary_kernel, InterpretedFunction)
+
+
+# ----------------------------------------------------------------- paged attention
+
+
+def make_attention_case(q_lens, seq_lens, hq, hkv, d=32, bs=16, dtype=torch.float32,
+                        pad_tokens=0, bound_slack=0, seed=0):
+    """Random paged KV and queries; unused block-table entries are -1 so a kernel
+    that dereferences them reads out of bounds. ``max_seq_len_upper_bound`` is
+    ``max(seq_lens) + bound_slack`` (async scheduling over-estimates)."""
+    g = torch.Generator().manual_seed(seed)
+    ub = max(seq_lens) + bound_slack
+    width = triton.cdiv(ub, bs) + 1
+    num_blocks = len(q_lens) * width + 3
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)[: len(q_lens) * width]
+    block_table = perm.view(len(q_lens), width).to(torch.int32)
+    for r, s in enumerate(seq_lens):
+        block_table[r, triton.cdiv(s, bs):] = -1
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]) + pad_tokens, hq, d, generator=g).to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
+                max_query_len=max(q_lens), max_seq_len_upper_bound=ub, scale=d ** -0.5)
+
+
+def run_attention(c, num_splits=None, scale=None):
+    out = pa.paged_attention_triton(
+        c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
+        c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
+        c["scale"] if scale is None else scale, num_splits=num_splits)
+    bt = c["block_table"].clamp(min=0)  # the reference gathers (then masks) every column
+    expect = ref.paged_attention_reference(
+        c["q"], c["k_cache"], c["v_cache"], bt, c["seq_lens"], c["query_start_loc"],
+        c["query_start_loc"], c["max_seq_len_upper_bound"], c["scale"])
+    n = int(c["query_start_loc"][-1])
+    return out[:n].float(), expect[:n].float()
+
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+# Decode rows whose lengths sit on, just before and just after the 16-token block
+# and 64-token tile boundaries.
+DECODE_LENS = [1, 15, 16, 17, 64, 65, 100]
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_decode(hq, hkv, dtype):
+    c = make_attention_case([1] * len(DECODE_LENS), DECODE_LENS, hq, hkv, dtype=dtype,
+                            pad_tokens=3, bound_slack=5)
+    out, expect = run_attention(c, num_splits=1)
+    torch.testing.assert_close(out, expect, **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])  # 5 splits > tiles of short rows: neutral
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
+def test_paged_attention_decode_split_kv(hq, hkv, num_splits):
+    c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv,
+                            pad_tokens=2, bound_slack=40)
+    out, expect = run_attention(c, num_splits=num_splits)
+    torch.testing.assert_close(out, expect, **TOL[torch.float32])
+
+
+MIXED = dict(q_lens=[1, 20, 1, 3, 33, 1, 0], seq_lens=[17, 20, 64, 50, 80, 1, 9])
+"""Decode rows, a fresh prefill (ctx 0), a spec-decode-like row, a chunked prefill
+(ctx 47) crossing block and tile boundaries, and an empty request."""
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_mixed_batch(hq, hkv, num_splits):
+    dtype = torch.bfloat16 if hkv == 2 else torch.float32
+    c = make_attention_case(MIXED["q_lens"], MIXED["seq_lens"], hq, hkv, dtype=dtype,
+                            pad_tokens=4, bound_slack=7, seed=1)
+    out, expect = run_attention(c, num_splits=num_splits)
+    torch.testing.assert_close(out, expect, **TOL[dtype])
+
+
+def test_paged_attention_small_query_batch_and_odd_head_dim():
+    # max_query_len <= DECODE_MAX_Q: the one-q-block-per-request path with q_len > 1;
+    # head_dim 24 exercises the masked head-dim lanes; GQA 3 the masked group lanes.
+    c = make_attention_case([4, 1, 2, 3], [4, 31, 33, 48], 6, 2, d=24, bs=8, seed=2)
+    for splits in (1, 4):
+        out, expect = run_attention(c, num_splits=splits)
+        torch.testing.assert_close(out, expect, **TOL[torch.float32])
+
+
+def test_paged_attention_default_heuristic_and_wrong_scale_detected():
+    c = make_attention_case([1, 1], [40, 300], 4, 2, seed=3)
+    assert pa.choose_num_splits(2, 2, 1, 300) > 1  # the default path splits here
+    out, expect = run_attention(c)
+    torch.testing.assert_close(out, expect, **TOL[torch.float32])
+    wrong, _ = run_attention(c, num_splits=2, scale=c["scale"] * 1.5)
+    assert not torch.allclose(wrong, expect, atol=1e-3, rtol=1e-3)
+
+
+def test_choose_num_splits_uses_only_cpu_bounds():
+    assert pa.choose_num_splits(1, 8, 1, 100) == 1  # short: a split would be all overhead
+    assert pa.choose_num_splits(1, 8, 1, 32768) == pa.MAX_SPLITS
+    assert pa.choose_num_splits(1, 8, 1, 4096) == 4096 // pa.MIN_TOKENS_PER_SPLIT
+    assert pa.choose_num_splits(256, 8, 1, 32768) == 1  # 2048 CTAs fill 132 SMs already
+    assert pa.choose_num_splits(4, 8, 512, 32768) == 1  # prefill never splits
+    s = pa.choose_num_splits(16, 8, 1, 8192, num_sms=132)
+    assert 1 < s <= pa.MAX_SPLITS and 16 * 8 * s >= 132 * pa.CTAS_PER_SM
+
+
+# ----------------------------------------------------------------- KV write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_padded_slots(dtype):
+    g = torch.Generator().manual_seed(4)
+    nb, bs, h, d, t = 6, 16, 2, 32, 9
+    # key/value as strided views of one fused projection output, like a QKV split
+    fused = torch.randn(t, 3 * h * d, generator=g).to(dtype)
+    key = fused[:, h * d: 2 * h * d].view(t, h, d)
+    value = fused[:, 2 * h * d:].view(t, h, d)
+    slots = torch.tensor([0, 15, 16, -1, 17, 47, -1, 95, 33], dtype=torch.int64)
+    k_cache = torch.randn(nb, bs, h, d, generator=g).to(dtype)
+    v_cache = torch.randn(nb, bs, h, d, generator=g).to(dtype)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    ref.write_kv_reference(key, value, k_exp, v_exp, slots)
+    before = k_cache.clone()
+    kvw.write_kv_triton(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+    assert not torch.equal(k_cache, before)  # it really wrote something
+
+
+# ----------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(7, 96), (5, 4, 64)])  # odd hidden; q/k-norm style rows
+def test_rms_norm(dtype, with_residual, shape):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    res = torch.randn(*shape, generator=g).to(dtype) if with_residual else None
+    out, new_res = rms.rms_norm_triton(x, w, 1e-6, res)
+    exp_out, exp_res = ref.rms_norm_reference(x, w, 1e-6, res)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out, exp_out, **tol)
+    if with_residual:
+        torch.testing.assert_close(new_res, exp_res, **tol)
+    else:
+        assert new_res is None
+    bad, _ = rms.rms_norm_triton(x, w, 1.0, res)  # a wrong eps must be caught
+    assert not torch.allclose(bad.float(), exp_out.float(), atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------- rotary
+
+
+def cos_sin_cache(max_pos, d, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding(dtype):
+    g = torch.Generator().manual_seed(6)
+    t, hq, hk, d = 6, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as split from a fused QKV
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    positions = torch.tensor([0, 5, 17, 3, 63, 1], dtype=torch.int64)
+    cache = cos_sin_cache(64, d)
+    q_out, k_out = rot.rotary_embedding_triton(positions, q, k, cache)
+    q_exp, k_exp = ref.rotary_embedding_reference(positions, q, k, cache)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q_out, q_exp, **tol)
+    torch.testing.assert_close(k_out, k_exp, **tol)
+    q_bad, _ = rot.rotary_embedding_triton(positions + 1, q, k, cache)
+    assert not torch.allclose(q_bad.float(), q_exp.float(), atol=1e-2, rtol=1e-2)
+
+
+if not INTERPRETED:  # parent process: every test reports its interpreted child run
+    for _name, _fn in list(globals().items()):
+        if _name.startswith("test_") and callable(_fn):
+            globals()[_name] = _delegate(_fn)
