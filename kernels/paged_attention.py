@@ -137,7 +137,10 @@ def _paged_attention_kernel(
         kv_ok = kv_pos < kv_end
         page = tl.load(bt_row + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         in_page = kv_pos % KV_BLOCK_SIZE
-        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        if HEAD_DIM == BLOCK_D:
+            kv_mask = kv_ok[:, None]  # row-only mask keeps the d axis vectorisable
+        else:
+            kv_mask = kv_ok[:, None] & d_ok[None, :]
         k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh

@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop-string detection."""
+
+from __future__ import annotations
+
+_CONTEXT = 5  # prompt tokens kept as left context so spacing decodes correctly
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes only a short window (``prefix_offset`` .. end) per token and holds back
+    text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        return self._emit(final)
+
+    def flush(self) -> str:
+        return self._emit(True)
+
+    def _emit(self, final: bool) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that overlaps the last ``new_len`` characters of ``text``."""
+    best = None
+    for s in stops:
+        start = max(0, len(text) - new_len - len(s) + 1)
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

@@ -1,0 +1,106 @@
+"""Validates and tokenizes incoming requests before they reach the scheduler."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from cluster.request import Request
+from metadata.sampling_params import SamplingParams, SamplingParamsError
+from metadata.wire import SamplingOptions
+
+
+class InvalidRequestError(ValueError):
+    """The request is malformed; ``field`` names the offending input."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, max_model_len: int,
+                 max_num_batched_tokens: int, chunked_prefill: bool, seed: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self._rng = random.Random(seed)
+
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            extra = set(prompt) - {"prompt_token_ids", "prompt"}
+            if extra:
+                raise InvalidRequestError(f"unknown prompt keys {sorted(extra)}", "prompt")
+            text = prompt.get("prompt")
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        elif isinstance(prompt, list):
+            ids, text = prompt, None
+        else:
+            raise InvalidRequestError(
+                "a prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}", "prompt"
+            )
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt_token_ids")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt_token_ids")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt_token_ids"
+            )
+        return text, list(ids)
+
+    def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None) -> list[Request]:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
+        try:
+            params.validate()
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), str(exc).split(" ")[0]) from None
+        text, ids = self.tokenize(prompt)
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one output token)", "prompt"
+            )
+        if not self.chunked_prefill and n > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens > max_num_batched_tokens {self.max_num_batched_tokens} "
+                "and chunked prefill is disabled", "prompt"
+            )
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary", "stop_token_ids")
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        out = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seed &= (1 << 63) - 1
+            opts = SamplingOptions(
+                temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
+                min_p=float(params.min_p), seed=seed, repetition_penalty=float(params.repetition_penalty),
+                presence_penalty=float(params.presence_penalty),
+                frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
+                min_tokens_stop_ids=stop_ids, num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            )
+            out.append(Request(
+                request_id=f"{request_id}#{i}" if params.n > 1 else request_id, parent_id=request_id,
+                index=i, prompt=text, prompt_token_ids=ids, params=params, options=opts,
+                max_tokens=max_tokens, eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                logprobs=[] if params.logprobs is not None else None,
+            ))
+        return out

@@ -1,0 +1,70 @@
+"""Driver-side request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from metadata.sampling_params import SamplingParams
+from metadata.wire import SamplingOptions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generated sequence (a ``n > 1`` request is ``n`` of these).
+
+    ``num_computed_tokens`` counts tokens scheduled into the KV cache, including
+    steps still in flight; ``num_placeholders`` counts sampled tokens still in
+    flight. Both are exact without speculative decoding; with it they become
+    upper bounds, reconciled when a ``StepResult`` arrives.
+    """
+
+    request_id: str
+    parent_id: str
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    options: SamplingOptions
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    arrival: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_placeholders: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    handle: int = -1  # current placement on the workers; -1 = not placed
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    emitted_chars: int = 0  # text already streamed
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens_upper(self) -> int:
+        """Prompt + confirmed outputs + in-flight samples: what the KV cache must hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_outputs_upper(self) -> int:
+        return len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,216 @@
+"""The compiled Triton kernels on CUDA against ``kernels.reference`` (``-m gpu``).
+
+Same comparisons as ``tests/test_kernels.py`` at realistic sizes and bf16
+tolerance, every kernel call under ``torch.cuda.set_sync_debug_mode("error")``
+(a host sync inside a kernel wrapper raises), plus CUDA-graph capture/replay
+of decode attention with device ``seq_lens`` changed between replays.
+Imports fine on a CPU-only machine; every test is marked ``gpu``.
+"""
+
+import contextlib
+import random
+
+import pytest
+import torch
+import triton
+
+from kernels import reference as ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BF16 = dict(atol=2e-2, rtol=2e-2)
+TOL = {torch.bfloat16: BF16, torch.float16: dict(atol=5e-3, rtol=5e-3),
+       torch.float32: dict(atol=1e-4, rtol=1e-4)}
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def make_attention_case(q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfloat16,
+                        pad_tokens=0, bound=None, seed=0):
+    """Random paged KV on CUDA; unused block-table entries are -1 (must never be read)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ub = bound or max(seq_lens)
+    width = triton.cdiv(ub, bs) + 1
+    num_blocks = len(q_lens) * width + 3
+    kv_shape = (num_blocks, bs, hkv, d)
+    k_cache = torch.randn(kv_shape, generator=g, device="cuda").to(dtype)
+    v_cache = torch.randn(kv_shape, generator=g, device="cuda").to(dtype)
+    perm = torch.randperm(num_blocks, generator=g, device="cuda")[: len(q_lens) * width]
+    block_table = perm.view(len(q_lens), width).to(torch.int32)
+    for r, s in enumerate(seq_lens):
+        block_table[r, triton.cdiv(s, bs):] = -1
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]) + pad_tokens, hq, d, generator=g, device="cuda").to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                qsl_cpu=qsl, query_start_loc=qsl.cuda(), max_query_len=max(q_lens),
+                max_seq_len_upper_bound=ub, scale=d ** -0.5)
+
+
+def triton_attention(c, num_splits=None, scale=None):
+    from kernels.paged_attention import paged_attention_triton
+
+    with no_sync():
+        return paged_attention_triton(
+            c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
+            c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
+            c["scale"] if scale is None else scale, num_splits=num_splits)
+
+
+def reference_attention(c):
+    return ref.paged_attention_reference(
+        c["q"], c["k_cache"], c["v_cache"], c["block_table"].clamp(min=0), c["seq_lens"],
+        c["query_start_loc"], c["qsl_cpu"], c["max_seq_len_upper_bound"], c["scale"])
+
+
+def check_attention(c, num_splits=None):
+    n = int(c["qsl_cpu"][-1])
+    out = triton_attention(c, num_splits)[:n].float()
+    torch.testing.assert_close(out, reference_attention(c)[:n].float(), **TOL[c["q"].dtype])
+
+
+def decode_lens(n, bs=16, max_len=2000, seed=0):
+    rnd = random.Random(seed)
+    edges = [1, bs - 1, bs, bs + 1, 64, 65, 4 * bs, 4 * bs + 1]
+    return (edges + [rnd.randint(1, max_len) for _ in range(n)])[:n]
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_paged_attention_decode(hq, hkv, d, num_splits):
+    lens = decode_lens(24)
+    c = make_attention_case([1] * len(lens), lens, hq, hkv, d=d, pad_tokens=8, bound=2100)
+    check_attention(c, num_splits)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("bs", [16, 64])
+def test_paged_attention_mixed_batch(hq, hkv, num_splits, bs):
+    # decode rows, a fresh 300-token prefill, spec-decode-like rows, a chunked prefill
+    # (ctx 871) crossing blocks, an empty request, and a 17-token prefill
+    q_lens = [1, 300, 1, 4, 129, 1, 0, 17]
+    seq_lens = [17, 300, 64, 50, 1000, 1, 9, 17]
+    c = make_attention_case(q_lens, seq_lens, hq, hkv, bs=bs, pad_tokens=5, bound=1100)
+    check_attention(c, num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_attention_other_dtypes(dtype):
+    c = make_attention_case([1, 40, 1, 3], [500, 40, 33, 80], 32, 8, dtype=dtype)
+    check_attention(c, 1)
+    check_attention(c, 3)
+
+
+def test_paged_attention_wrong_scale_detected():
+    c = make_attention_case([1, 1, 20], [300, 31, 20], 32, 8)
+    out = triton_attention(c, scale=c["scale"] * 1.5)[:22].float()
+    assert not torch.allclose(out, reference_attention(c)[:22].float(), **BF16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_paged_attention_cuda_graph_decode(num_splits):
+    from kernels.paged_attention import paged_attention_triton
+
+    nreq, bound = 8, 2048
+    c = make_attention_case([1] * nreq, [bound] * nreq, 32, 8, bound=bound, seed=3)
+
+    def step():
+        return paged_attention_triton(
+            c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
+            c["query_start_loc"], 1, bound, c["scale"], num_splits=num_splits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):  # only device values change between replays
+        c["seq_lens"].copy_(torch.tensor(decode_lens(nreq, max_len=bound, seed=seed)))
+        c["q"].copy_(torch.randn_like(c["q"]))
+        with no_sync():
+            graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), reference_attention(c).float(), **BF16)
+
+
+def test_write_kv():
+    from kernels.kv_write import write_kv_triton
+
+    t, h, d, nb, bs = 37, 8, 128, 40, 16
+    fused = torch.randn(t, 48 * d, device="cuda", dtype=torch.bfloat16)  # QKV-like rows
+    key, value = fused[:, 32 * d: 40 * d].view(t, h, d), fused[:, 40 * d:].view(t, h, d)
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    slots[::5] = -1
+    k_cache = torch.randn(nb, bs, h, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    ref.write_kv_reference(key, value, k_exp, v_exp, slots)
+    with no_sync():
+        write_kv_triton(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(37, 4096), (37 * 32, 128), (5, 3000)])
+def test_rms_norm(with_residual, shape):
+    from kernels.rms_norm import rms_norm_triton
+
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
+    res = torch.randn_like(x) if with_residual else None
+    with no_sync():
+        out, new_res = rms_norm_triton(x, w, 1e-6, res)
+    exp_out, exp_res = ref.rms_norm_reference(x, w, 1e-6, res)
+    torch.testing.assert_close(out, exp_out, **BF16)
+    if with_residual:
+        torch.testing.assert_close(new_res, exp_res, **BF16)
+
+
+def test_rotary_embedding():
+    from kernels.rotary import rotary_embedding_triton
+
+    t, hq, hk, d = 37, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    f = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    cache = torch.cat([f.cos(), f.sin()], dim=-1)
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    with no_sync():
+        q_out, k_out = rotary_embedding_triton(positions, q, k, cache)
+    q_exp, k_exp = ref.rotary_embedding_reference(positions, q, k, cache)
+    torch.testing.assert_close(q_out, q_exp, **BF16)
+    torch.testing.assert_close(k_out, k_exp, **BF16)
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 32768), (8, 8192), (64, 4096), (256, 1024)])
+def test_decode_bandwidth_report(batch, seq):
+    """Prints achieved KV bandwidth (run with -s); asserts only correctness."""
+    from kernels.paged_attention import paged_attention_triton
+
+    hq, hkv, d = 32, 8, 128
+    c = make_attention_case([1] * batch, [seq] * batch, hq, hkv, d=d, seed=4)
+    args = (c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
+            c["query_start_loc"], 1, seq, c["scale"])
+    ms = triton.testing.do_bench(lambda: paged_attention_triton(*args))
+    kv_bytes = batch * seq * hkv * d * 2 * c["k_cache"].element_size()
+    print(f"\ndecode batch={batch} seq={seq}: {ms * 1e3:.1f} us, "
+          f"{kv_bytes / ms / 1e9:.0f} GB/s KV read")
+    if batch * seq <= 65536:
+        check_attention(c)

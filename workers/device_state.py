@@ -1,0 +1,80 @@
+"""Persistent per-request state on the worker's device.
+
+Each placed request owns a row. ``num_computed`` (tokens whose KV is written)
+and ``token_ids`` live on the device and are advanced by the step itself, so a
+token sampled at step N feeds step N+1 without visiting the host. The host only
+keeps what it learned from plans: prompt lengths, block tables, sampling
+parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metadata.wire import NewRequest, SamplingOptions
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device through pinned memory, never a blocking copy."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class DeviceState:
+    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, vocab: int, device: torch.device):
+        self.device = device
+        self.max_rows = max_rows
+        self.max_model_len = max_model_len
+        self.vocab = vocab
+        self.token_ids = torch.zeros(max_rows, max_model_len + 1, dtype=torch.int64, device=device)
+        self.num_computed = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.prompt_len = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.block_table_cpu = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
+        self.num_blocks_cpu = [0] * max_rows
+        self.row_of: dict[int, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.sampling: list[SamplingOptions | None] = [None] * max_rows
+        # penalty inputs: output token counts and prompt-token presence per row
+        self.output_counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
+
+    # ----------------------------------------------------------- lifecycle
+    def add(self, req: NewRequest) -> None:
+        if req.handle in self.row_of:
+            raise RuntimeError(f"request handle {req.handle} is already placed")
+        if not self.free_rows:
+            raise RuntimeError("no free request rows on the worker (max_num_seqs exceeded)")
+        row = self.free_rows.pop()
+        self.row_of[req.handle] = row
+        tokens = req.prompt_token_ids + req.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise RuntimeError(f"request {req.handle} has {len(tokens)} tokens > max_model_len")
+        self.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
+        self.num_computed[row] = 0
+        self.prompt_len[row] = len(req.prompt_token_ids)
+        self.num_blocks_cpu[row] = 0
+        self.append_blocks(row, req.block_ids)
+        self.sampling[row] = req.sampling
+        self.output_counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row].index_fill_(0, self.token_ids[row, : len(req.prompt_token_ids)], True)
+        if req.output_token_ids:
+            out = self.token_ids[row, len(req.prompt_token_ids) : len(tokens)]
+            self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def release(self, handle: int) -> None:
+        row = self.row_of.pop(handle, None)
+        if row is None:
+            return
+        self.sampling[row] = None
+        self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        n = self.num_blocks_cpu[row]
+        if n + len(block_ids) > self.block_table_cpu.shape[1]:
+            raise RuntimeError("block table overflow: more blocks than max_model_len needs")
+        self.block_table_cpu[row, n : n + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks_cpu[row] = n + len(block_ids)

@@ -1,0 +1,134 @@
+"""Device-side sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws.
+
+Randomness is a counter-based hash of (request seed, token position, token id),
+so a seeded request draws the same tokens whatever else is in the batch, after
+preemption, and on any number of ranks. The draw is an exponential race
+(argmax p / E, E ~ Exp(1)), the Gumbel-max trick in probability space. Nothing
+here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2^32).
+
+    The multipliers stay below 2^31 so products fit in int64 without overflow.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) of shape [rows, vocab], a pure function of (seed, position, token id)."""
+    lo = seeds & _MASK32
+    hi = (seeds >> 32) & _MASK32
+    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
+    key = _mix32(key ^ (positions.long() & _MASK32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix32(key[:, None] ^ ids[None, :])
+    x = _mix32(x ^ (key[:, None] >> 7))
+    return ((x >> 8).double() + 0.5).float() / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step (device tensors unless noted)."""
+
+    temperature: torch.Tensor  # float32 [R]
+    top_p: torch.Tensor  # float32 [R]
+    top_k: torch.Tensor  # int64 [R], 0 = off
+    min_p: torch.Tensor  # float32 [R]
+    seeds: torch.Tensor  # int64 [R]
+    positions: torch.Tensor  # int64 [R]: position the sampled token will take
+    all_greedy: bool  # CPU flags, from the request parameters
+    any_top_k_top_p: bool
+    any_min_p: bool
+    penalties: "PenaltyBatch | None" = None
+    min_tokens_mask: torch.Tensor | None = None  # bool [R, V]: ids to forbid now
+    max_num_logprobs: int = -1  # CPU: -1 none
+
+
+@dataclass
+class PenaltyBatch:
+    repetition: torch.Tensor  # float32 [R]
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    output_counts: torch.Tensor  # int32 [R, V]
+    prompt_mask: torch.Tensor  # bool [R, V]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [R]
+    sampled_logprob: torch.Tensor | None = None  # float32 [R]
+    sampled_rank: torch.Tensor | None = None  # int64 [R]
+    top_ids: torch.Tensor | None = None  # int64 [R, k]
+    top_logprobs: torch.Tensor | None = None  # float32 [R, k]
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> torch.Tensor:
+    seen = (p.output_counts > 0) | p.prompt_mask
+    rep = p.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = p.output_counts.to(logits.dtype)
+    logits = logits - p.frequency[:, None] * counts
+    return logits - p.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+    drop = drop | (before > top_p[:, None])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Sample one token per row of ``logits`` [R, V] (float32)."""
+    raw = logits
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    if batch.min_tokens_mask is not None:
+        logits = logits.masked_fill(batch.min_tokens_mask, float("-inf"))
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy_ids
+    else:
+        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        scaled = logits / temp[:, None]
+        if batch.any_top_k_top_p:
+            scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+        probs = scaled.softmax(dim=-1)
+        if batch.any_min_p:
+            thresh = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
+        race = probs / (-torch.log(u))
+        sampled = race.argmax(dim=-1)
+        token_ids = torch.where(batch.temperature > 0, sampled, greedy_ids)
+    out = SamplerOutput(token_ids=token_ids)
+    if batch.max_num_logprobs >= 0:
+        logp = raw.log_softmax(dim=-1)
+        chosen = logp.gather(-1, token_ids[:, None])
+        out.sampled_logprob = chosen[:, 0]
+        out.sampled_rank = (logp > chosen).sum(dim=-1) + 1
+        if batch.max_num_logprobs > 0:
+            out.top_logprobs, out.top_ids = logp.topk(batch.max_num_logprobs, dim=-1)
+    return out
