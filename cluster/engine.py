@@ -50,7 +50,8 @@ class EngineCore:
         self.cfg = cfg
         self.model_dir = resolve_model_dir(cfg)
         arch = load_arch(self.model_dir)
-        checkpoint_files(self.model_dir)
+        if cfg.model.load_format == "safetensors":
+            checkpoint_files(self.model_dir)
         self.arch = arch
         limit = arch.max_position_embeddings
         if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:

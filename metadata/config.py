@@ -25,6 +25,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    """'dummy' initialises random weights on the device from config.json alone
+    (benchmarks of real shapes without downloading or writing weights)."""
 
 
 class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -34,7 +34,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, device)
         self.max_model_len = max_model_len
         self.block_size = cfg.cache.block_size
-        self.model, self.arch = load_model(model_dir, tp, self.dtype, device, max_model_len + 1)
+        self.model, self.arch = load_model(
+            model_dir, tp, self.dtype, device, max_model_len + 1, cfg.model.load_format
+        )
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.max_blocks_per_req = (max_model_len + self.block_size) // self.block_size
         self.state = DeviceState(

@@ -60,10 +60,11 @@ def _expected_slots(model: torch.nn.Module, arch: ModelArch) -> set[tuple[str, i
 
 
 def load_model(
-    model_dir: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int,
+    load_format: str = "safetensors",
 ) -> tuple[LlamaForCausalLM, ModelArch]:
     arch = load_arch(model_dir)
-    files = checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir) if load_format == "safetensors" else []
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions)
     model = model.to_empty(device=device)
@@ -72,6 +73,9 @@ def load_model(
     model.cos_sin = cos_sin_cache(
         arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
     ).to(device)
+    if load_format == "dummy":
+        _init_dummy(model)
+        return model.eval(), arch
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
     pending = _expected_slots(model, arch)
@@ -122,3 +126,14 @@ def _load_plain(param: torch.nn.Parameter, tensor: torch.Tensor, ckpt_name: str)
             f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
     param.data.copy_(tensor)
+
+
+def _init_dummy(model: torch.nn.Module) -> None:
+    """Random weights of the right shapes, generated on the device (seeded)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.uniform_(-0.02, 0.02, generator=g)

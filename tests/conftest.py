@@ -1,0 +1,34 @@
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory):
+    """One real local Ray instance for the whole session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    """Factory: a cached tiny checkpoint per (arch, options)."""
+    from tests.checkpoints import write_checkpoint
+
+    cache = {}
+
+    def make(arch="llama", **kw):
+        key = (arch, json.dumps(kw, sort_keys=True))
+        if key not in cache:
+            cache[key] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, **kw)
+        return cache[key]
+
+    return make
