@@ -1,0 +1,45 @@
+"""Per-step ``SamplingBatch`` from the sampling rows' options (host-known) and device state."""
+
+from __future__ import annotations
+
+import torch
+
+from metadata.wire import SamplingOptions
+from workers.device_state import DeviceState, to_device
+from workers.sampler import PenaltyBatch, SamplingBatch
+
+
+def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: torch.Tensor,
+                         s_pos: torch.Tensor) -> SamplingBatch:
+    dev = st.device
+    floats = to_device(torch.tensor(
+        [[o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
+         for o in opts], dtype=torch.float32).T.contiguous(), dev)
+    ints = to_device(torch.tensor([[o.top_k, o.seed, o.min_tokens] for o in opts],
+                                  dtype=torch.int64).T.contiguous(), dev)
+    temperature, top_p, min_p, rep, pres, freq = floats
+    top_k, seeds, min_tokens = ints
+    penalties = None
+    if any(o.repetition_penalty != 1.0 or o.presence_penalty or o.frequency_penalty for o in opts):
+        penalties = PenaltyBatch(repetition=rep, presence=pres, frequency=freq,
+                                 output_counts=st.output_counts[s_rows], prompt_mask=st.prompt_mask[s_rows])
+    mask = None
+    if any(o.min_tokens > 0 and o.min_tokens_stop_ids for o in opts):
+        ri, ids = [], []
+        for i, o in enumerate(opts):
+            if o.min_tokens > 0:
+                ri += [i] * len(o.min_tokens_stop_ids)
+                ids += o.min_tokens_stop_ids
+        idx = to_device(torch.tensor([ri, ids], dtype=torch.int64), dev)
+        mask = torch.zeros(len(opts), st.vocab, dtype=torch.bool, device=dev)
+        mask[idx[0], idx[1].clamp(max=st.vocab - 1)] = True
+        out_len = s_pos - st.prompt_len[s_rows].long()  # outputs before this token (device)
+        mask &= (out_len < min_tokens)[:, None]
+    return SamplingBatch(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seeds=seeds, positions=s_pos,
+        all_greedy=all(o.temperature == 0 for o in opts),
+        any_top_k_top_p=any(o.top_k > 0 or o.top_p < 1.0 for o in opts),
+        any_min_p=any(o.min_p > 0 for o in opts),
+        penalties=penalties, min_tokens_mask=mask,
+        max_num_logprobs=max(o.num_logprobs for o in opts),
+    )
