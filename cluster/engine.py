@@ -15,7 +15,7 @@ from cluster.request import Request, RequestStatus
 from cluster.scheduler import ScheduledStep, Scheduler
 from metadata.config import ConfigError, EngineConfig
 from metadata.sampling_params import SamplingParams
-from metadata.wire import StepResult
+from metadata.wire import StepResult, encode
 from workers.models.arch import ModelLoadError, load_arch
 from workers.models.loader import checkpoint_files
 
@@ -81,6 +81,7 @@ class EngineCore:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "plan_bytes": 0}
         self.dead: str | None = None
+        self.timeline: list[tuple[int, float, float]] = []  # (rows, device step s, idle before s)
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> None:
@@ -137,15 +138,21 @@ class EngineCore:
             raise EngineDeadError(self.dead)
         depth = 2 if self.async_scheduling else 1
         while len(self.in_flight) < depth and self.scheduler.has_unfinished():
+            t_plan = time.perf_counter()
             sched = self.scheduler.schedule()
             plan = sched.plan
             if not (plan.rows or plan.finished_handles or plan.preempted_handles):
                 break
+            t_sched = time.perf_counter()
             try:
                 refs = self.executor.submit(plan)
             except Exception as exc:
                 return self._fail_all(f"cannot submit a step: {exc}")
             self.stats["steps"] += 1
+            self.stats["driver_schedule_s"] = self.stats.get("driver_schedule_s", 0.0) + t_sched - t_plan
+            if plan.rows and self.cfg.measure_device_timeline:
+                self.stats["plan_bytes"] += len(encode(plan))
+                self.stats["plan_rows"] = self.stats.get("plan_rows", 0) + len(plan.rows)
             self.in_flight.append((sched, refs))
             if not plan.rows:
                 break
@@ -156,7 +163,12 @@ class EngineCore:
             result = self.executor.collect(refs)
         except EngineDeadError as exc:
             return self._fail_all(str(exc))
-        return self._process(sched, result)
+        t0 = time.perf_counter()
+        deltas = self._process(sched, result)
+        self.stats["driver_process_s"] = self.stats.get("driver_process_s", 0.0) + time.perf_counter() - t0
+        if result.device_step_s >= 0:
+            self.timeline.append((len(sched.plan.rows), result.device_step_s, result.device_idle_before_s))
+        return deltas
 
     def _process(self, sched: ScheduledStep, result: StepResult) -> list[StreamDelta]:
         now = time.monotonic()

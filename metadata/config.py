@@ -63,6 +63,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     disable_log_stats: bool = False
+    measure_device_timeline: bool = False
+    """Record CUDA events around each step and report device busy/idle time (benchmarks)."""
 
     # ------------------------------------------------------------------ build
     @classmethod

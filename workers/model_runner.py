@@ -49,6 +49,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.bounds_are_exact = True  # no speculative decoding yet
         self.graphs: DecodeGraphs | None = None
+        self._last_end_ev = None
 
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
@@ -124,6 +125,7 @@ class ModelRunner:
             st.add(req)
         if not plan.rows:
             return PendingStep(plan.step_id, self.tp.rank, t0)
+        start_ev = self._record_event()
         inp = build_step_inputs(plan, st, self.block_size, self.bounds_are_exact)
         key = self.graphs.pick(inp) if self.graphs is not None else None
         if key is not None:
@@ -143,7 +145,17 @@ class ModelRunner:
         st.output_counts[s_rows, so.token_ids] += 1
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so)
         pending.start_copy(self.device)
+        if start_ev is not None:
+            pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
+            self._last_end_ev = pending.timeline[1]
         return pending
+
+    def _record_event(self):
+        if not (self.cfg.measure_device_timeline and self.device.type == "cuda"):
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def finish(self, pending: "PendingStep") -> StepResult:
         return pending.result()
@@ -155,8 +167,8 @@ class PendingStep:
     def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None):
         self.step_id, self.rank, self.t0 = step_id, rank, t0
         self.handles, self.opts, self.so = handles or [], opts or [], so
-        self.host: list[torch.Tensor] = []
         self.event = None
+        self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device) -> None:
         so = self.so
@@ -198,4 +210,9 @@ class PendingStep:
                     lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
                 out.outputs.append(SampledRow(handle=h, token_ids=[tok[i]], logprobs=lp))
         out.worker_time_s = time.perf_counter() - self.t0
+        if self.timeline is not None:  # all three events have completed: no wait here
+            start, end, prev_end = self.timeline
+            out.device_step_s = start.elapsed_time(end) / 1e3
+            if prev_end is not None:
+                out.device_idle_before_s = prev_end.elapsed_time(start) / 1e3
         return out
