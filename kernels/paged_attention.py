@@ -65,11 +65,13 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Runtime ints that vary per step are not specialised (no recompiles, e.g. on a
+# batch of 1 or a 16-divisible bound, in the middle of CUDA-graph capture).
+@triton.jit(do_not_specialize=["num_reqs", "kv_cap"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
-    num_reqs, scale_log2,
+    num_reqs, kv_cap, scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -115,8 +117,11 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Causal: this block's last query token sees keys [0, kv_end).
-    kv_end = ctx_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q)
+    # Causal: this block's last query token sees keys [0, kv_end). kv_cap (the
+    # bound's blocks, at most the block-table width) only matters when a caller
+    # breaks seq_lens <= bound: keys past it do not exist, as in the reference,
+    # and no block-table entry past the table is ever read.
+    kv_end = tl.minimum(ctx_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q), kv_cap)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -184,7 +189,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_ls + l_rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _reduce_splits_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
@@ -301,10 +306,12 @@ def paged_attention_triton(
     else:
         lse, dst, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0  # lse unused
 
+    kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
+    kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, dst, lse,
         block_table, seq_lens, query_start_loc,
-        num_reqs, float(scale) * LOG2E,
+        num_reqs, kv_cap, float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -178,6 +178,21 @@ def test_paged_attention_default_heuristic_and_wrong_scale_detected():
     assert not torch.allclose(wrong, expect, atol=1e-3, rtol=1e-3)
 
 
+def test_paged_attention_keys_capped_by_bound_and_table():
+    # A caller breaking seq_lens <= bound (e.g. a memory-profiling run with a
+    # [1, 1] block table): keys past the bound's blocks do not exist, as in the
+    # reference, and nothing past the block table is read.
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(1, 16, 2, 32, generator=g) for _ in range(2))
+    c = dict(q=torch.randn(40, 4, 32, generator=g), k_cache=k_cache, v_cache=v_cache,
+             block_table=torch.zeros(1, 1, dtype=torch.int32),
+             seq_lens=torch.tensor([40], dtype=torch.int32),
+             query_start_loc=torch.tensor([0, 40], dtype=torch.int32),
+             max_query_len=40, max_seq_len_upper_bound=1, scale=32 ** -0.5)
+    out, expect = run_attention(c, num_splits=1)
+    torch.testing.assert_close(out, expect, **TOL[torch.float32])
+
+
 def test_choose_num_splits_uses_only_cpu_bounds():
     assert pa.choose_num_splits(1, 8, 1, 100) == 1  # short: a split would be all overhead
     assert pa.choose_num_splits(1, 8, 1, 32768) == pa.MAX_SPLITS
