@@ -94,7 +94,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-    drop = drop | (before > top_p[:, None])
+    # keep the smallest prefix whose mass reaches top_p: a token is dropped once the
+    # tokens above it already hold top_p (top_p = 1 keeps everything, however tiny)
+    drop = drop | ((before >= top_p[:, None]) & (top_p[:, None] < 1.0))
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
