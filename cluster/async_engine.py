@@ -1,0 +1,402 @@
+"""The asyncio front of the engine, shared by the HTTP and gRPC servers.
+
+``EngineCore`` is not thread-safe, so exactly one background thread owns it: it
+builds it, takes add/abort commands from a thread-safe queue, steps it while any
+request is unfinished, and hands each step's ``StreamDelta``s to the event loop
+with ``loop.call_soon_threadsafe``, where they land in per-request queues.
+A stream that its consumer leaves early (client disconnect, cancellation)
+aborts its request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from cluster.outputs import RequestOutput, StreamDelta
+from metadata.config import EngineConfig
+from metadata.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """Too many requests are waiting; the client should retry later (429 / RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine died or is shutting down (503 / UNAVAILABLE)."""
+
+
+@dataclass
+class _Final:
+    output: RequestOutput | None
+    error: str | None = None
+
+
+class RequestStream:
+    """The deltas of one request group; iterate it, then read ``output``.
+
+    Iteration raises ``EngineUnavailable`` if the engine fails the request.
+    ``close()`` aborts the request if it has not finished.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.prompt: str | None = None
+        self.prompt_token_ids: list[int] = []
+        self.output: RequestOutput | None = None
+        self.finished = False
+        self.error: str | None = None
+        self.last_token_time: dict[int, float] = {}
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, _Final):
+            self.finished = True
+            self.output = item.output
+            if item.error:
+                self.error = item.error
+                raise EngineUnavailable(item.error)
+            raise StopAsyncIteration
+        if item.finish_reason == "error":
+            self.error = item.error or "the engine failed"
+            raise EngineUnavailable(self.error)
+        return item
+
+    async def result(self) -> RequestOutput:
+        """Drain the stream; the final output."""
+        async for _ in self:
+            pass
+        return self.output
+
+    def close(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, cfg: EngineConfig, *, max_waiting_requests: int = 1024, metrics=None):
+        self.cfg = cfg
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.core = None  # owned by the engine thread once started
+        self.tokenizer = None  # the frontend's own tokenizer instance (HF tokenizers are not thread-safe)
+        self.info: dict[str, Any] = {}
+        self.snapshot: dict[str, Any] = {}
+        self.dead: str | None = None
+        self.accepting = True
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._state_listeners: list = []
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Build the engine core in its thread; returns once the workers are ready."""
+        self.loop = asyncio.get_running_loop()
+        ready: asyncio.Future = self.loop.create_future()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="engine-core", daemon=True)
+        self._thread.start()
+        await ready
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.info["tokenizer_path"])
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish for ``grace_s``, abort the rest,
+        then stop the engine thread (which kills the worker actors)."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.info("aborting %d in-flight requests", len(self._streams))
+            for rid in list(self._streams):
+                self.abort(rid)
+            deadline = time.monotonic() + 5
+            while self._streams and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        if self._thread is not None and self._thread.is_alive():
+            self._cmds.put(("stop",))
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 60)
+
+    def on_state_change(self, callback) -> None:
+        """``callback()`` runs in the event loop when the engine dies or stops accepting."""
+        self._state_listeners.append(callback)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self.accepting and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ API
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None) -> RequestStream:
+        """Validate and enqueue; raises InvalidRequestError, Overloaded or EngineUnavailable."""
+        if self.dead:
+            raise EngineUnavailable(f"the engine failed: {self.dead}")
+        if not self.accepting:
+            raise EngineUnavailable("the server is shutting down")
+        if request_id in self._streams:
+            from cluster.input_processor import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        fut = self.loop.create_future()
+        self._cmds.put(("add", request_id, prompt, params, fut))
+        try:
+            stream.prompt_token_ids, stream.prompt = await fut
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams | None = None
+                       ) -> AsyncIterator[StreamDelta]:
+        """Yields the request's deltas; leaving early (cancellation, GeneratorExit) aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request; False if it is unknown or already finished."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return False
+        self._cmds.put(("abort", request_id))
+        return True
+
+    async def debug_state(self) -> dict[str, Any]:
+        """A fresh snapshot taken by the engine thread (KV blocks, queues)."""
+        if self._thread is None or not self._thread.is_alive():
+            return dict(self.snapshot, in_flight=len(self._streams))
+        fut = self.loop.create_future()
+        self._cmds.put(("state", fut))
+        snap = await asyncio.wait_for(fut, 30)
+        return dict(snap, in_flight=len(self._streams))
+
+    # ------------------------------------------------- event-loop side of hand-off
+    def _resolve(self, fut: asyncio.Future, result, exc) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _dispatch(self, deltas: list[StreamDelta], finals: list[tuple[str, RequestOutput | None, str | None]],
+                  snap: dict[str, Any], dead: str | None) -> None:
+        now = time.monotonic()
+        self.snapshot = snap
+        m = self.metrics
+        for d in deltas:
+            s = self._streams.get(d.request_id)
+            if s is None:
+                continue
+            if d.token_ids and m is not None:
+                last = s.last_token_time.get(d.index)
+                if last is None:
+                    m.observe_ttft(now - s.arrival)
+                else:
+                    m.observe_itl((now - last) / len(d.token_ids))
+            if d.token_ids:
+                s.last_token_time[d.index] = now
+            s.queue.put_nowait(d)
+        for rid, out, err in finals:
+            s = self._streams.pop(rid, None)
+            if s is None:
+                continue
+            if m is not None and out is not None:
+                m.observe_finished(out, now - s.arrival)
+            s.queue.put_nowait(_Final(out, err))
+        if m is not None:
+            m.update_engine(snap)
+        if dead and not self.dead:
+            self.dead = dead
+            for rid, s in list(self._streams.items()):  # whatever the engine did not report
+                self._streams.pop(rid)
+                s.queue.put_nowait(_Final(None, dead))
+            self._notify()
+
+    def _notify(self) -> None:
+        for cb in self._state_listeners:
+            try:
+                cb()
+            except Exception:
+                logger.exception("state listener failed")
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+        self._notify()
+
+    # ------------------------------------------------------------ engine thread
+    def _thread_main(self, ready: asyncio.Future) -> None:
+        loop = self.loop
+        try:
+            from cluster.engine import EngineCore
+
+            core = EngineCore(self.cfg)
+            self.core = core
+            self.info = self._static_info(core)
+            self.snapshot = self._snap(core)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            loop.call_soon_threadsafe(self._resolve, ready, None, exc)
+            return
+        loop.call_soon_threadsafe(self._resolve, ready, None, None)
+        try:
+            self._loop(core)
+        except BaseException as exc:  # noqa: BLE001 - a bug; fail the streams, not the process
+            logger.exception("engine thread crashed")
+            msg = f"engine thread crashed: {type(exc).__name__}: {exc}"
+            core.dead = core.dead or msg
+            self._post([], [], core)
+        finally:
+            try:
+                core.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    def _static_info(self, core) -> dict[str, Any]:
+        import ray
+
+        pids = []
+        try:
+            pids = [p["pid"] for p in ray.get([w.ping.remote() for w in core.executor.workers], timeout=30)]
+        except Exception:
+            pass
+        cfg = core.cfg
+        return {
+            "model_path": core.model_dir,
+            "tokenizer_path": cfg.model.tokenizer or core.model_dir,
+            "architecture": str(getattr(core.arch, "architecture", "")),
+            "vocab_size": core.arch.vocab_size,
+            "max_model_len": core.max_model_len,
+            "block_size": cfg.cache.block_size,
+            "num_kv_blocks": core.scheduler.blocks.num_blocks,
+            "eos_token_ids": list(core.eos_token_ids),
+            "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+            "device": core.device,
+            "worker_pids": pids,
+        }
+
+    def _snap(self, core) -> dict[str, Any]:
+        sch = core.scheduler
+        return {
+            "time": time.monotonic(),
+            "running": len(sch.running),
+            "waiting": len(sch.waiting),
+            "kv_usage": sch.blocks.usage,
+            "num_free_blocks": sch.blocks.num_free,
+            "num_blocks": sch.blocks.num_blocks,
+            "num_preemptions": sch.num_preemptions,
+            "steps": core.stats.get("steps", 0),
+            "generation_tokens": core.stats.get("generation_tokens", 0),
+            "prompt_tokens": self._prompt_tokens,
+            "groups": len(core.groups),
+            "dead": core.dead,
+        }
+
+    _prompt_tokens = 0
+
+    def _post(self, deltas, finals, core) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._dispatch, deltas, finals, self._snap(core), core.dead)
+        except RuntimeError:  # the loop is closed (process exiting)
+            pass
+
+    def _loop(self, core) -> None:
+        idle_wait = None
+        while True:
+            busy = core.has_unfinished() and not core.dead
+            cmds = []
+            try:
+                if busy and idle_wait is None:
+                    while True:
+                        cmds.append(self._cmds.get_nowait())
+                else:
+                    cmds.append(self._cmds.get(timeout=idle_wait))
+                    while True:
+                        cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                pass
+            finals: list = []
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    for rid in list(core.groups):
+                        self._abort(core, rid, finals)
+                    self._post([], finals, core)
+                    return
+                if cmd[0] == "add":
+                    self._add(core, *cmd[1:])
+                elif cmd[0] == "abort":
+                    self._abort(core, cmd[1], finals)
+                elif cmd[0] == "state":
+                    self.loop.call_soon_threadsafe(self._resolve, cmd[1], self._snap(core), None)
+            if finals:
+                self._post([], finals, core)
+            idle_wait = None
+            if not core.has_unfinished() or core.dead:
+                continue
+            deltas = core.step()
+            finals = []
+            for d in deltas:
+                if d.finish_reason:
+                    group = core.groups.get(d.request_id)
+                    if group is not None and all(r.finished for r in group):
+                        finals.append((d.request_id, core.output(d.request_id), d.error))
+                        core.release(d.request_id)
+            self._post(deltas, finals, core)
+            if not deltas and not core.in_flight and core.has_unfinished():
+                idle_wait = 0.01  # nothing schedulable right now: do not spin
+
+    def _add(self, core, request_id, prompt, params, fut) -> None:
+        try:
+            if len(core.scheduler.waiting) >= self.max_waiting_requests:
+                raise Overloaded(
+                    f"the server is overloaded: {len(core.scheduler.waiting)} requests are waiting "
+                    f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+                )
+            try:
+                core.add_request(request_id, prompt, params)
+            except Exception as exc:
+                from cluster.executor import EngineDeadError
+
+                if isinstance(exc, EngineDeadError):
+                    raise EngineUnavailable(f"the engine failed: {exc}") from None
+                raise
+            first = core.groups[request_id][0]
+            self._prompt_tokens += len(first.prompt_token_ids)
+            result = (list(first.prompt_token_ids), first.prompt)
+            exc = None
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result, exc = None, e
+        self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
+
+    def _abort(self, core, request_id: str, finals: list) -> None:
+        if core.abort(request_id):
+            finals.append((request_id, core.output(request_id), None))
+            core.release(request_id)
