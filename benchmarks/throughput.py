@@ -1,0 +1,156 @@
+"""Offline throughput, comparable with ``vllm bench throughput``.
+
+    ray job submit --working-dir . -- python -m benchmarks.throughput \\
+        --shape qwen3-0.6b --input-len 1024 --output-len 128 --num-prompts 1000
+
+Prints and writes (JSON) ``elapsed_time``, ``num_requests``, ``total_num_tokens``,
+``requests_per_second``, ``tokens_per_second`` and ``output_tokens_per_second``
+(vLLM's names), with the hardware, versions and full configuration. ``--baseline hf``
+runs the same workload through transformers' ``generate_batch`` and adds the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from benchmarks import common
+from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests, vocab_size_of
+from benchmarks.hf_baseline import hf_available, run_hf, throughput_fields, token_prompts_of
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    add_dataset_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--temperature", type=float, default=1.0, help="as vllm bench: 1.0, top_p 1.0, ignore_eos")
+    g.add_argument("--num-warmup", type=int, default=4,
+                   help="untimed warm-up requests (first kernel compilation), 4 output tokens each")
+    g.add_argument("--baseline", choices=("none", "hf"), default="none",
+                   help="hf: also run the workload through transformers' generate_batch")
+    g.add_argument("--hf-attn-implementation", default="paged|sdpa")
+    common.add_engine_args(p)
+    common.add_output_args(p, "throughput")
+    return p.parse_args(argv)
+
+
+def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmup: int) -> dict[str, Any]:
+    from metadata.sampling_params import SamplingParams
+
+    if num_warmup > 0:
+        warm = [r.prompt for r in requests[:num_warmup]]
+        llm.generate(warm, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+    prompts = [r.prompt for r in requests]
+    params = [SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
+                             max_tokens=r.expected_output_len, seed=i) for i, r in enumerate(requests)]
+    t0_mono = time.monotonic()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    finish = sorted(
+        (o.metrics.finished_time - t0_mono) for o in outputs if o.metrics and o.metrics.finished_time is not None
+    )
+    return {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish,
+            "engine_stats": dict(llm.engine.stats)}
+
+
+def _remote(fn, device: str, *args):
+    """Run ``fn`` in a Ray task on the engine's kind of device."""
+    import ray
+
+    gpu = device == "cuda"
+    task = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(fn)
+    return ray.get(task.remote(*args))
+
+
+def print_summary(res: dict[str, Any], label: str = "") -> None:
+    print(f"{label}Throughput: {res['requests_per_second']:.2f} requests/s, "
+          f"{res['tokens_per_second']:.2f} total tokens/s, "
+          f"{res['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"{label}Total num prompt tokens:  {res['total_num_prompt_tokens']}")
+    print(f"{label}Total num output tokens:  {res['total_num_output_tokens']}", flush=True)
+
+
+def plot(result: dict[str, Any], path) -> None:
+    plt = common.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    t = result.get("finish_times_s") or []
+    a.step([0.0, *t], list(range(len(t) + 1)), where="post", label="syncless")
+    a.set_xlabel("time since start (s)")
+    a.set_ylabel("requests finished")
+    a.set_title(f"{result['config']['model_name']}: {result['num_requests']} requests")
+    a.grid(alpha=0.3)
+    names, vals = ["syncless"], [result["output_tokens_per_second"]]
+    base = result.get("baseline") or {}
+    if "output_tokens_per_second" in base:
+        names.append("transformers")
+        vals.append(base["output_tokens_per_second"])
+    b.bar(names, vals, color=["tab:blue", "tab:orange"][: len(vals)])
+    b.set_ylabel("output tokens/s")
+    b.set_title("output throughput")
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out_path, png = common.output_paths(args, "throughput")
+    model_dir, load_format = common.model_and_format(args)
+    opts = common.engine_options(args)
+    if args.baseline == "hf" and hf_available():
+        raise SystemExit(f"--baseline hf: {hf_available()}")
+    from cluster import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, load_format=load_format, **opts)
+    init_s = time.perf_counter() - t0
+    tokenizer = llm.get_tokenizer()
+    requests = get_requests(args, vocab_size_of(model_dir), tokenizer)
+    too_long = [r for r in requests if r.prompt_len + r.expected_output_len > llm.engine.max_model_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} requests exceed max_model_len {llm.engine.max_model_len}; "
+                         "lower --input-len/--output-len or raise --max-model-len")
+    device = llm.engine.device
+    engine_cfg = llm.config.to_dict()
+    print(f"engine ready in {init_s:.1f} s on {device}; running {len(requests)} requests", flush=True)
+    res = run_engine(llm, requests, args.temperature, args.num_warmup)
+    llm.shutdown()
+    print_summary(res)
+    result = common.record("throughput", args)
+    result.update(res)
+    result["config"] = {
+        "model_name": args.shape or model_dir, "model_dir": model_dir, "load_format": load_format,
+        "engine_options": opts, "engine_config": engine_cfg, "device": device, "engine_init_s": init_s,
+        "max_model_len": llm.engine.max_model_len, "dataset": args.dataset, "num_prompts": len(requests),
+    }
+    result["worker_hardware"] = common.remote_hardware_info(1 if device == "cuda" else 0)
+    result["ray_cluster"] = common.ray_cluster_info()
+    if args.baseline == "hf":
+        prompts = token_prompts_of(requests, tokenizer)
+        base = _remote(run_hf, device, model_dir, load_format, prompts,
+                       [r.expected_output_len for r in requests], engine_cfg["model"]["dtype"],
+                       args.hf_attn_implementation, device)
+        result["baseline"] = base
+        if "error" in base:
+            print(f"baseline hf: {base['error']}", file=sys.stderr)
+        else:
+            print_summary(base, "[transformers] ")
+            result["ratio_vs_baseline"] = {
+                k: res[k] / base[k] for k in ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
+            }
+            print(f"syncless / transformers output tokens/s: "
+                  f"{result['ratio_vs_baseline']['output_tokens_per_second']:.2f}x", flush=True)
+    common.write_json(out_path, result)
+    if png:
+        plot(result, png)
+    return result
+
+
+if __name__ == "__main__":
+    main()
