@@ -51,6 +51,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pipeline_parallel_size: int = 1
     ray_address: str | None = None
     worker_start_timeout_s: float = 120.0
+    ubatch_token_threshold: int | None = None
+    """Workers split a step with more tokens than this into two overlapped micro-batches; None: never."""
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -121,6 +123,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.parallel.worker_start_timeout_s <= 0:
             raise ConfigError("worker_start_timeout_s must be > 0")
+        if self.parallel.ubatch_token_threshold is not None:
+            _range("ubatch_token_threshold", self.parallel.ubatch_token_threshold, 1, 1 << 24)
         if (
             not self.scheduler.enable_chunked_prefill
             and self.model.max_model_len is not None

@@ -160,6 +160,13 @@ class ModelRunner:
     def finish(self, pending: "PendingStep") -> StepResult:
         return pending.result()
 
+    def enable_ubatching(self, threshold: int) -> None:
+        """Worker-side micro-batches: eager forwards over ``threshold`` tokens run as two
+        overlapped halves (workers/ubatch.py). Call after CUDA-graph capture."""
+        from workers.ubatch import UbatchedModel
+
+        self.model = UbatchedModel(self.model, threshold, self.tp)
+
 
 class PendingStep:
     """A launched step whose sampled tokens are being copied to pinned host memory."""
