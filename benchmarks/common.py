@@ -189,10 +189,21 @@ def record(benchmark: str, args: argparse.Namespace, **extra: Any) -> dict[str, 
     }
 
 
+def _strict(obj: Any) -> Any:
+    """inf / nan as strings, so the file is strict JSON (``--request-rate inf``)."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.write_text(json.dumps(_strict(data), indent=2, default=str, allow_nan=False))
     tmp.replace(path)
     print(f"results written to {path}", flush=True)
 

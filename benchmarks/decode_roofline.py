@@ -1,0 +1,315 @@
+"""Decode step time per (batch size, context length) against the memory roofline.
+
+    ray job submit --working-dir . -- python -m benchmarks.decode_roofline \\
+        --shape llama-3.1-8b --batch-sizes 1,8,32,128,256 --context-lens 512,4096 --plot
+
+It first measures the device's copy bandwidth itself (a large ``torch`` copy:
+bytes read + written over time, CUDA events on a GPU, ``perf_counter`` on the
+CPU), then drives a ``workers.model_runner.ModelRunner`` directly with step
+plans (``metadata.wire`` structs). Each cell places ``batch`` requests whose
+device state claims ``context`` tokens of KV already computed (no prefill is
+run: the cache holds zeros, which costs attention exactly what real values
+cost), then times decode steps of one token per request. The roofline of a
+step is (weight bytes + KV bytes read) / measured bandwidth; ``ratio`` is the
+measured step time over it (1.0 = at the roofline).
+
+Inside a Ray job (or with ``--placement ray``) the measurement runs in a Ray
+task holding one GPU (one CPU on a CPU-only cluster); otherwise in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from benchmarks import common
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_roofline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--batch-sizes", default="1,8,32,128,256")
+    p.add_argument("--context-lens", default="512,4096")
+    p.add_argument("--warmup", type=int, default=5, help="untimed decode steps per cell")
+    p.add_argument("--iters", type=int, default=20, help="timed decode steps per cell")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--bandwidth-mib", type=int, default=None,
+                   help="copy-bandwidth buffer size (default 2048 on GPU, 256 on CPU)")
+    p.add_argument("--bandwidth-iters", type=int, default=10)
+    p.add_argument("--placement", choices=("auto", "local", "ray"), default="auto",
+                   help="auto: a Ray task when RAY_ADDRESS is set (ray job submit), else in-process")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    common.add_output_args(p, "decode_roofline")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+def measure_bandwidth(device, nbytes: int, iters: int) -> dict[str, Any]:
+    """Best of 3 runs of ``iters`` copies of an ``nbytes`` buffer; counts read + write."""
+    import torch
+
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(iters):
+                dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000.0 / iters)
+        else:
+            t = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src)
+            times.append((time.perf_counter() - t) / iters)
+    best = min(times)
+    del src, dst
+    return {"bytes_per_copy": 2 * n * 4, "buffer_bytes": n * 4, "iters": iters, "seconds_per_copy": best,
+            "bandwidth_bytes_per_s": 2 * n * 4 / best, "method": "torch copy_, read + write bytes"}
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Bytes of weights one decode step reads: every matrix once; of an untied
+    embedding table only the ``batch`` looked-up rows."""
+    seen, total = set(), 0
+    emb = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    for name, prm in model.named_parameters():
+        if id(prm) in seen:
+            continue
+        seen.add(id(prm))
+        nbytes = prm.numel() * prm.element_size()
+        if emb is not None and prm is emb.weight and not tied:
+            nbytes = batch * prm.shape[-1] * prm.element_size()
+        total += nbytes
+    return total
+
+
+def _greedy():
+    from metadata.wire import SamplingOptions
+
+    return SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, repetition_penalty=1.0,
+                           presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, min_tokens_stop_ids=[],
+                           num_logprobs=-1)
+
+
+class Bench:
+    """One ModelRunner, one KV cache, reused by every cell."""
+
+    def __init__(self, conf: dict[str, Any]):
+        import torch
+
+        from metadata.config import EngineConfig
+        from workers.distributed import TPGroup
+        from workers.kv_cache import bytes_per_block
+        from workers.model_runner import ModelRunner
+        from workers.models.arch import load_arch
+
+        self.conf = conf
+        want = conf["device"]
+        cuda = torch.cuda.is_available() and want != "cpu"
+        if want == "cuda" and not cuda:
+            raise SystemExit("--device cuda: no CUDA device visible")
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        arch = load_arch(conf["model_dir"])
+        self.arch = arch
+        steps = conf["warmup"] + conf["iters"]
+        bs = conf["block_size"]
+        max_ctx = max(conf["context_lens"])
+        max_len = max_ctx + steps + 2
+        if max_len > arch.max_position_embeddings:
+            raise SystemExit(f"context {max_ctx} + {steps} steps exceeds max_position_embeddings "
+                             f"{arch.max_position_embeddings}")
+        opts = dict(conf["engine_options"])
+        opts.update(model=conf["model_dir"], load_format=conf["load_format"], device=self.device.type,
+                    max_num_seqs=max(conf["batch_sizes"]), max_model_len=max_len, block_size=bs,
+                    dtype=conf["dtype"], enforce_eager=conf["cuda_graphs"] == "off",
+                    gpu_memory_utilization=conf["gpu_memory_utilization"])
+        self.cfg = EngineConfig.from_options(**opts)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(self.cfg, conf["model_dir"], self.device, TPGroup(), max_len)
+        self.load_s = time.perf_counter() - t0
+        self.blocks_per_req = {c: -(-(c + steps + 1) // bs) for c in conf["context_lens"]}
+        need = max(b * self.blocks_per_req[c] for b in conf["batch_sizes"] for c in conf["context_lens"])
+        per_block = bytes_per_block(arch, self.runner.num_kv_heads, bs, self.runner.dtype)
+        if cuda:
+            profile = getattr(self.runner, "_profile_free_bytes", None)
+            budget = profile() if profile else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+            fit = max(1, budget // per_block)
+        else:
+            fit = need
+        self.num_blocks = self.runner.init_kv_cache(min(need, fit))
+        self.kv_bytes_per_token = per_block // bs
+        self.graphs = "off"
+        if conf["cuda_graphs"] == "on":
+            capture = getattr(self.runner, "capture_cuda_graphs", None)
+            if cuda and capture is not None:
+                capture()
+                self.graphs = "captured"
+            else:
+                self.graphs = "unavailable (runner has no capture_cuda_graphs)" if cuda else "n/a on CPU"
+        self.step_id = 0
+        self.next_handle = 0
+
+    def _plan(self, **kw):
+        from metadata.wire import StepPlan
+
+        self.step_id += 1
+        return StepPlan(step_id=self.step_id, **kw)
+
+    def cell(self, batch: int, ctx: int) -> dict[str, Any]:
+        import random
+
+        import torch
+
+        from metadata.wire import NewRequest, ScheduledRow
+
+        conf, runner = self.conf, self.runner
+        per = self.blocks_per_req[ctx]
+        base = {"batch_size": batch, "context_len": ctx}
+        if batch * per > self.num_blocks:
+            need = batch * per * self.kv_bytes_per_token * conf["block_size"]
+            return {**base, "skipped": f"KV cache needs {need / 2**30:.1f} GiB "
+                                       f"({batch * per} blocks > {self.num_blocks} that fit)"}
+        rng = random.Random(batch * 100003 + ctx)
+        prompt = [rng.randrange(3, self.arch.vocab_size) for _ in range(ctx + 1)]
+        handles = list(range(self.next_handle, self.next_handle + batch))
+        self.next_handle += batch
+        news = [NewRequest(handle=h, prompt_token_ids=prompt, output_token_ids=[], sampling=_greedy(),
+                           block_ids=list(range(i * per, (i + 1) * per))) for i, h in enumerate(handles)]
+        runner.execute(self._plan(new_requests=news))  # places the rows; no forward
+        st = runner.state
+        rows = torch.tensor([st.row_of[h] for h in handles], device=st.num_computed.device)
+        st.num_computed[rows] = ctx  # the rows' device state claims ctx tokens of KV
+        times = []
+        for k in range(conf["warmup"] + conf["iters"]):
+            plan = self._plan(rows=[ScheduledRow(handle=h, num_scheduled_tokens=1, seq_len_upper_bound=ctx + k + 1,
+                                                 new_block_ids=[], sample=True) for h in handles])
+            t = time.perf_counter()
+            res = runner.execute(plan)
+            dt = time.perf_counter() - t
+            if res.error or len(res.outputs) != batch:
+                raise RuntimeError(f"decode step failed at batch {batch}, context {ctx}: {res.error}")
+            if k >= conf["warmup"]:
+                times.append(dt)
+        runner.execute(self._plan(finished_handles=handles))
+        mean_seq = ctx + conf["warmup"] + (conf["iters"] - 1) / 2 + 1
+        w_bytes = weight_bytes_per_step(runner.model, batch)
+        kv_bytes = int(batch * mean_seq * self.kv_bytes_per_token)
+        bw = conf["bandwidth_bytes_per_s"]
+        step_s = statistics.median(times)
+        roof_s = (w_bytes + kv_bytes) / bw
+        return {**base, "step_ms_median": step_s * 1e3, "step_ms_mean": statistics.fmean(times) * 1e3,
+                "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+                "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "roofline_ms": roof_s * 1e3,
+                "ratio": step_s / roof_s, "achieved_bandwidth_bytes_per_s": (w_bytes + kv_bytes) / step_s,
+                "tokens_per_s": batch / step_s}
+
+
+def measure(conf: dict[str, Any]) -> dict[str, Any]:
+    """Everything that touches the device (runs in a Ray task or in-process)."""
+    from tqdm.auto import tqdm
+
+    import torch
+
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() and conf["device"] != "cpu" else torch.device("cpu")
+    mib = conf["bandwidth_mib"] or (2048 if dev.type == "cuda" else 256)
+    bw = measure_bandwidth(dev, mib << 20, conf["bandwidth_iters"])
+    print(f"copy bandwidth on {dev}: {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    conf = dict(conf, bandwidth_bytes_per_s=bw["bandwidth_bytes_per_s"])
+    bench = Bench(conf)
+    cells = []
+    grid = [(b, c) for c in conf["context_lens"] for b in conf["batch_sizes"]]
+    for b, c in tqdm(grid, desc="cells (batch, context)", dynamic_ncols=True):
+        cell = bench.cell(b, c)
+        cells.append(cell)
+        if "skipped" in cell:
+            tqdm.write(f"batch {b:4d} context {c:6d}: skipped, {cell['skipped']}")
+        else:
+            tqdm.write(f"batch {b:4d} context {c:6d}: step {cell['step_ms_median']:8.3f} ms, roofline "
+                       f"{cell['roofline_ms']:8.3f} ms, ratio {cell['ratio']:6.2f}")
+    return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
+            "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
+            "kv_bytes_per_token": bench.kv_bytes_per_token, "model_load_s": bench.load_s,
+            "engine_config": bench.cfg.to_dict(), "worker_hardware": common.hardware_info()}
+
+
+def plot(result: dict[str, Any], path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, ctx in enumerate(result["config"]["context_lens"]):
+        cells = [c for c in result["cells"] if c["context_len"] == ctx and "skipped" not in c]
+        if not cells:
+            continue
+        bs = [c["batch_size"] for c in cells]
+        color = f"C{i}"
+        ax.plot(bs, [c["step_ms_median"] for c in cells], "o-", color=color, label=f"measured, context {ctx}")
+        ax.plot(bs, [c["roofline_ms"] for c in cells], "--", color=color, label=f"roofline, context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode step time (ms)")
+    bw = result["bandwidth"]["bandwidth_bytes_per_s"] / 1e9
+    ax.set_title(f"{result['config']['model_name']} on {result['device']} ({bw:.0f} GB/s copy), "
+                 f"graphs: {result['cuda_graphs']}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    common.save_figure(fig, path)
+
+
+def _run_placed(conf: dict[str, Any], placement: str) -> dict[str, Any]:
+    use_ray = placement == "ray" or (placement == "auto" and os.environ.get("RAY_ADDRESS"))
+    if not use_ray:
+        return measure(conf)
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
+    gpu = conf["device"] != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    task = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(measure)
+    return ray.get(task.remote(conf))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out_path, png = common.output_paths(args, "decode_roofline")
+    model_dir, load_format = common.model_and_format(args)
+    opts = common.engine_options(argparse.Namespace(engine_option=args.engine_option))
+    conf = {"model_dir": model_dir, "load_format": load_format, "model_name": args.shape or model_dir,
+            "batch_sizes": _ints(args.batch_sizes), "context_lens": _ints(args.context_lens),
+            "warmup": args.warmup, "iters": args.iters, "cuda_graphs": args.cuda_graphs, "device": args.device,
+            "dtype": args.dtype, "block_size": args.block_size, "engine_options": opts,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "bandwidth_mib": args.bandwidth_mib,
+            "bandwidth_iters": args.bandwidth_iters}
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    res = _run_placed(conf, args.placement)
+    result = common.record("decode_roofline", args, config=conf, **res)
+    common.write_json(out_path, result)
+    if png:
+        plot(result, png)
+    return result
+
+
+if __name__ == "__main__":
+    main()
