@@ -211,7 +211,10 @@ class EngineCore:
                 reason, stop_reason = "stop", tok
         if reason is None and (n_out >= req.max_tokens or req.num_known_tokens >= self.max_model_len):
             reason = "length"
-        new = detok.add(tok, final=reason is not None)
+        if reason == "stop" and not req.params.include_stop_str_in_output:
+            new = detok.flush()  # a stop token (EOS or stop_token_ids) adds no text (as vLLM)
+        else:
+            new = detok.add(tok, final=reason is not None)
         if req.params.stop and n_out >= req.params.min_tokens:
             hit = find_stop(detok.text, len(new), req.params.stop)
             if hit is not None:
