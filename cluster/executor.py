@@ -1,100 +1,195 @@
-"""Starts the worker actors and ships them step plans."""
+"""Starts the worker actors in placement groups and ships them step plans.
+
+One actor per rank of the TP x PP layout (placement/). Every rank of the TP
+group receives the same plan bytes; one result (rank 0's) comes back per step.
+``collect`` waits on all ranks at once, so a rank that dies while its peers are
+blocked in a collective is noticed immediately: the step fails with
+``EngineDeadError`` naming the rank, where it ran and why it died. ``restart()``
+tears the workers down and starts fresh ones.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
+import re
+import time
 
 import msgspec
 import ray
 
 from metadata.config import EngineConfig
 from metadata.wire import StepPlan, StepResult, decode_result, encode
+from placement.placement_groups import Layout, Placement, place_workers
+from placement.platforms import actor_env_vars
 
 logger = logging.getLogger(__name__)
+
+# After one rank fails, how long to wait for the others before reporting: a peer
+# that died is the root cause of the survivors' collective errors, so prefer it.
+_FAILURE_GRACE_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
     """A worker died or failed a step; in-flight requests cannot complete."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _project_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def death_cause(exc: BaseException) -> str:
+    """The useful part of Ray's actor-death message (exit type and detail, or the kill)."""
+    text = str(exc)
+    if "ray.kill" in text:
+        return "killed by ray.kill"
+    m = re.search(r"Worker exit type: (\S+)\s*Worker exit detail: (.+?)(?:\n|$)", text)
+    if m:
+        return f"{m.group(1)}: {m.group(2).strip()}"
+    for line in text.splitlines():
+        line = line.strip()
+        if line and "actor_id" not in line.lower():
+            return line[:300]
+    return type(exc).__name__
+
+
 class RayExecutor:
-    """One actor per rank of the tensor-parallel group; every rank gets the same plan bytes."""
-
     def __init__(self, cfg: EngineConfig, model_dir: str, max_model_len: int, device_kind: str):
-        from workers.actor import WorkerActor
-
         if not ray.is_initialized():
             ray.init(address=cfg.parallel.ray_address, log_to_driver=True)
         self.cfg = cfg
-        world = cfg.parallel.tensor_parallel_size
-        init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
-        use_gpu = device_kind == "cuda"
-        env = {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cls = ray.remote(WorkerActor)
-        self.workers = [
-            cls.options(
-                num_cpus=0 if use_gpu else 1,
-                num_gpus=1 if use_gpu else 0,
-                runtime_env={"env_vars": env},
-                max_concurrency=1,
-            ).remote(msgspec.msgpack.encode(cfg), model_dir, rank, world, max_model_len, init, device_kind)
-            for rank in range(world)
-        ]
-        timeout = cfg.parallel.worker_start_timeout_s
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.device_kind = device_kind
+        self.layout = Layout(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size)
+        self.workers: list = []
+        self.info: list[dict] = []
+        self.placement: Placement | None = None
+        self.dead: str | None = None
+        self.num_restarts = 0
+        self._start()
+
+    # ---------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        from workers.actor import WorkerActor
+
+        timeout = self.cfg.parallel.worker_start_timeout_s
+        world = self.layout.world_size
+        self.placement = place_workers(self.layout, self.device_kind, timeout)
         try:
-            blocks = self._get([w.load.remote() for w in self.workers], timeout, "load the model")
+            env = {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   **actor_env_vars(self.device_kind)}
+            gpu = self.device_kind != "cpu"
+            cls = ray.remote(WorkerActor)
+            cfg_bytes = msgspec.msgpack.encode(self.cfg)
+            self.workers = [
+                cls.options(
+                    num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
+                    scheduling_strategy=self.placement.scheduling_strategy(rank), max_restarts=0,
+                ).remote(cfg_bytes, self.model_dir, rank, world, self.max_model_len, self.device_kind,
+                         self.layout.tensor_parallel_size)
+                for rank in range(world)
+            ]
+            self.info = self._get([w.describe.remote() for w in self.workers], timeout, "start")
+            init = self._get(self.workers[0].rendezvous.remote(), timeout, "start") if world > 1 else None
+            blocks = self._get([w.load.remote(init) for w in self.workers], timeout, "load the model")
             self.num_blocks = min(blocks)
-            self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout, "allocate the KV cache")
+            self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout,
+                      "allocate the KV cache")
         except BaseException:
             self.shutdown()
             raise
+        self.dead = None
+        logger.info("workers ready: %s", ", ".join(
+            f"rank {i['rank']} {i['platform']} {i['node_ip']} pid {i['pid']} gpu {','.join(i['gpu_ids']) or '-'}"
+            for i in self.info))
+
+    def restart(self) -> None:
+        """Replace every worker (after a failure): new placement, new actors, empty KV cache."""
+        logger.warning("restarting %d worker(s)%s", self.layout.world_size,
+                       f" after: {self.dead}" if self.dead else "")
+        self.shutdown()
+        self.num_restarts += 1
+        self._start()
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.workers = []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+
+    def _where(self, rank: int) -> str:
+        i = self.info[rank] if rank < len(self.info) else {}
+        gpu = f", GPU {','.join(i['gpu_ids'])}" if i.get("gpu_ids") else ""
+        return f"rank {rank} (pid {i.get('pid', '?')} on {i.get('node_ip', '?')}{gpu})"
 
     def _get(self, refs, timeout: float, what: str):
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise EngineDeadError(
-                f"workers did not {what} within {timeout:.0f} s (worker_start_timeout_s); "
-                "check that the cluster has the resources the workers need"
-            ) from None
-        except ray.exceptions.RayActorError as exc:
-            raise EngineDeadError(f"a worker died while trying to {what}: {exc}") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise EngineDeadError(f"a worker failed to {what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
+        """All results of a startup call, or EngineDeadError naming the first rank that failed."""
+        single = not isinstance(refs, list)
+        refs = [refs] if single else refs
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        out: dict[int, object] = {}
+        pending, deadline = list(refs), time.monotonic() + timeout
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise EngineDeadError(
+                    f"workers did not {what} within {timeout:.0f} s (worker_start_timeout_s): ranks "
+                    f"{sorted(rank_of[r] for r in pending)} still busy; check that the cluster has the "
+                    "resources the workers need"
+                )
+            rank = rank_of[ready[0]]
+            try:
+                out[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                raise EngineDeadError(f"worker {self._where(rank)} died while trying to {what}: "
+                                      f"{death_cause(exc)}") from None
+            except ray.exceptions.RayTaskError as exc:
+                raise EngineDeadError(f"worker {self._where(rank)} failed to {what}: "
+                                      f"{getattr(exc, 'cause', None) or exc}") from None
+        return out[0] if single else [out[r] for r in range(len(refs))]
 
+    # --------------------------------------------------------------- steps
     def submit(self, plan: StepPlan) -> list:
+        if self.dead:
+            raise EngineDeadError(self.dead)
         data = encode(plan)
         return [w.execute.remote(data) for w in self.workers]
 
     def collect(self, refs: list) -> StepResult:
-        """Wait for one step on every rank; rank 0's result is authoritative."""
-        results = []
-        for rank, ref in enumerate(refs):
-            try:
-                results.append(decode_result(ray.get(ref)))
-            except ray.exceptions.RayActorError as exc:
-                raise EngineDeadError(f"worker rank {rank} died: {exc}") from None
-        for r in results:
-            if r.error:
-                raise EngineDeadError(f"worker rank {r.rank} failed step {r.step_id}: {r.error}")
+        """Wait for one step on every rank; rank 0's result is the step's result."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        results: dict[int, StepResult] = {}
+        deaths: dict[int, str] = {}
+        while pending and not deaths and not any(r.error for r in results.values()):
+            ready, pending = ray.wait(pending, num_returns=1)
+            self._gather(ready, rank_of, results, deaths)
+        if pending and (deaths or any(r.error for r in results.values())):
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S)
+            self._gather(ready, rank_of, results, deaths)
+        if deaths:
+            msg = "; ".join(f"worker {self._where(rank)} died: {cause}" for rank, cause in sorted(deaths.items()))
+            self.dead = msg
+            raise EngineDeadError(msg)
+        failed = [r for r in results.values() if r.error]
+        if failed:
+            r = min(failed, key=lambda r: r.rank)
+            self.dead = f"worker {self._where(r.rank)} failed step {r.step_id}: {r.error}"
+            raise EngineDeadError(self.dead)
         return results[0]
 
-    def shutdown(self) -> None:
-        for w in getattr(self, "workers", []):
+    def _gather(self, ready, rank_of, results, deaths) -> None:
+        for ref in ready:
+            rank = rank_of[ref]
             try:
-                ray.kill(w)
-            except Exception:  # already gone
-                pass
-        self.workers = []
+                results[rank] = decode_result(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                deaths[rank] = death_cause(exc)
+            except ray.exceptions.RayTaskError as exc:
+                results[rank] = StepResult(step_id=-1, rank=rank, error=str(getattr(exc, "cause", exc)))

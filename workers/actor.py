@@ -1,77 +1,129 @@
-"""The Ray actor hosting one worker (one device, one rank)."""
+"""The Ray actor hosting one worker (one device, one rank).
+
+The first thing the constructor does is choose this actor's platform adapter and
+let it set device visibility from Ray's assignment, before torch touches the
+device. The sync-check mode arrives with the encoded ``EngineConfig``, in the
+constructor; nothing is read from the environment.
+
+Every rank of the TP group receives the same plan bytes. Rank 0's result is the
+step's result; the other ranks return only the step id and an error, if any.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import traceback
+import socket
 
 import msgspec
 
 from metadata.config import EngineConfig
-from metadata.wire import StepResult, decode_plan, encode
+from metadata.wire import StepResult, decode_result, encode
+from placement.platforms import select_platform
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerActor:
-    """Created with the encoded ``EngineConfig``: the sync-check mode arrives here, in
-    the constructor, before any step can run; nothing is read from the environment."""
+def _assigned_gpus() -> list[str]:
+    import ray
 
+    if not ray.is_initialized():
+        return []
+    return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+
+
+class WorkerActor:
     def __init__(self, config: bytes, model_dir: str, rank: int, world_size: int, max_model_len: int,
-                 dist_init_method: str | None = None, device_kind: str = "cpu"):
+                 device_kind: str = "cpu", tp_size: int | None = None):
+        self.platform = select_platform(device_kind)
+        self.gpu_ids = _assigned_gpus() if self.platform.ray_resource == "GPU" else []
+        self.visibility = self.platform.configure(self.gpu_ids)  # before torch touches the device
+        for note in self.visibility.notes:
+            logger.warning("rank %d: %s", rank, note)
         self.cfg = msgspec.msgpack.decode(config, type=EngineConfig)
         self.model_dir = model_dir
         self.rank = rank
         self.world_size = world_size
+        self.tp_size = tp_size or world_size
         self.max_model_len = max_model_len
-        self.dist_init_method = dist_init_method
         self.device_kind = device_kind
         from workers.sync_check import SyncCheck
 
         self.sync_check = SyncCheck(self.cfg.sync_check)
         self.runner = None
+        self.loop = None
 
+    # ---------------------------------------------------------------- info
     def ping(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid()}
 
-    def load(self) -> int:
-        """Load the model, size the KV cache; returns how many blocks fit on this rank."""
+    def describe(self) -> dict:
+        import ray
+
+        return {
+            "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self.gpu_ids,
+            "visibility": dict(self.visibility.set), "notes": list(self.visibility.notes),
+            **self.platform.describe(),
+        }
+
+    def rendezvous(self) -> str:
+        """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    # --------------------------------------------------------------- setup
+    def load(self, dist_init_method: str | None = None) -> int:
+        """Join the TP group, load the model, size the KV cache; returns the blocks that fit here."""
         import torch
 
-        from workers.distributed import TPGroup
+        from workers.distributed import TPGroup, init_distributed
         from workers.model_runner import ModelRunner
 
-        if self.device_kind == "cuda":
-            device = torch.device("cuda", 0)
+        device = self.platform.torch_device()
+        if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            device = torch.device("cpu")
             torch.set_num_threads(max(1, int(os.environ.get("SYNCLESS_CPU_THREADS", "1"))))
         tp = TPGroup(self.rank, self.world_size)
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if self.device_kind == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=self.dist_init_method, rank=self.rank,
-                                    world_size=self.world_size)
+            tp = init_distributed(self.platform.collective_backend, dist_init_method, self.rank,
+                                  self.world_size, self.tp_size)
         self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len)
         self._probe_blocks = self.runner.init_kv_cache() if self.cfg.cache.num_kv_blocks is None else None
         return self._probe_blocks or self.cfg.cache.num_kv_blocks
 
     def init_cache(self, num_blocks: int) -> None:
-        """Allocate the agreed (minimum over ranks) number of blocks, then warm up."""
+        """Allocate the agreed (minimum over ranks) number of blocks, capture graphs, start the loop."""
+        from workers.step_loop import StepLoop
+
         if self._probe_blocks != num_blocks:
             self.runner.kv_caches = []
             self.runner.init_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
+        threshold = self.cfg.parallel.ubatch_token_threshold
+        if threshold is not None:
+            self.runner.enable_ubatching(threshold)
+        self.loop = StepLoop(self.runner, self.sync_check, self.rank)
 
-    def execute(self, plan_bytes: bytes) -> bytes:
-        plan = decode_plan(plan_bytes)
-        try:
-            with self.sync_check.armed():
-                result = self.runner.execute(plan)
-        except Exception as exc:  # reported to the driver, which fails the affected requests
-            logger.exception("step %d failed on rank %d", plan.step_id, self.rank)
-            result = StepResult(step_id=plan.step_id, rank=self.rank,
-                                error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
-        return encode(result)
+    # ---------------------------------------------------------------- step
+    async def execute(self, plan_bytes: bytes) -> bytes:
+        # Plans enter the step loop in submission order (an async actor starts its
+        # calls in order); the loop may launch the next one before this one's copy ends.
+        data = await asyncio.wrap_future(self.loop.submit(plan_bytes))
+        if self.rank == 0:
+            return data
+        r = decode_result(data)
+        return encode(StepResult(step_id=r.step_id, rank=self.rank, error=r.error))
+
+    def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        from workers.distributed import destroy_distributed
+
+        destroy_distributed()

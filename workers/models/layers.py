@@ -17,7 +17,20 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, shard: tuple[int, int, in
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class _Sharded(nn.Module):
+    """Keeps each parameter's ``shard`` rule across ``to_empty`` / ``to`` (which may
+    replace the Parameter objects, e.g. meta -> device, dropping their attributes)."""
+
+    def _apply(self, fn, recurse=True):
+        rules = {n: getattr(p, "shard", None) for n, p in self._parameters.items() if p is not None}
+        out = super()._apply(fn, recurse)
+        for n, rule in rules.items():
+            if self._parameters.get(n) is not None:
+                self._parameters[n].shard = rule
+        return out
+
+
+class ColumnParallelLinear(_Sharded):
     """y = x W^T with W split by output rows across ranks (output stays sharded)."""
 
     def __init__(self, in_f: int, out_f: int, bias: bool, tp: TPGroup, dtype: torch.dtype):
@@ -63,7 +76,7 @@ def shard_rows(full: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * n, n
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Sharded):
     """y = x W^T with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, in_f: int, out_f: int, bias: bool, tp: TPGroup, dtype: torch.dtype):
@@ -80,7 +93,7 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_Sharded):
     """Embedding rows split across ranks; out-of-shard ids contribute zeros, then all-reduce."""
 
     def __init__(self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype):
@@ -101,7 +114,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(emb)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_Sharded):
     """Vocab-sharded output projection; logits are gathered to every rank."""
 
     def __init__(self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype):
