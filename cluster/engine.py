@@ -89,7 +89,8 @@ class EngineCore:
             raise EngineDeadError(self.dead)
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        reqs = self.inputs.make_requests(request_id, prompt, params)
+        blocks = self.scheduler.blocks
+        reqs = self.inputs.make_requests(request_id, prompt, params, blocks.num_blocks * blocks.block_size)
         self.groups[request_id] = reqs
         for r in reqs:
             self.detok[r.request_id] = IncrementalDetokenizer(

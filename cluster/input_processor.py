@@ -33,7 +33,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise InvalidRequestError(f"prompt {prompt!r} tokenizes to no tokens", "prompt")
+            return prompt, list(ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             extra = set(prompt) - {"prompt_token_ids", "prompt"}
@@ -59,7 +62,10 @@ class InputProcessor:
             )
         return text, list(ids)
 
-    def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None) -> list[Request]:
+    def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None,
+                      kv_capacity: int | None = None) -> list[Request]:
+        """``kv_capacity``: tokens the whole KV cache holds; a sequence never grows past it
+        (it could never be scheduled), so it bounds the length like ``max_model_len``."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -75,12 +81,20 @@ class InputProcessor:
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt must leave room for at least one output token)", "prompt"
             )
+        limit = self.max_model_len
+        if kv_capacity is not None and kv_capacity < limit:
+            limit = kv_capacity
+            if n >= limit:
+                raise InvalidRequestError(
+                    f"prompt has {n} tokens, but the KV cache holds only {kv_capacity} tokens "
+                    "(num_kv_blocks x block_size); raise num_kv_blocks or kv_cache_memory_bytes", "prompt"
+                )
         if not self.chunked_prefill and n > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"prompt has {n} tokens > max_num_batched_tokens {self.max_num_batched_tokens} "
                 "and chunked prefill is disabled", "prompt"
             )
-        room = self.max_model_len - n
+        room = limit - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:

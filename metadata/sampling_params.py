@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPT_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 
 
 class SamplingParamsError(ValueError):
@@ -31,6 +39,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -41,9 +53,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         def bad(name: str, cond: str, value: object) -> SamplingParamsError:
             return SamplingParamsError(f"{name} must be {cond}, got {value!r}")
 
-        for name in ("n", "top_k", "min_tokens"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in _INT_FIELDS:
+            if not is_int(getattr(self, name)):
                 raise bad(name, "an integer", getattr(self, name))
+        for name in _OPT_INT_FIELDS:
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                raise bad(name, "an integer or None", v)
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v):
+                raise bad(name, "a finite number", v)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false", getattr(self, name))
+        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
+            raise bad("stop", "a list of strings (and stop_token_ids a list of ids)", self.stop)
         if not 1 <= self.n <= 128:
             raise bad("n", "in [1, 128]", self.n)
         if self.temperature < 0:
