@@ -51,8 +51,9 @@ class DeviceState:
         if len(tokens) > self.max_model_len:
             raise RuntimeError(f"request {req.handle} has {len(tokens)} tokens > max_model_len")
         self.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
-        self.num_computed[row] = 0
-        self.prompt_len[row] = len(req.prompt_token_ids)
+        # fill_ on a view launches a kernel; item assignment would copy a host scalar (a sync)
+        self.num_computed[row : row + 1].fill_(0)
+        self.prompt_len[row : row + 1].fill_(len(req.prompt_token_ids))
         self.num_blocks_cpu[row] = 0
         self.append_blocks(row, req.block_ids)
         self.sampling[row] = req.sampling

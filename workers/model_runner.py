@@ -78,10 +78,11 @@ class ModelRunner:
             query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             seq_lens_upper_bound=torch.tensor([n], dtype=torch.int32),
-            block_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(1, (n + self.block_size - 1) // self.block_size, dtype=torch.int32,
+                                    device=self.device),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             positions=pos, num_reqs=1, num_actual_tokens=n, max_query_len=n,
-            max_seq_len_upper_bound=1, bounds_are_exact=True,
+            max_seq_len_upper_bound=n, bounds_are_exact=True,
         )
         with torch.inference_mode():
             h = self.model(ids, pos, meta, dummy)
