@@ -197,7 +197,7 @@ class AsyncEngine:
         fut = self.loop.create_future()
         self._cmds.put(("state", fut))
         snap = await asyncio.wait_for(fut, 30)
-        return dict(snap, in_flight=len(self._streams))
+        return dict(snap, in_flight=len(self._streams), worker_pids=self.info.get("worker_pids", []))
 
     # ------------------------------------------------- event-loop side of hand-off
     def _resolve(self, fut: asyncio.Future, result, exc) -> None:

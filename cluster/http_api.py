@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics, and /v1/debug/kv for KV-block accounting.
+
+Every error is OpenAI's error JSON (never a traceback). A client that goes away
+cancels its handler (``handler_cancellation``), which aborts its requests and
+frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from cluster.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestStream
+from cluster.input_processor import InvalidRequestError
+from cluster.metrics import CONTENT_TYPE
+from cluster.openai_protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs, chat_params,
+    completion_logprobs, completion_params, decode_request, model_card, new_id, now,
+    parse_completion_prompts, render_chat, usage,
+)
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_PROMPT_FIELDS = {"prompt", "prompt_token_ids"}
+
+
+def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError | None:
+    """The API error for an engine-side exception (None: not an engine error)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        field = exc.field
+        if field in _PROMPT_FIELDS:
+            field = prompt_param
+        return APIError(400, str(exc), field)
+    if isinstance(exc, Overloaded):
+        return APIError(429, str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc))
+    return None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(data), status=status, content_type="application/json")
+
+
+def _error_response(err: APIError) -> web.Response:
+    return _json(err.body(), err.status)
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics=None):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = metrics
+        self.created = now()
+        self._tt: TokenText | None = None
+
+    @property
+    def token_text(self) -> TokenText:
+        if self._tt is None:
+            self._tt = TokenText(self.engine.tokenizer)
+        return self._tt
+
+    # ----------------------------------------------------------------- app
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/debug/kv", self.debug_kv)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except APIError as err:
+            status = err.status
+            return _error_response(err)
+        except web.HTTPException as exc:
+            status = exc.status
+            if exc.status < 400:
+                raise
+            msg = {404: f"no route for {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
+            return _error_response(APIError(exc.status, msg))
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499
+            raise
+        except Exception as exc:  # noqa: BLE001
+            err = engine_error(exc)
+            if err is None:
+                logger.exception("unhandled error on %s %s", request.method, request.path)
+                err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+            status = err.status
+            return _error_response(err)
+        finally:
+            if self.metrics is not None:
+                route = request.match_info.route.resource
+                self.metrics.count_request(route.canonical if route is not None else "unmatched", status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            if not header:
+                raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                raise APIError(401, "invalid API key")
+        return await handler(request)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model", "model_not_found")
+
+    # ------------------------------------------------------------ simple routes
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.dead:
+            raise APIError(503, f"the engine failed: {self.engine.dead}")
+        if not self.engine.healthy:
+            raise APIError(503, "the server is shutting down")
+        return _json({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = self.metrics.render() if self.metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [model_card(self.model_name, self.engine.info, self.created)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return _json(model_card(self.model_name, self.engine.info, self.created))
+
+    async def debug_kv(self, request: web.Request) -> web.Response:
+        return _json(await self.engine.debug_state())
+
+    # ------------------------------------------------------------- generation
+    async def _add_all(self, base_id: str, prompts: list, params, prompt_param: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, p, params))
+        except BaseException as exc:
+            for s in streams:
+                s.close()
+            err = engine_error(exc, prompt_param)
+            if err is not None:
+                raise err from None
+            raise
+        return streams
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), CompletionRequest)
+        self._check_model(req.model)
+        params = completion_params(req)
+        prompts = parse_completion_prompts(req.prompt)
+        rid = req.request_id or new_id("cmpl")
+        streams = await self._add_all(rid, prompts, params, "prompt")
+        ctx = _Ctx(self, rid, "text_completion", params.n, req.stream_options, req.echo)
+        try:
+            if req.stream:
+                return await self._stream(request, ctx, streams, self._completion_chunk)
+            outs = await _results(streams)
+        finally:
+            for s in streams:
+                s.close()
+        choices, n_out = [], 0
+        for i, (s, out) in enumerate(zip(streams, outs)):
+            for o in out.outputs:
+                lp = None
+                if params.logprobs is not None and o.logprobs is not None:
+                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, self.token_text, 0)
+                text = (self._prompt_text(s) + o.text) if req.echo else o.text
+                choices.append({"index": i * params.n + o.index, "text": text, "logprobs": lp,
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                n_out += len(o.token_ids)
+        n_prompt = sum(len(s.prompt_token_ids) for s in streams)
+        return _json({"id": rid, "object": "text_completion", "created": ctx.created, "model": self.model_name,
+                      "choices": choices, "usage": usage(n_prompt, n_out)})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), ChatCompletionRequest)
+        self._check_model(req.model)
+        params = chat_params(req)
+        prompt = render_chat(self.engine.tokenizer, req)
+        rid = req.request_id or new_id("chatcmpl")
+        streams = await self._add_all(rid, [prompt], params, "messages")
+        ctx = _Ctx(self, rid, "chat.completion.chunk", params.n, req.stream_options, False)
+        ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            if req.stream:
+                return await self._stream(request, ctx, streams, self._chat_chunk)
+            (out,) = await _results(streams)
+        finally:
+            for s in streams:
+                s.close()
+        choices = []
+        for o in out.outputs:
+            lp = None
+            if ctx.top_logprobs is not None and o.logprobs is not None:
+                lp = chat_logprobs(o.token_ids, o.logprobs, self.token_text, ctx.top_logprobs)
+            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                            "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        n_out = sum(len(o.token_ids) for o in out.outputs)
+        return _json({"id": rid, "object": "chat.completion", "created": ctx.created, "model": self.model_name,
+                      "choices": choices, "usage": usage(len(streams[0].prompt_token_ids), n_out)})
+
+    def _prompt_text(self, s: RequestStream) -> str:
+        if s.prompt is not None:
+            return s.prompt
+        return self.engine.tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False)
+
+    # -------------------------------------------------------------- streaming
+    def _completion_chunk(self, ctx: "_Ctx", i: int, s: RequestStream, index: int, token_ids, text: str,
+                          lps, finish, stop_reason) -> dict[str, Any]:
+        key = (i, index)
+        if ctx.echo and key not in ctx.started:
+            text = self._prompt_text(s) + text
+        ctx.started.add(key)
+        lp = None
+        if lps is not None:
+            lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, self.token_text, ctx.offsets.get(key, 0))
+        choice = {"index": i * ctx.n + index, "text": text, "logprobs": lp, "finish_reason": finish,
+                  "stop_reason": stop_reason}
+        return ctx.chunk([choice])
+
+    def _chat_chunk(self, ctx: "_Ctx", i: int, s: RequestStream, index: int, token_ids, text: str,
+                    lps, finish, stop_reason) -> dict[str, Any]:
+        lp = None
+        if lps is not None and ctx.top_logprobs is not None:
+            lp = chat_logprobs(token_ids, lps, self.token_text, ctx.top_logprobs)
+        delta = {"content": text} if (text or finish is None) else {}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                  "stop_reason": stop_reason}
+        return ctx.chunk([choice])
+
+    async def _stream(self, request: web.Request, ctx: "_Ctx", streams: list[RequestStream], make) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": ctx.rid})
+        await resp.prepare(request)
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(b"data: " + _encode(obj) + b"\n\n")
+
+        if make == self._chat_chunk:
+            for idx in range(ctx.n):
+                await send(ctx.chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+        finished: set[tuple[int, int]] = set()
+        n_out = 0
+        merged = _merge(streams)
+        try:
+            async for i, d in merged:
+                n_out += len(d.token_ids)
+                if d.finish_reason:
+                    finished.add((i, d.index))
+                await send(make(ctx, i, streams[i], d.index, d.token_ids, d.text, d.logprobs,
+                                d.finish_reason, d.stop_reason))
+            for i, s in enumerate(streams):  # sequences the server aborted (shutdown) end too
+                for o in (s.output.outputs if s.output else []):
+                    if (i, o.index) not in finished:
+                        await send(make(ctx, i, s, o.index, [], "", None, o.finish_reason or "abort", None))
+            if ctx.stream_options is not None and ctx.stream_options.include_usage:
+                chunk = ctx.chunk([])
+                chunk["usage"] = usage(sum(len(s.prompt_token_ids) for s in streams), n_out)
+                await send(chunk)
+        except EngineUnavailable as exc:
+            await send(APIError(503, str(exc)).body())
+        finally:
+            await merged.aclose()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+class _Ctx:
+    def __init__(self, server: OpenAIServer, rid: str, obj: str, n: int, stream_options, echo: bool):
+        self.server = server
+        self.rid = rid
+        self.object = obj if obj != "text_completion" else "text_completion"
+        self.n = n
+        self.stream_options = stream_options
+        self.echo = echo
+        self.created = now()
+        self.top_logprobs: int | None = None
+        self.started: set = set()
+        self.offsets: dict = {}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+
+
+async def _results(streams: list[RequestStream]):
+    try:
+        return await asyncio.gather(*(s.result() for s in streams))
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc)) from None
+
+
+async def _merge(streams: list[RequestStream]):
+    """(stream index, delta) from all streams as they arrive."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for d in s:
+                q.put_nowait((i, d))
+            q.put_nowait((i, None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            q.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

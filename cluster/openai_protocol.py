@@ -1,0 +1,300 @@
+"""OpenAI-compatible request parsing, validation and response shapes.
+
+Requests are decoded strictly (``msgspec``): a wrong JSON type or an unknown
+field is a 400 whose message and ``param`` name the field. Sampling fields map
+onto ``SamplingParams`` (vLLM extras included) and range errors name the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from metadata.sampling_params import SamplingParams, SamplingParamsError
+
+_ERROR_TYPES = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("service_unavailable", "engine_unavailable"),
+}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code or _ERROR_TYPES.get(status, ("error", None))[1]
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, ("error",))[0],
+                          "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------ requests
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def decode_request(body: bytes, typ: type) -> Any:
+    if not body:
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _validation_error(msg: str) -> APIError:
+    if "unknown field" in msg:
+        name = msg.split("`")[1]
+        return APIError(400, f"unrecognized request argument supplied: {name}", param=name)
+    if "missing required field" in msg:
+        name = msg.split("`")[1]
+        return APIError(400, f"{name}: a required field is missing", param=name)
+    if " - at `$." in msg:
+        text, path = msg.rsplit(" - at `$.", 1)
+        path = path.rstrip("`")
+        return APIError(400, f"{path}: {text}", param=path.split("[")[0].split(".")[0])
+    return APIError(400, f"invalid request: {msg}")
+
+
+def parse_completion_prompts(prompt: Any) -> list[Any]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def ids_ok(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            if any(not p for p in prompt):
+                raise APIError(400, "prompt must not contain empty strings", "prompt")
+            return list(prompt)
+        if ids_ok(prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        if all(ids_ok(p) for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]
+    raise APIError(400, "prompt must be a non-empty string, a list of strings, a list of token ids "
+                        "or a list of token-id lists", "prompt")
+
+
+def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    kw: dict[str, Any] = {
+        "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "seed": req.seed, "repetition_penalty": req.repetition_penalty,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "min_tokens": req.min_tokens, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+        "include_stop_str_in_output": req.include_stop_str_in_output, "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens,
+    }
+    kw = {k: v for k, v in kw.items() if v is not None}
+    kw["max_tokens"] = max_tokens
+    try:
+        return SamplingParams(**kw)
+    except SamplingParamsError as exc:
+        msg = str(exc)
+        raise APIError(400, msg, msg.split(" ")[0]) from None
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", "logprobs")
+    return to_sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                              logprobs=req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise APIError(400, "tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"{name} must be an integer >= 1, got {max_tokens}", name)
+    return to_sampling_params(req, max_tokens=max_tokens,
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+
+
+def render_chat(tokenizer, req: ChatCompletionRequest) -> dict[str, Any]:
+    """Apply the tokenizer's chat template; the engine prompt (token ids and text)."""
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    msgs = []
+    for i, m in enumerate(req.messages):
+        if not m.role:
+            raise APIError(400, f"messages[{i}].role must not be empty", "messages")
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if p.type != "text" or p.text is None:
+                    raise APIError(400, f"messages[{i}].content: only text content parts are supported "
+                                        f"(got type {p.type!r})", "messages")
+                parts.append(p.text)
+            content = "".join(parts)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        msgs.append(msg)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+    except Exception as exc:  # jinja errors, raise_exception() in templates
+        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "the chat template rendered an empty prompt", "messages")
+    return {"prompt_token_ids": ids, "prompt": text}
+
+
+# ----------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class TokenText:
+    """Token id -> text of that token alone (for logprobs), cached."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self.cache[tid] = s
+        return s
+
+
+def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]], tt: TokenText,
+                        offset: int) -> tuple[dict[str, Any], int]:
+    """OpenAI legacy logprobs object for these tokens; returns it and the next text offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp in zip(token_ids, lps):
+        s = tt(tid)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp.get(tid))
+        out["top_logprobs"].append({tt(t): v for t, v in lp.items()})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out, offset
+
+
+def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], tt: TokenText, top: int) -> dict[str, Any]:
+    content = []
+    for tid, lp in zip(token_ids, lps):
+        items = list(lp.items())
+        tops = items[1:] if len(items) > top else items
+        s = tt(tid)
+        content.append({
+            "token": s, "logprob": lp.get(tid), "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode("utf-8"))}
+                             for t, v in sorted(tops, key=lambda kv: -kv[1])[:top]],
+        })
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(name: str, info: dict[str, Any], created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "syncless",
+            "root": info.get("model_path"), "parent": None, "max_model_len": info.get("max_model_len")}
