@@ -60,6 +60,7 @@ class Scheduler:
         self.blocks.free(req)
         if req.handle >= 0:
             self._pending_release.append(req.handle)
+            self.by_handle.pop(req.handle, None)
             req.handle = -1
 
     def has_unfinished(self) -> bool:
@@ -136,7 +137,9 @@ class Scheduler:
         remaining = req.num_tokens_upper - req.num_computed_tokens
         if remaining <= 0:
             return 0
-        if remaining > budget and not self.cfg.scheduler.enable_chunked_prefill:
+        if remaining > budget and not self.cfg.scheduler.enable_chunked_prefill and not req.output_token_ids:
+            # prompts are not chunked; a preempted request's recompute (prompt + outputs) may
+            # outgrow the budget, so it is chunked: otherwise it could never run again
             return 0
         n = min(remaining, budget)
         if req.num_computed_tokens + n >= req.num_tokens_upper:  # this row would sample
@@ -167,5 +170,6 @@ class Scheduler:
         self.num_preemptions += 1
         if req.handle >= 0:
             self._pending_preempt.append(req.handle)
+            self.by_handle.pop(req.handle, None)
             req.handle = -1
         self.waiting.appendleft(req)
