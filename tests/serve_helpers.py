@@ -41,7 +41,8 @@ class ServerProcess:
     """``python -m cluster.serve`` in its own process group, logging to a file."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 ray_addr: str | None = None):
+                 ray_addr: str | None = None, api_key: str | None = None):
+        self.api_key = api_key
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.log_path = log_path
@@ -117,17 +118,18 @@ class ServerProcess:
         finally:
             self.kill()
 
-    def debug_state(self, api_key: str | None = API_KEY) -> dict:
+    def debug_state(self) -> dict:
+        api_key = self.api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         r = httpx.get(self.url + "/v1/debug/kv", headers=headers, timeout=30)
         r.raise_for_status()
         return r.json()
 
-    def wait_kv_free(self, timeout: float = 30.0, api_key: str | None = API_KEY) -> dict:
+    def wait_kv_free(self, timeout: float = 30.0) -> dict:
         """Poll until no request holds KV blocks (aborts are asynchronous)."""
         deadline = time.monotonic() + timeout
         while True:
-            st = self.debug_state(api_key)
+            st = self.debug_state()
             if (st["num_free_blocks"] == st["num_blocks"] and st["running"] == 0 and st["waiting"] == 0
                     and st["groups"] == 0 and st["in_flight"] == 0):
                 return st
@@ -148,7 +150,8 @@ def server(ray_local, serve_model, tmp_path_factory):
     args = ["--model", str(serve_model), "--api-key", API_KEY, "--async-scheduling"]
     for k, v in ENGINE_OPTS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
-    proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address())
+    proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address(),
+                         api_key=API_KEY)
     try:
         yield proc.wait_ready()
     finally:
@@ -179,6 +182,3 @@ def openai_client(server):
     yield client
     client.close()
 
-
-def offline_generate(llm, prompts, params):
-    return llm.generate(prompts, params, use_tqdm=False)

@@ -8,8 +8,6 @@ import httpx
 import pytest
 
 from metadata.sampling_params import SamplingParams
-from tests.serve_helpers import API_KEY, offline_generate
-
 pytest_plugins = ["tests.serve_helpers"]
 
 SEEDED = [
@@ -44,7 +42,7 @@ def test_models_health_metrics(server, openai_client, model_name):
 
 @pytest.mark.parametrize("prompt,kw", SEEDED, ids=["top_p", "top_k", "greedy", "penalties"])
 def test_completion_equals_offline(openai_client, offline, model_name, prompt, kw):
-    (ref,) = offline_generate(offline, [prompt], SamplingParams(**kw))
+    (ref,) = offline.generate([prompt], SamplingParams(**kw))
     r = openai_client.completions.create(model=model_name, prompt=prompt, extra_body=_extra(kw), **_std(kw))
     assert r.choices[0].text == ref.outputs[0].text
     assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
@@ -55,7 +53,7 @@ def test_completion_equals_offline(openai_client, offline, model_name, prompt, k
 def test_completion_batch_token_ids_and_n(openai_client, offline, model_name):
     prompts = [[5, 6, 7], [100, 101]]
     params = SamplingParams(temperature=0.9, seed=3, max_tokens=5, n=2)
-    refs = offline_generate(offline, [{"prompt_token_ids": p} for p in prompts], params)
+    refs = offline.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     r = openai_client.completions.create(model=model_name, prompt=prompts, n=2, temperature=0.9, seed=3,
                                          max_tokens=5)
     got = {c.index: c.text for c in r.choices}
@@ -66,7 +64,7 @@ def test_completion_batch_token_ids_and_n(openai_client, offline, model_name):
 
 def test_completion_stream_equals_offline(openai_client, offline, model_name):
     prompt, kw = SEEDED[0]
-    (ref,) = offline_generate(offline, [prompt], SamplingParams(**kw))
+    (ref,) = offline.generate([prompt], SamplingParams(**kw))
     chunks = list(openai_client.completions.create(model=model_name, prompt=prompt, stream=True,
                                                    stream_options={"include_usage": True}, **_std(kw)))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -78,10 +76,10 @@ def test_completion_stream_equals_offline(openai_client, offline, model_name):
 
 def test_stop_string_and_logprobs_equal_offline(openai_client, offline, model_name):
     prompt = "w5 w6 w7"
-    (free,) = offline_generate(offline, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    (free,) = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     stop = free.outputs[0].text.split()[3]  # a word the greedy continuation produces
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop], logprobs=2)
-    (ref,) = offline_generate(offline, [prompt], params)
+    (ref,) = offline.generate([prompt], params, use_tqdm=False)
     r = openai_client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=8, stop=[stop],
                                          logprobs=2, extra_body={"ignore_eos": True})
     c = r.choices[0]
@@ -95,7 +93,7 @@ def _chat_ref(offline, messages, params):
     tok = offline.get_tokenizer()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
-    (ref,) = offline_generate(offline, [{"prompt_token_ids": ids}], params)
+    (ref,) = offline.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
     return ref
 
 
@@ -138,7 +136,7 @@ def test_chat_stream_and_logprobs(openai_client, offline, model_name):
 
 def test_disconnect_aborts_and_frees_kv(server, model_name):
     """A streaming client that goes away, and a non-streaming one that is cancelled, free their blocks."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    headers = {"Authorization": f"Bearer {server.api_key}"}
     body = {"model": model_name, "prompt": "w5 w6", "max_tokens": 500, "ignore_eos": True, "n": 4}
     with httpx.Client(timeout=60, headers=headers) as c:
         before = _aborts(c, server)
