@@ -317,7 +317,7 @@ def llm(ray_local, eos_setup):
 
 def cont(tok, prompt, out):
     """The text ``out`` adds after ``prompt`` (what a detokenizer must stream)."""
-    return tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
 
 
 def _tokens(outs):
