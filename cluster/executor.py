@@ -45,7 +45,8 @@ def death_cause(exc: BaseException) -> str:
         return "killed by ray.kill"
     m = re.search(r"Worker exit type: (\S+)\s*Worker exit detail: (.+?)(?:\n|$)", text)
     if m:
-        return f"{m.group(1)}: {m.group(2).strip()}"
+        detail = m.group(2).split(" Some common causes")[0].strip()
+        return f"its process exited ({m.group(1)}: {detail[:300]})"
     for line in text.splitlines():
         line = line.strip()
         if line and "actor_id" not in line.lower():

@@ -68,6 +68,10 @@ class WorkerActor:
             **self.platform.describe(),
         }
 
+    def stats(self) -> dict:
+        model = self.runner.model if self.runner is not None else None
+        return {"ubatched_steps": getattr(model, "num_split_steps", 0)}
+
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""
         import ray
