@@ -117,17 +117,18 @@ def decode_request(body: bytes, typ: type) -> Any:
 
 
 def _validation_error(msg: str) -> APIError:
-    if "unknown field" in msg:
-        name = msg.split("`")[1]
-        return APIError(400, f"unrecognized request argument supplied: {name}", param=name)
-    if "missing required field" in msg:
-        name = msg.split("`")[1]
-        return APIError(400, f"{name}: a required field is missing", param=name)
-    if " - at `$." in msg:
-        text, path = msg.rsplit(" - at `$.", 1)
-        path = path.rstrip("`")
+    text, _, path = msg.partition(" - at `$")
+    path = path.rstrip("`").lstrip(".")
+    field = msg.split("`")[1] if "`" in text and ("unknown field" in text or "missing required" in text) else None
+    if "unknown field" in text:
+        where = f"{path}.{field}" if path else field
+        return APIError(400, f"unrecognized request argument supplied: {where}", param=(path or field).split("[")[0])
+    if "missing required field" in text:
+        where = f"{path}.{field}" if path else field
+        return APIError(400, f"{where}: a required field is missing", param=(path or field).split("[")[0])
+    if path:
         return APIError(400, f"{path}: {text}", param=path.split("[")[0].split(".")[0])
-    return APIError(400, f"invalid request: {msg}")
+    return APIError(400, f"invalid request: {text}")
 
 
 def parse_completion_prompts(prompt: Any) -> list[Any]:

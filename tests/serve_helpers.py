@@ -145,22 +145,28 @@ def serve_model(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
-def server(ray_local, serve_model, tmp_path_factory):
-    """The main server: the tiny llama checkpoint, joined to the tests' Ray instance."""
-    args = ["--model", str(serve_model), "--api-key", API_KEY, "--async-scheduling"]
+def _server_proc(ray_local, serve_model, tmp_path_factory):
+    """The main server's process, started (not yet ready): the tiny llama checkpoint,
+    joined to the tests' Ray instance. The offline engine loads while it starts."""
+    args = ["--model", str(serve_model), "--api-key", API_KEY]
     for k, v in ENGINE_OPTS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
     proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address(),
                          api_key=API_KEY)
     try:
-        yield proc.wait_ready()
+        yield proc
     finally:
         rc = proc.stop()
         assert rc == 0, f"server exit code {rc}:\n{proc.log()[-3000:]}"
 
 
 @pytest.fixture(scope="session")
-def offline(ray_local, serve_model):
+def server(_server_proc):
+    return _server_proc.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def offline(ray_local, serve_model, _server_proc):
     """The offline API on the same checkpoint and options, in the test process."""
     from cluster import LLM
 
