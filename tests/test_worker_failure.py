@@ -1,0 +1,59 @@
+"""Killing a worker mid-generation fails the in-flight requests fast, names the rank, and the
+engine serves new requests after restarting its workers."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from cluster import LLM, SamplingParams
+from cluster.executor import EngineDeadError
+from metadata.wire import StepPlan
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 9, 17, 33, 60, 7]}
+
+
+@pytest.mark.parametrize("async_scheduling", [True], ids=["async"])
+def test_killed_worker_fails_requests_then_engine_restarts(ray_local, ckpt_dir, async_scheduling):
+    llm = LLM(model=str(ckpt_dir("llama")), tensor_parallel_size=2, block_size=8, max_model_len=256,
+              async_scheduling=async_scheduling)
+    try:
+        eng = llm.engine
+        expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        for i in range(3):
+            eng.add_request(f"long-{i}", {"prompt_token_ids": [4 + i] * 20},
+                            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        got = 0
+        while got < 6:  # mid-generation: tokens are flowing
+            got += sum(len(d.token_ids) for d in eng.step())
+        victim = eng.executor.workers[1]
+        pid = ray.get(victim.ping.remote(), timeout=10)["pid"]
+        os.kill(pid, signal.SIGKILL)  # rank 0 is left blocked in a collective with a dead peer
+        t0 = time.monotonic()
+        failed: dict[str, str] = {}
+        while len(failed) < 3:
+            assert time.monotonic() - t0 < 10, "in-flight requests did not fail within 10 s"
+            for d in eng.step():
+                if d.finish_reason == "error":
+                    failed[d.request_id] = d.error
+        assert time.monotonic() - t0 < 10
+        assert set(failed) == {"long-0", "long-1", "long-2"}
+        msg = failed["long-0"]
+        assert "rank 1" in msg and "died" in msg and f"pid {pid}" in msg and "exited" in msg, msg
+        assert eng.dead == msg
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            eng.executor.submit(StepPlan(step_id=10**6))  # the executor knows its workers are gone
+        for i in range(3):
+            eng.release(f"long-{i}")
+
+        # a new request restarts the workers (engine -> executor.restart()) and is served
+        out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected and out.outputs[0].finish_reason == "length"
+        assert eng.dead is None and eng.executor.num_restarts == 1
+        pids = {p["pid"] for p in ray.get([w.ping.remote() for w in eng.executor.workers], timeout=10)}
+        assert pid not in pids and len(pids) == 2
+    finally:
+        llm.shutdown()
