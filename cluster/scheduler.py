@@ -34,7 +34,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.by_handle: dict[int, Request] = {}
         self._handles = itertools.count(1)
-        self._step_ids = itertools.count(1)
+        self._last_step_id = 0  # ids of plans with content are consecutive: 1, 2, 3, ...
         self._pending_release: list[int] = []  # handles to release on the workers
         self._pending_preempt: list[int] = []
         self.num_preemptions = 0
@@ -71,7 +71,7 @@ class Scheduler:
         budget = self.cfg.scheduler.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         new_reqs: list[NewRequest] = []
-        step = ScheduledStep(plan=StepPlan(step_id=next(self._step_ids)))
+        step = ScheduledStep(plan=StepPlan(step_id=self._last_step_id + 1))
         scheduled: set[int] = set()
         preempted_now = False
 
@@ -131,6 +131,9 @@ class Scheduler:
         plan.new_requests = new_reqs
         plan.finished_handles, self._pending_release = self._pending_release, []
         plan.preempted_handles, self._pending_preempt = self._pending_preempt, []
+        if plan.rows or plan.new_requests or plan.finished_handles or plan.preempted_handles:
+            # an empty plan is never sent, so it does not use up an id: workers see no gaps
+            self._last_step_id = plan.step_id
         return step
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:

@@ -58,6 +58,11 @@ def greedy_ref(model):
     return hf_greedy(model, PROMPTS, MAX_NEW)
 
 
+def alive(llm):
+    """An engine that died mid-run ends requests with finish_reason 'error'; say why."""
+    assert llm.engine.dead is None, f"async={llm.engine.async_scheduling}: the engine died: {llm.engine.dead}"
+
+
 def cont(tok, prompt, out):
     return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
 
@@ -114,6 +119,7 @@ def test_mixed_workload_async_equals_sync(engines, greedy_ref):
         params = _params(tok, greedy_ref)
         before = llm.engine.scheduler.num_preemptions
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        alive(llm)
         assert llm.engine.scheduler.num_preemptions > before, f"async={mode}: the tiny cache should preempt"
         llm.engine.scheduler.blocks.check_all_free()
         assert not llm.engine.has_unfinished()
@@ -147,6 +153,7 @@ def _drive(engine, todo, abort_at: dict[int, list[str]], max_steps=5000):
             s[1] += d.text
         for rid in abort_at.get(step, []):
             assert engine.abort(rid)
+    assert engine.dead is None, f"async={engine.async_scheduling}: the engine died: {engine.dead}"
     outs = {rid: engine.output(rid) for rid, _, _ in todo}
     for rid in outs:
         engine.release(rid)
@@ -163,6 +170,7 @@ def test_aborts_mid_stream(engines, greedy_ref):
         outs, streamed = _drive(llm.engine, todo, {3: ["m4"], 4: ["m0", "m1"], 9: ["m2"]})
         llm.engine.scheduler.blocks.check_all_free()
         full = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]], params[:6], use_tqdm=False)
+        alive(llm)
         for i, (rid, _, _) in enumerate(todo):
             c = outs[rid].outputs[0]
             ref = full[i].outputs[0]
@@ -216,6 +224,7 @@ def test_seeded_sampling_async_equals_sync(engines):
                for i, (t, tp, k, mp) in enumerate([(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 10, 0.0),
                                                    (1.0, 1.0, 0, 0.1), (2.0, 0.8, 50, 0.02)])]
         res[mode] = _tokens = [o.outputs[0].token_ids for o in llm.generate(ps, sps, use_tqdm=False)]
+        alive(llm)
         assert all(len(t) == MAX_NEW for t in _tokens)
         # alone, the same seeds give the same tokens
         assert llm.generate([ps[2]], sps[2])[0].outputs[0].token_ids == _tokens[2]

@@ -138,6 +138,7 @@ class FakeExecutor:
 
     def submit(self, plan):
         self.submitted += 1
+        assert plan.step_id == self.submitted, "submitted plans must have consecutive step ids"
         return [self.worker.execute(plan)]  # workers run plans in submission order
 
     def collect(self, refs):
@@ -359,9 +360,10 @@ def test_async_keeps_two_plans_in_flight(make_engine):
     engine = make_engine(async_scheduling=True, **CONFIGS[3])
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.step()
-    assert len(engine.in_flight) == 1  # the second plan went out before the first result was processed
+    # the next plan(s) went out before the first result was processed
+    assert len(engine.in_flight) >= 1
     r = engine.groups["a"][0]
-    assert r.num_placeholders == 1
+    assert r.num_placeholders == len(engine.in_flight)
     while engine.has_unfinished():
         engine.step()
     out = engine.output("a").outputs[0]
