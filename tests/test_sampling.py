@@ -464,3 +464,37 @@ def test_max_tokens_and_stop_strings(llm, eos_setup):
         assert c.finish_reason == "stop" and c.stop_reason == stop
         assert c.token_ids == g0[:n_tok]
         assert c.text == full[: first + (len(stop) if include else 0)]
+
+
+def test_penalties_end_to_end_match_transformers(llm):
+    """Greedy decoding under repetition/presence/frequency penalties, alone and in a preempting batch:
+    the worker's prompt masks and output counts must follow the sequence (also after recompute)."""
+    hf = HF(llm.engine.model_dir)
+    cases = [dict(repetition_penalty=1.6), dict(presence_penalty=1.5), dict(frequency_penalty=1.2),
+             dict(repetition_penalty=0.7, frequency_penalty=-0.5),
+             dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.6)]
+    prompts = [_prompt(40 + i, 6 + 5 * i) for i in range(len(cases))]
+
+    def expected(prompt, kw):
+        out = []
+        for _ in range(MAX_NEW):
+            lg = hf.logits(prompt + out)[-1].numpy()
+            counts = np.bincount(out, minlength=len(lg)) if out else np.zeros(len(lg))
+            pmask = np.zeros(len(lg), bool)
+            pmask[prompt] = True
+            p = ref_probs(lg, temperature=0, rep=kw.get("repetition_penalty", 1.0),
+                          presence=kw.get("presence_penalty", 0.0), frequency=kw.get("frequency_penalty", 0.0),
+                          output_counts=counts, prompt_mask=pmask)
+            out.append(int(np.argmax(p)))
+        return out
+
+    want = [expected(p, kw) for p, kw in zip(prompts, cases)]
+    plain = hf.greedy(prompts[0], MAX_NEW)
+    assert want[0] != plain, "the penalty should change this greedy continuation"
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in cases]
+    alone = [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert alone == want
+    before = llm.engine.scheduler.num_preemptions
+    batch = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    assert batch == want
+    assert llm.engine.scheduler.num_preemptions > before
