@@ -47,7 +47,8 @@ def run_hf(model_dir: str, load_format: str, token_prompts: list[list[int]], out
     # generate_batch takes one max_new_tokens for all requests: the workload's maximum.
     max_new = max(output_lens)
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with torch.inference_mode():
+    # no inference_mode: generate_batch updates its tensors in a background thread
+    with torch.no_grad():
         model.generate_batch(inputs=[p[:16] for p in token_prompts[:4]],
                              generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
                                                                 eos_token_id=-1, pad_token_id=0))

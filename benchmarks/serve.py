@@ -169,7 +169,9 @@ def _tokenizer_and_vocab(args: argparse.Namespace, server_info: dict) -> tuple[A
         model_dir, _ = common.model_and_format(args)
     tok_dir = args.tokenizer or model_dir
     tok = None
-    if tok_dir:
+    # token-id prompts of the random dataset need only the vocabulary size
+    needed = args.tokenizer or args.prompt_format == "text" or args.dataset != "random"
+    if tok_dir and needed:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        [r.expected_output_len for r in requests], engine_cfg["model"]["dtype"],
                        args.hf_attn_implementation, device)
         result["baseline"] = base
+        if "error" not in base and not base.get("output_tokens_per_second"):
+            base["error"] = "transformers generate_batch produced no output tokens (see its log)"
         if "error" in base:
             print(f"baseline hf: {base['error']}", file=sys.stderr)
         else:
