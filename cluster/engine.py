@@ -81,6 +81,7 @@ class EngineCore:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "plan_bytes": 0}
         self.dead: str | None = None
+        self._last_sent_step = 0  # reset to 0 whenever the workers are restarted
         self.timeline: list[tuple[int, float, float]] = []  # (rows, device step s, idle before s)
 
     # ------------------------------------------------------------------ API
@@ -137,13 +138,17 @@ class EngineCore:
         """Advance by one step result; returns the per-sequence deltas it produced."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        depth = 2 if self.async_scheduling else 1
+        # async: the driver stays two steps ahead, so result travel, output processing and the
+        # next plan's preparation all hide behind device work (exact lengths stay on the device)
+        depth = 3 if self.async_scheduling else 1
         while len(self.in_flight) < depth and self.scheduler.has_unfinished():
             t_plan = time.perf_counter()
             sched = self.scheduler.schedule()
             plan = sched.plan
             if not (plan.rows or plan.finished_handles or plan.preempted_handles):
                 break
+            plan.prev_step_id = self._last_sent_step
+            self._last_sent_step = plan.step_id
             t_sched = time.perf_counter()
             try:
                 refs = self.executor.submit(plan)

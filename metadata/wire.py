@@ -50,6 +50,9 @@ class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
     step_id: int
+    prev_step_id: int = 0
+    """The plan sent to the workers just before this one (0: the first since they started).
+    Calls into an async Ray actor may start out of order; workers run plans by this chain."""
     new_requests: list[NewRequest] = []
     rows: list[ScheduledRow] = []
     finished_handles: list[int] = []  # finished or aborted: release the worker's row

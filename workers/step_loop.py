@@ -30,23 +30,32 @@ class StepLoop:
         self.max_launched = max_launched
         self.inbox: queue.Queue = queue.Queue()
         self._last_step = 0
+        self._order_lock = threading.Lock()
+        self._waiting: dict[int, tuple] = {}  # prev_step_id -> (plan, future)
+        self._released = 0  # step id of the last plan handed to the step thread
         self._thread = threading.Thread(target=self._run, name=f"step-loop-{rank}", daemon=True)
         self._stop = False
         self._thread.start()
 
     def submit(self, plan_bytes: bytes) -> concurrent.futures.Future:
+        """Queue a plan; plans are released to the step thread in ``prev_step_id`` order."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put((plan_bytes, fut))
+        plan = decode_plan(plan_bytes)
+        with self._order_lock:
+            if plan.prev_step_id == 0:
+                self._released = 0  # the first plan of a (re)started engine
+            self._waiting[plan.prev_step_id] = (plan, fut)
+            while self._released in self._waiting:
+                item = self._waiting.pop(self._released)
+                self._released = item[0].step_id
+                self.inbox.put(item)
         return fut
 
     def stop(self) -> None:
         self._stop = True
         self.inbox.put(None)
 
-    def _launch(self, plan_bytes: bytes):
-        plan = decode_plan(plan_bytes)
-        if plan.step_id <= self._last_step:
-            raise RuntimeError(f"plan {plan.step_id} arrived after plan {self._last_step}: out of order")
+    def _launch(self, plan):
         self._last_step = plan.step_id
         with self.sync_check.armed():
             return plan.step_id, self.runner.launch(plan)
@@ -68,12 +77,12 @@ class StepLoop:
             if item is None and self._stop:
                 break
             if item is not None:
-                plan_bytes, fut = item
+                plan, fut = item
                 try:
-                    step_id, pending = self._launch(plan_bytes)
+                    step_id, pending = self._launch(plan)
                     launched.append((step_id, pending, fut))
                 except Exception as exc:  # reported to the driver
-                    fut.set_result(self._error(-1, exc))
+                    fut.set_result(self._error(plan.step_id, exc))
                 continue
             step_id, pending, fut = launched[0]
             if not pending.ready():
