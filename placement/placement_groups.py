@@ -162,9 +162,13 @@ def describe_shortfall(layout: Layout, resource: str, nodes: list[NodeView]) -> 
 
 def cluster_nodes(resource: str) -> list[NodeView]:
     import ray
-    from ray._private import state
 
-    free = state.available_resources_per_node()
+    try:
+        from ray._private import state
+
+        free = state.available_resources_per_node()
+    except Exception:  # a private API: without it, report totals as free
+        free = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
     out = []
     for n in ray.nodes():
         if not n.get("Alive"):
