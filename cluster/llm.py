@@ -75,8 +75,12 @@ class LLM:
         finally:
             if bar:
                 bar.close()
+        if self.engine.dead:
+            from cluster.executor import EngineDeadError
+
+            raise EngineDeadError(f"the engine failed during generate(): {self.engine.dead}")
         if pending:
-            raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished: {self.engine.dead}")
+            raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
         return [results[i] for i in ids]
 
     def shutdown(self) -> None:
