@@ -87,7 +87,7 @@ class EngineCore:
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> None:
         if self.dead:
-            raise EngineDeadError(self.dead)
+            self.recover()
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         blocks = self.scheduler.blocks
@@ -98,6 +98,16 @@ class EngineCore:
                 self.tokenizer, r.prompt_token_ids, r.params.skip_special_tokens
             )
             self.scheduler.add(r)
+
+    def recover(self) -> None:
+        """Restart the workers after a failure (its requests already finished with an error).
+        The new workers' KV caches are empty, so the scheduler starts afresh too."""
+        logger.warning("restarting the workers after: %s", self.dead)
+        self.executor.restart()
+        self.scheduler = Scheduler(self.cfg, self.executor.num_blocks, self.max_model_len)
+        self.in_flight.clear()
+        self._last_sent_step = 0  # the new workers' plan chain starts again
+        self.dead = None
 
     def abort(self, request_id: str) -> bool:
         reqs = self.groups.get(request_id)

@@ -13,7 +13,7 @@ def ray_local(tmp_path_factory):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
