@@ -104,6 +104,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._state_listeners: list = []
+        self._prompt_tokens = 0  # engine thread only
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -319,8 +320,6 @@ class AsyncEngine:
             "groups": len(core.groups),
             "dead": core.dead,
         }
-
-    _prompt_tokens = 0
 
     def _post(self, deltas, finals, core) -> None:
         try:

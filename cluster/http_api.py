@@ -295,7 +295,7 @@ class _Ctx:
     def __init__(self, server: OpenAIServer, rid: str, obj: str, n: int, stream_options, echo: bool):
         self.server = server
         self.rid = rid
-        self.object = obj if obj != "text_completion" else "text_completion"
+        self.object = obj
         self.n = n
         self.stream_options = stream_options
         self.echo = echo

@@ -87,6 +87,13 @@ def test_200_concurrent_streams(server, offline, model_name):
             assert got["ids"] == o.token_ids, k
             assert got["text"] == o.text, k
     server.wait_kv_free()
+    metrics = httpx.get(server.url + "/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("syncless:") and "{" in line}
+    assert values["syncless:time_to_first_token_seconds_count"] >= n
+    assert values["syncless:inter_token_latency_seconds_count"] >= n * (MAX_TOKENS - 1)
+    assert values["syncless:generation_tokens_total"] >= n * MAX_TOKENS
+    assert values["syncless:num_requests_running"] == 0 and values["syncless:kv_cache_usage_perc"] == 0
 
 
 def test_aborts_and_disconnects_free_every_block(server, model_name):

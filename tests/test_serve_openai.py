@@ -60,6 +60,12 @@ def test_completion_batch_token_ids_and_n(openai_client, offline, model_name):
     want = {i * 2 + o.index: o.text for i, ref in enumerate(refs) for o in ref.outputs}
     assert got == want
     assert r.usage.completion_tokens == sum(len(o.token_ids) for ref in refs for o in ref.outputs)
+    texts = ["w5 w6", "w7"]
+    refs = offline.generate(texts, SamplingParams(temperature=0.5, seed=9, max_tokens=4), use_tqdm=False)
+    r = openai_client.completions.create(model=model_name, prompt=texts, temperature=0.5, seed=9, max_tokens=4,
+                                         echo=True)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
+        [t + ref.outputs[0].text for t, ref in zip(texts, refs)]
 
 
 def test_completion_stream_equals_offline(openai_client, offline, model_name):

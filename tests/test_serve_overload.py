@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import grpc
 import httpx
@@ -84,6 +85,9 @@ def test_sigint_finishes_short_aborts_long_refuses_new(small):
                     chunks.append("[DONE]")
         return chunks
 
+    workers = small.debug_state()["worker_pids"]
+    assert workers and all(_alive(p) for p in workers)
+
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
             started = asyncio.Event()
@@ -106,3 +110,15 @@ def test_sigint_finishes_short_aborts_long_refuses_new(small):
     rc = small.wait(60)
     assert rc == 0, small.log()[-3000:]
     assert "shut down cleanly" in small.log()
+    deadline = time.monotonic() + 30  # the worker actors were released (killed), though Ray lives on
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
