@@ -163,13 +163,35 @@ def model_and_format(args: argparse.Namespace) -> tuple[str, str]:
 
 def add_output_args(p: argparse.ArgumentParser, default_name: str) -> None:
     p.add_argument("--output", "--output-json", dest="output", default=None,
-                   help=f"JSON result path (default: ./{default_name}-<time>.json)")
+                   help=f"JSON result path (default: {default_name}-<time>.json in $SYNCLESS_RESULTS_DIR, "
+                        "else ~/syncless-results in a Ray job, else the current directory)")
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                    help="also write a PNG of the main curve (default: the JSON path with .png)")
 
 
+def in_ray_job() -> bool:
+    """True in the entrypoint of ``ray job submit`` (Ray sets this for the job's driver)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def ray_job_metadata() -> dict[str, Any] | None:
+    try:
+        return json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"]).get("metadata")
+    except (KeyError, ValueError):
+        return None
+
+
+def default_results_dir() -> Path:
+    """``$SYNCLESS_RESULTS_DIR``; in a Ray job ``~/syncless-results`` on the node that runs
+    the entrypoint (the job's own working dir is temporary); else the current directory."""
+    if os.environ.get("SYNCLESS_RESULTS_DIR"):
+        return Path(os.environ["SYNCLESS_RESULTS_DIR"])
+    return Path("~/syncless-results").expanduser() if in_ray_job() else Path.cwd()
+
+
 def output_paths(args: argparse.Namespace, name: str) -> tuple[Path, Path | None]:
-    out = Path(args.output or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json").expanduser().resolve()
+    out = Path(args.output or default_results_dir() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = out.expanduser().resolve()
     png = None
     if args.plot is not None:
         png = Path(args.plot).expanduser().resolve() if args.plot else out.with_suffix(".png")
@@ -184,6 +206,7 @@ def record(benchmark: str, args: argparse.Namespace, **extra: Any) -> dict[str, 
         "command": " ".join(sys.argv),
         "args": {k: v for k, v in vars(args).items()},
         "hardware": hardware_info(),
+        "ray_job": ray_job_metadata(),
         "versions": versions(),
         **extra,
     }

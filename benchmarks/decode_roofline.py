@@ -13,8 +13,8 @@ cost), then times decode steps of one token per request. The roofline of a
 step is (weight bytes + KV bytes read) / measured bandwidth; ``ratio`` is the
 measured step time over it (1.0 = at the roofline).
 
-Inside a Ray job (or with ``--placement ray``) the measurement runs in a Ray
-task holding one GPU (one CPU on a CPU-only cluster); otherwise in-process.
+Inside ``ray job submit`` (or with ``--placement ray``) the measurement runs in
+a Ray task holding one GPU (one CPU on a CPU-only cluster); otherwise in-process.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="copy-bandwidth buffer size (default 2048 on GPU, 256 on CPU)")
     p.add_argument("--bandwidth-iters", type=int, default=10)
     p.add_argument("--placement", choices=("auto", "local", "ray"), default="auto",
-                   help="auto: a Ray task when RAY_ADDRESS is set (ray job submit), else in-process")
+                   help="auto: a Ray task inside `ray job submit`, else in-process")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     common.add_output_args(p, "decode_roofline")
     return p.parse_args(argv)
@@ -278,16 +278,16 @@ def plot(result: dict[str, Any], path) -> None:
 
 
 def _run_placed(conf: dict[str, Any], placement: str) -> dict[str, Any]:
-    use_ray = placement == "ray" or (placement == "auto" and os.environ.get("RAY_ADDRESS"))
+    use_ray = placement == "ray" or (placement == "auto" and common.in_ray_job())
     if not use_ray:
-        return measure(conf)
+        return dict(measure(conf), placement="in-process")
     import ray
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
     gpu = conf["device"] != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     task = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(measure)
-    return ray.get(task.remote(conf))
+    return dict(ray.get(task.remote(conf)), placement=f"ray task ({'1 GPU' if gpu else '1 CPU'})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def ray_head(cache_dir):
     url = f"http://127.0.0.1:{dash}"
     try:
         _wait_for_jobs_api(url, head, Path(temp) / "head.log", env)
-        yield {"dashboard": url, "gcs": f"127.0.0.1:{gcs}", "env": env}
+        yield {"dashboard": url, "gcs": f"127.0.0.1:{gcs}", "env": env, "temp": temp, "proc": head}
     finally:
         _end_group(head)
         _kill_leftovers(temp)
@@ -143,8 +143,20 @@ def submit(head: dict, module: str, *args: str, timeout: float = JOB_TIMEOUT_S) 
         time.sleep(2)
     print(f"{module}: job took {time.monotonic() - t0:.1f} s")
     print("\n".join(line for line in proc.stdout.splitlines()[-12:] if "it/s]" not in line))
-    assert proc.returncode == 0, f"job {module} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"job {module} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
+                                  f"{proc.stderr[-3000:]}\n{_head_logs(head)}")
     return proc
+
+
+def _head_logs(head: dict) -> str:
+    alive = head["proc"].poll() is None
+    logs = Path(head["temp"]) / "session_latest" / "logs"
+    parts = [f"head alive: {alive}"]
+    for name in ("dashboard.log", "dashboard_agent.log", "raylet.out", "gcs_server.out"):
+        f = logs / name
+        if f.is_file():
+            parts.append(f"--- {name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
 
 
 def load(path: Path) -> dict:
@@ -281,6 +293,7 @@ def test_decode_roofline_job(ray_head, tmp_path):
     check_record(res, "decode_roofline")
     assert res["bandwidth"]["bandwidth_bytes_per_s"] > 1e8
     assert res["device"] == "cpu" and res["worker_hardware"]["cpu_count"] >= 1
+    assert res["placement"] == "ray task (1 CPU)" and res["ray_job"]["job_submission_id"]
     cells = {(c["batch_size"], c["context_len"]): c for c in res["cells"]}
     assert set(cells) == {(1, 32), (4, 32), (1, 128), (4, 128)}
     for c in cells.values():
