@@ -60,7 +60,7 @@ def ray_head(cache_dir):
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
          f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
          f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}", "--disable-usage-stats"],
+         f"--runtime-env-agent-port={_free_port()}", "--object-store-memory=300000000", "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{dash}"
