@@ -71,9 +71,11 @@ class _Health(HealthServicer):
 
 
 class GenerationService(pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None):
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
+                 aliases: tuple[str, ...] = ()):
         self.engine = engine
         self.model_name = model_name
+        self.accepted_names = {model_name, *aliases}
         self.api_key = api_key
 
     async def _check_auth(self, context) -> None:
@@ -105,7 +107,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         await self._check_auth(context)
-        if request.model and request.model != self.model_name:
+        if request.model and request.model not in self.accepted_names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model: '{request.model}' does not exist; this server serves '{self.model_name}'")
         which = request.WhichOneof("prompt")
@@ -189,10 +191,11 @@ class GenerationService(pb2_grpc.GenerationServicer):
         )
 
 
-async def start_grpc(engine: AsyncEngine, model_name: str, host: str, port: int, api_key: str | None):
+async def start_grpc(engine: AsyncEngine, model_name: str, host: str, port: int, api_key: str | None,
+                     aliases: tuple[str, ...] = ()):
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, api_key), server)
+    pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, api_key, aliases), server)
     health = _Health(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -55,9 +55,11 @@ def _error_response(err: APIError) -> web.Response:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics=None):
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics=None,
+                 aliases: tuple[str, ...] = ()):
         self.engine = engine
         self.model_name = model_name
+        self.accepted_names = {model_name, *aliases}
         self.api_key = api_key
         self.metrics = metrics
         self.created = now()
@@ -125,7 +127,7 @@ class OpenAIServer:
         return await handler(request)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.accepted_names:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
 

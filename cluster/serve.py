@@ -163,7 +163,31 @@ def model_name(cfg: EngineConfig) -> str:
     return cfg.model.served_model_name or cfg.model.model or DEMO_MODEL_NAME
 
 
+def model_aliases(cfg: EngineConfig) -> tuple[str, ...]:
+    """Other names requests may use: the checkpoint folder's name when no served name is set."""
+    if cfg.model.served_model_name or not cfg.model.model:
+        return ()
+    base = os.path.basename(cfg.model.model.rstrip("/"))
+    return (base,) if base and base != cfg.model.model else ()
+
+
 # ---------------------------------------------------------------------- serve
+def _check_ports(args: argparse.Namespace) -> None:
+    """Fail before loading the model when a port is taken."""
+    import socket
+
+    for what, port in (("HTTP", args.http_port), ("gRPC", args.grpc_port)):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((args.host, port))
+            except OSError as exc:
+                raise OSError(f"cannot bind the {what} port {args.host}:{port}: {exc.strerror}") from None
+
+
 def _init_ray(cfg: EngineConfig, args: argparse.Namespace) -> bool:
     import ray
 
@@ -221,15 +245,16 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
                 info["architecture"], info["model_path"], info["device"], info["max_model_len"],
                 info["num_kv_blocks"], info["block_size"])
 
-    runner = web.AppRunner(OpenAIServer(engine, name, api_key, metrics).app(), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=5.0)
+    app = OpenAIServer(engine, name, api_key, metrics, model_aliases(cfg)).app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     grpc_server = None
     try:
         site = web.TCPSite(runner, args.host, args.http_port)
         await site.start()
         http_port = runner.addresses[0][1] if runner.addresses else args.http_port
-        grpc_server, grpc_port, health = await start_grpc(engine, name, args.host, args.grpc_port, api_key)
+        grpc_server, grpc_port, health = await start_grpc(engine, name, args.host, args.grpc_port, api_key,
+                                                            model_aliases(cfg))
         engine.on_state_change(lambda: asyncio.ensure_future(health.refresh()))
         logger.info("OpenAI-compatible HTTP API listening on http://%s:%d/v1", args.host, http_port)
         logger.info("gRPC API (syncless.v1.Generation, grpc.health.v1) listening on %s:%d", args.host, grpc_port)
@@ -260,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     started = False
     try:
+        _check_ports(args)
         if cfg.model.model is not None:  # a bad model directory fails before Ray starts
             from workers.models.arch import load_arch
 

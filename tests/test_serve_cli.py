@@ -52,6 +52,17 @@ def test_config_errors_exit_2_with_a_message(args, message):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_port_in_use_fails_fast():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = _run("--http-port", str(s.getsockname()[1]), timeout=60)
+    assert r.returncode == 1 and "cannot bind the HTTP port" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_bad_flag_values_are_usage_errors():
     r = _run("--block-size", "big")
     assert r.returncode == 2 and "invalid int value" in r.stderr

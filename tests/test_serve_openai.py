@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -33,6 +34,9 @@ def test_models_health_metrics(server, openai_client, model_name):
     assert [m.id for m in models.data] == [model_name]
     assert openai_client.models.retrieve(model_name).id == model_name
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    # the checkpoint folder's name is accepted too (no --served-model-name)
+    alias = os.path.basename(model_name)
+    assert openai_client.completions.create(model=alias, prompt="w5", max_tokens=2).usage.completion_tokens == 2
     text = httpx.get(server.url + "/metrics").text  # open, like /health
     for name in ("syncless:num_requests_running", "syncless:num_requests_waiting", "syncless:kv_cache_usage_perc",
                  "syncless:time_to_first_token_seconds", "syncless:inter_token_latency_seconds",
