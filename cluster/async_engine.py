@@ -151,8 +151,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ API
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None) -> RequestStream:
         """Validate and enqueue; raises InvalidRequestError, Overloaded or EngineUnavailable."""
-        if self.dead:
-            raise EngineUnavailable(f"the engine failed: {self.dead}")
+        # After a failure (self.dead) the next request makes the engine restart its workers.
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable(f"the engine is not running{': ' + self.dead if self.dead else ''}")
         if not self.accepting:
             raise EngineUnavailable("the server is shutting down")
         if request_id in self._streams:
@@ -198,7 +199,7 @@ class AsyncEngine:
         fut = self.loop.create_future()
         self._cmds.put(("state", fut))
         snap = await asyncio.wait_for(fut, 30)
-        return dict(snap, in_flight=len(self._streams), worker_pids=self.info.get("worker_pids", []))
+        return dict(snap, in_flight=len(self._streams))
 
     # ------------------------------------------------- event-loop side of hand-off
     def _resolve(self, fut: asyncio.Future, result, exc) -> None:
@@ -241,6 +242,9 @@ class AsyncEngine:
             for rid, s in list(self._streams.items()):  # whatever the engine did not report
                 self._streams.pop(rid)
                 s.queue.put_nowait(_Final(None, dead))
+            self._notify()
+        elif self.dead and not dead:  # the workers were restarted
+            self.dead = None
             self._notify()
 
     def _notify(self) -> None:
@@ -354,7 +358,10 @@ class AsyncEngine:
                 elif cmd[0] == "abort":
                     self._abort(core, cmd[1], finals)
                 elif cmd[0] == "state":
-                    self.loop.call_soon_threadsafe(self._resolve, cmd[1], self._snap(core), None)
+                    snap = self._snap(core)
+                    snap["worker_pids"] = [i.get("pid") for i in getattr(core.executor, "info", None) or []] \
+                        or self.info.get("worker_pids", [])
+                    self.loop.call_soon_threadsafe(self._resolve, cmd[1], snap, None)
             if finals:
                 self._post([], finals, core)
             idle_wait = None

@@ -117,27 +117,44 @@ def test_demo_server_serves(demo):
         assert info.device == "cpu" and info.model_name == "syncless-demo"
 
 
-def test_engine_death_is_503_and_unavailable(demo):
-    """Kill the worker actor: requests fail with 503 / UNAVAILABLE, health says so, nothing hangs."""
+def _kill_workers(demo) -> None:
     pids = demo.debug_state()["worker_pids"]
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_engine_death_is_503_and_unavailable_then_recovers(demo):
+    """Kill the worker actor: the request that meets the failure gets 503 / UNAVAILABLE and health
+    says so, nothing hangs; the next request restarts the workers and is served."""
     headers = {"Authorization": "Bearer env-key"}
-    body = {"prompt": "Hello", "max_tokens": 5}
+    md = [("authorization", "Bearer env-key")]
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    ok = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=120).json()
+    _kill_workers(demo)
     r = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 503, r.text
-    assert r.json()["error"]["type"] == "service_unavailable" and "Traceback" not in r.text
-    r = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=30)
-    assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and "Traceback" not in r.text and err["message"]
     assert httpx.get(demo.url + "/health").status_code == 503
     with grpc.insecure_channel(demo.grpc_target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = pb2_grpc.GenerationStub(ch)
+        # this request restarts the workers
+        resps = list(stub.Generate(pb2.GenerateRequest(text="Hello", sampling=pb2.SamplingParams(
+            max_tokens=5, temperature=0)), metadata=md, timeout=180))
+        assert "".join(x.text for x in resps) == ok["choices"][0]["text"]
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        _kill_workers(demo)
         with pytest.raises(grpc.RpcError) as e:
-            list(pb2_grpc.GenerationStub(ch).Generate(pb2.GenerateRequest(text="Hello"),
-                                                      metadata=[("authorization", "Bearer env-key")], timeout=30))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            list(stub.Generate(pb2.GenerateRequest(text="Hello"), metadata=md, timeout=60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Traceback" not in e.value.details()
+    r = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=180)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ok["choices"][0]["text"]
+    assert httpx.get(demo.url + "/health").status_code == 200
 
 
 def test_sigterm_exits_cleanly(demo):
