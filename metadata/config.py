@@ -37,6 +37,12 @@ class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_cache_memory_bytes: int | None = None
     """Memory budget for the KV cache; default 1 GiB on CPU, profiled on GPU."""
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a cached prompt prefix (full blocks, chained hash)."""
+    prefix_cache_hash: Literal["blake3", "sha256", "sha512"] = "blake3"
+    """Block hash: blake3 (fast) or sha256/sha512 (FIPS); stable across processes and machines."""
+    prefix_cache_retention_interval: float = 0.0
+    """Seconds a released cached block is kept from eviction unless the alternative is preemption."""
 
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,6 +50,18 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+
+
+class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    speculative_method: Literal["off", "draft_model", "ngram", "ngram_host"] = "off"
+    """'draft_model': a small checkpoint with the target's vocabulary, run in the same worker
+    with its own KV cache; 'ngram': prompt lookup on the device; 'ngram_host': prompt lookup
+    on the driver from the exact token lists (needs exact lengths: synchronous scheduling only)."""
+    speculative_model: str | None = None
+    """Draft checkpoint directory (speculative_method='draft_model')."""
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -60,6 +78,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     sync_check: Literal["off", "warn", "error"] = "off"
     enforce_eager: bool = False
@@ -136,6 +155,38 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"({self.model.max_model_len}); enable chunked prefill or raise the budget"
             )
 
+        if self.cache.prefix_cache_retention_interval < 0:
+            raise ConfigError(
+                "prefix_cache_retention_interval must be >= 0 seconds, "
+                f"got {self.cache.prefix_cache_retention_interval}"
+            )
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        sp = self.speculative
+        if sp.speculative_method == "off":
+            if sp.speculative_model is not None:
+                raise ConfigError("speculative_model is set but speculative_method is 'off'; "
+                                  "set speculative_method='draft_model'")
+            return
+        _range("num_speculative_tokens", sp.num_speculative_tokens, 1, 16)
+        if sp.speculative_method == "draft_model" and sp.speculative_model is None:
+            raise ConfigError("speculative_method='draft_model' needs speculative_model "
+                              "(a checkpoint directory sharing the target's vocabulary)")
+        if sp.speculative_method in ("ngram", "ngram_host"):
+            if sp.speculative_model is not None:
+                raise ConfigError("speculative_method='ngram' takes no speculative_model; "
+                                  "use speculative_method='draft_model' for a draft checkpoint")
+            _range("prompt_lookup_min", sp.prompt_lookup_min, 1, 64)
+            _range("prompt_lookup_max", sp.prompt_lookup_max, 1, 64)
+            if sp.prompt_lookup_min > sp.prompt_lookup_max:
+                raise ConfigError(f"prompt_lookup_min ({sp.prompt_lookup_min}) must be <= "
+                                  f"prompt_lookup_max ({sp.prompt_lookup_max})")
+        if self.scheduler.async_scheduling:
+            from metadata.exact_lengths import refuse_exact_length_consumers
+
+            refuse_exact_length_consumers(self)
+
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
@@ -145,6 +196,7 @@ _SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 _TOP_LEVEL = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
 _OPTION_SECTION = {
@@ -163,6 +215,15 @@ REMOVED_OPTIONS: dict[str, str] = {
     "enable_async_scheduling": "use async_scheduling",
     "tp": "use tensor_parallel_size",
     "tp_size": "use tensor_parallel_size",
+    "enable_prefix_cache": "use enable_prefix_caching",
+    "prefix_caching_hash_algo": "use prefix_cache_hash = 'blake3' | 'sha256' | 'sha512'",
+    "prefix_cache_hash_algo": "use prefix_cache_hash = 'blake3' | 'sha256' | 'sha512'",
+    "speculative_config": "use the flat options speculative_method, speculative_model, "
+    "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max",
+    "num_lookahead_slots": "use num_speculative_tokens",
+    "ngram_prompt_lookup_max": "use prompt_lookup_max",
+    "ngram_prompt_lookup_min": "use prompt_lookup_min",
+    "draft_model": "use speculative_model",
 }
 
 

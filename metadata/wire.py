@@ -36,6 +36,7 @@ class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     output_token_ids: list[int]  # confirmed outputs to recompute after preemption
     sampling: SamplingOptions
     block_ids: list[int]
+    num_computed_tokens: int = 0  # leading tokens whose KV is already cached (prefix cache hit)
 
 
 class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -46,6 +47,8 @@ class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     seq_len_upper_bound: int  # >= the device seq_len after this step's tokens
     new_block_ids: list[int]  # appended to the row's block table before the step
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
+    num_draft_tokens: int = 0  # speculative: the last this-many scheduled tokens are drafts
+    draft_token_ids: list[int] = []  # host-proposed drafts (ngram_host); else drafts stay on the device
 
 
 class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
