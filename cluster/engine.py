@@ -189,31 +189,46 @@ class EngineCore:
     def _process(self, sched: ScheduledStep, result: StepResult) -> list[StreamDelta]:
         now = time.monotonic()
         deltas: list[StreamDelta] = []
+        drafts = {r.handle: r.num_draft_tokens for r in sched.plan.rows if r.sample}
         returned = {row.handle for row in result.outputs}
         for handle, req in sched.sampled.items():
             if handle not in returned and not req.finished:
-                req.num_placeholders -= 1  # worker produced nothing for it (should not happen)
+                req.num_placeholders -= 1 + drafts.get(handle, 0)  # worker produced nothing for it
+        kv_written: dict[int, int] = {}
         for row in result.outputs:
             req = sched.sampled.get(row.handle)
             if req is None:
                 continue
-            req.num_placeholders -= 1
+            k = drafts.get(row.handle, 0)
+            req.num_placeholders -= 1 + k  # the scheduler counted every draft as a future token
+            if k:
+                accepted = len(row.token_ids) - 1
+                kv_written[row.handle] = 1 + accepted
+                self.stats["spec_draft_tokens"] = self.stats.get("spec_draft_tokens", 0) + k
+                self.stats["spec_accepted_tokens"] = self.stats.get("spec_accepted_tokens", 0) + accepted
+                if req.handle == row.handle:  # still placed there: its rejected drafts hold no KV
+                    req.num_computed_tokens -= k - accepted
             if req.finished:
-                continue  # an in-flight token of a request that already finished: dropped
-            tok = row.token_ids[0]
-            req.output_token_ids.append(tok)
-            self.stats["generation_tokens"] += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            lp = None
-            if req.logprobs is not None and row.logprobs:
-                tl = row.logprobs[0]
-                lp = {tok: tl.sampled_logprob}
-                lp.update({t: v for t, v in zip(tl.top_token_ids, tl.top_logprobs)})
-                req.logprobs.append(lp)
-                req.cumulative_logprob += tl.sampled_logprob
-            deltas.append(self._check_stop(req, tok, lp))
+                continue  # in-flight tokens of a request that already finished: dropped
+            parts = []
+            for i, tok in enumerate(row.token_ids):
+                req.output_token_ids.append(tok)
+                self.stats["generation_tokens"] += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+                lp = None
+                if req.logprobs is not None and row.logprobs:
+                    tl = row.logprobs[i]
+                    lp = {tok: tl.sampled_logprob}
+                    lp.update({t: v for t, v in zip(tl.top_token_ids, tl.top_logprobs)})
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += tl.sampled_logprob
+                parts.append(self._check_stop(req, tok, lp))
+                if req.finished:
+                    break  # a stop inside the accepted drafts: the rest is dropped
+            deltas.append(parts[0] if len(parts) == 1 else _merge(parts))
+        self.scheduler.confirm_step(sched, kv_written)
         return deltas
 
     def _check_stop(self, req: Request, tok: int, lp) -> StreamDelta:
@@ -260,3 +275,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _merge(parts: list[StreamDelta]) -> StreamDelta:
+    """One delta for several tokens a sequence gained in one step (accepted drafts)."""
+    last = parts[-1]
+    lps = [lp for p in parts for lp in (p.logprobs or [])]
+    return StreamDelta(last.request_id, last.index, [t for p in parts for t in p.token_ids],
+                       "".join(p.text for p in parts), lps or None, last.finish_reason, last.stop_reason)

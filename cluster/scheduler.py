@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from cluster.block_manager import BlockManager
 from cluster.request import Request, RequestStatus
+from cluster.spec_scheduling import DraftPlanner
 from metadata.config import EngineConfig
 from metadata.wire import NewRequest, ScheduledRow, StepPlan
 
@@ -38,6 +39,7 @@ class Scheduler:
         self._pending_release: list[int] = []  # handles to release on the workers
         self._pending_preempt: list[int] = []
         self.num_preemptions = 0
+        self.drafts = DraftPlanner(cfg, max_model_len)
 
     # ------------------------------------------------------------ intake
     def add(self, req: Request) -> None:
@@ -82,8 +84,10 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            target = req.num_computed_tokens + n
-            while not self.blocks.can_allocate(req, target):
+            k = self.drafts.num_drafts(req, budget) if self._decodes(req, n) else 0
+            target = req.num_computed_tokens + n + k
+            alloc = self.drafts.alloc_tokens(req, target) if k or self.drafts.kv_lookahead else target
+            while not self.blocks.can_allocate(req, alloc):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted_now = True
@@ -91,8 +95,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: nothing else left to preempt
-            new_blocks = self.blocks.allocate(req, target)
-            rows.append(self._row(req, n, new_blocks, step))
+            new_blocks = self.blocks.allocate(req, alloc)
+            rows.append(self._row(req, n, new_blocks, step, k))
             scheduled.add(id(req))
             budget -= n
             i += 1
@@ -106,10 +110,11 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 break
-            if not self.blocks.can_allocate(req, req.num_computed_tokens + n):
+            alloc = self.drafts.alloc_tokens(req, req.num_computed_tokens + n)
+            if not self.blocks.can_allocate(req, alloc):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(req, req.num_computed_tokens + n)
+            self.blocks.allocate(req, alloc)
             req.status = RequestStatus.RUNNING
             req.handle = next(self._handles)
             self.by_handle[req.handle] = req
@@ -150,18 +155,26 @@ class Scheduler:
                 return 0  # its last token is already confirmed or in flight
         return n
 
-    def _row(self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep) -> ScheduledRow:
-        req.num_computed_tokens += n
+    def _decodes(self, req: Request, n: int) -> bool:
+        """This row is a decode step: its one new token is the last sampled one."""
+        return n == 1 and req.num_computed_tokens + 1 >= req.num_tokens_upper and bool(req.output_token_ids)
+
+    def _row(self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep, k: int = 0) -> ScheduledRow:
+        """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted."""
+        drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
+        req.num_computed_tokens += n + k
         samples = req.num_computed_tokens >= req.num_tokens_upper
         if samples:
-            req.num_placeholders += 1
+            req.num_placeholders += 1 + k
             step.sampled[req.handle] = req
         return ScheduledRow(
             handle=req.handle,
-            num_scheduled_tokens=n,
+            num_scheduled_tokens=n + k,
             seq_len_upper_bound=req.num_computed_tokens,
             new_block_ids=new_blocks,
             sample=samples,
+            num_draft_tokens=k,
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -176,3 +189,9 @@ class Scheduler:
             self.by_handle.pop(req.handle, None)
             req.handle = -1
         self.waiting.appendleft(req)
+
+    def confirm_step(self, sched: ScheduledStep, kv_written: dict[int, int] | None = None) -> None:
+        """A step's result arrived (called by the engine after its tokens were appended).
+        ``kv_written`` maps a speculative row's handle to the tokens whose KV it really
+        wrote (1 + accepted drafts); other rows wrote ``num_scheduled_tokens``.
+        Placeholder: prefix caching commits the newly confirmed full blocks here."""

@@ -38,6 +38,20 @@ class DeviceState:
         # penalty inputs: output token counts and prompt-token presence per row
         self.output_counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
+        self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
+
+    def ensure_draft_probs(self, k: int) -> torch.Tensor:
+        """Draft-model distributions of the drafts in flight (sampled rows need them to verify)."""
+        if self.draft_probs is None or self.draft_probs.shape[1] < k:
+            self.draft_probs = torch.zeros(self.max_rows, k, self.vocab, dtype=torch.float32, device=self.device)
+        return self.draft_probs
+
+    def write_host_drafts(self, row: int, start: int, drafts: list[int]) -> None:
+        """Host-proposed drafts (``ngram_host``, exact lengths) go where the step reads its inputs."""
+        end = min(start + len(drafts), self.token_ids.shape[1])
+        if end > start:
+            self.token_ids[row, start:end] = to_device(torch.tensor(drafts[: end - start], dtype=torch.int64),
+                                                       self.device)
 
     # ----------------------------------------------------------- lifecycle
     def add(self, req: NewRequest) -> None:
@@ -52,7 +66,7 @@ class DeviceState:
             raise RuntimeError(f"request {req.handle} has {len(tokens)} tokens > max_model_len")
         self.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
         # fill_ on a view launches a kernel; item assignment would copy a host scalar (a sync)
-        self.num_computed[row : row + 1].fill_(0)
+        self.num_computed[row : row + 1].fill_(req.num_computed_tokens)
         self.prompt_len[row : row + 1].fill_(len(req.prompt_token_ids))
         self.num_blocks_cpu[row] = 0
         self.append_blocks(row, req.block_ids)

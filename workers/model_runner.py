@@ -47,13 +47,23 @@ class ModelRunner:
         )
         self.kv_caches: list = []
         self.num_blocks = 0
-        self.bounds_are_exact = True  # no speculative decoding yet
+        self.spec = None
+        if cfg.speculative.speculative_method != "off":
+            from workers.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(cfg, self.arch, tp, self.dtype, device, max_model_len)
+        # with speculative decoding the plan's lengths assume every draft is accepted
+        self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
         self._last_end_ev = None
 
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
         per_block = kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
+        draft = self.spec.draft_model if self.spec is not None else None
+        if draft is not None:  # the draft's cache has the same blocks: size both together
+            per_block += kv_cache.bytes_per_block(self.spec.draft_arch, self.spec.draft_num_kv_heads,
+                                                  self.block_size, self.dtype)
         budget = None
         if self.device.type == "cuda" and self.cfg.cache.kv_cache_memory_bytes is None:
             budget = self._profile_free_bytes()
@@ -62,6 +72,11 @@ class ModelRunner:
             self.arch.num_layers, n, self.block_size, self.num_kv_heads, self.arch.head_dim,
             self.dtype, self.device,
         )
+        if draft is not None:
+            self.spec.attach_kv_cache(kv_cache.allocate(
+                self.spec.draft_arch.num_layers, n, self.block_size, self.spec.draft_num_kv_heads,
+                self.spec.draft_arch.head_dim, self.dtype, self.device,
+            ), self.block_size)
         self.num_blocks = n
         return n
 
@@ -137,19 +152,45 @@ class ModelRunner:
         seq_lens = inp.meta.seq_lens
         st.num_computed[inp.rows] = seq_lens
         if not inp.handles:
+            if self.spec is not None:
+                self.spec.sync_draft_kv(st, inp)
             return PendingStep(plan.step_id, self.tp.rank, t0)
         s_rows = inp.rows[inp.sample_rows]
-        s_pos = seq_lens.long()[inp.sample_rows]  # the position the new token takes
-        so = sample(logits, build_sampling_batch(inp.opts, st, s_rows, s_pos))
-        # the sampled token feeds the next step on the device, without visiting the host
-        st.token_ids[s_rows, s_pos] = so.token_ids
-        st.output_counts[s_rows, so.token_ids] += 1
-        pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so)
+        s_pos = seq_lens.long()[inp.sample_rows]  # the position the (bonus) token takes
+        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
+        so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch)
+        if inp.max_drafts:
+            tokens, n_acc = self.spec.verify(logits, inp, batch, st, s_rows, so.token_ids)
+            first_pos = s_pos - inp.num_drafts_d  # position of the row's first new token
+            st.num_computed[s_rows] = (first_pos + n_acc).int()  # p + 1 + accepted
+        else:
+            tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
+        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc)
+        if self.spec is not None:  # drafts for the next step, written where it reads its inputs
+            known = first_pos + (n_acc if n_acc is not None else 0) + 1
+            self.spec.propose(st, inp, s_rows, known, batch)
+        pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device)
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
         return pending
+
+    @staticmethod
+    def _commit_tokens(st, s_rows, first_pos, tokens, n_acc) -> None:
+        """The sampled tokens feed the next step on the device, without visiting the host.
+        Slots past a row's accepted count hold rejected drafts: written beyond its known
+        length (harmless) and not counted for penalties."""
+        width = tokens.shape[1]
+        if width == 1:
+            st.token_ids[s_rows, first_pos] = tokens[:, 0]
+            st.output_counts[s_rows, tokens[:, 0]] += 1
+            return
+        slot = torch.arange(width, device=tokens.device)[None, :]
+        pos = (first_pos[:, None] + slot).clamp(max=st.token_ids.shape[1] - 1)
+        rows2 = s_rows[:, None].expand(-1, width)
+        st.token_ids[rows2, pos] = tokens
+        st.output_counts.index_put_((rows2, tokens), (slot <= n_acc[:, None]).int(), accumulate=True)
 
     def _record_event(self):
         if not (self.cfg.measure_device_timeline and self.device.type == "cuda"):
@@ -172,15 +213,19 @@ class ModelRunner:
 class PendingStep:
     """A launched step whose sampled tokens are being copied to pinned host memory."""
 
-    def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None):
+    def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None,
+                 tokens=None, n_acc=None):
         self.step_id, self.rank, self.t0 = step_id, rank, t0
         self.handles, self.opts, self.so = handles or [], opts or [], so
+        self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
         self.event = None
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device) -> None:
         so = self.so
-        tensors = [so.token_ids.double()]
+        tensors = [self.tokens.double().flatten()]
+        if self.n_acc is not None:
+            tensors.append(self.n_acc.double())
         if so.sampled_logprob is not None:
             tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
             if so.top_ids is not None:
@@ -207,7 +252,12 @@ class PendingStep:
         out = StepResult(step_id=self.step_id, rank=self.rank)
         if self.so is not None:
             host = list(torch.split(self.host_packed, self.sizes))
-            tok = host[0].long().tolist()
+            width = self.tokens.shape[1]
+            tok = host[0].long().view(-1, width).tolist()
+            if self.n_acc is not None:
+                n_acc = host.pop(1).long().tolist()
+            else:
+                n_acc = [0] * len(self.handles)
             kmax = self.so.top_ids.shape[1] if self.so.top_ids is not None else 0
             for i, h in enumerate(self.handles):
                 lp = None
@@ -216,7 +266,7 @@ class PendingStep:
                     top_ids = host[3][i * kmax : i * kmax + k].long().tolist() if k else []
                     top_lp = host[4][i * kmax : i * kmax + k].tolist() if k else []
                     lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
-                out.outputs.append(SampledRow(handle=h, token_ids=[tok[i]], logprobs=lp))
+                out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
         out.worker_time_s = time.perf_counter() - self.t0
         if self.timeline is not None:  # all three events have completed: no wait here
             start, end, prev_end = self.timeline

@@ -102,6 +102,31 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, any_top_k_top_p: bool, any_min_p: bool) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, top-k/top-p, min-p.
+
+    Rows with temperature 0 are computed at temperature 1 (callers pick argmax for them).
+    min-p zeroes tokens without renormalising: every consumer (the exponential race,
+    the rejection sampler's ratios) is invariant to a per-row scale.
+    """
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / temp[:, None]
+    if any_top_k_top_p:
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    if any_min_p:
+        thresh = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < thresh, 0.0)
+    return probs
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (unnormalised) ``probs`` keyed by (seed, position): argmax p / E."""
+    u = uniform_noise(seeds, positions, probs.shape[-1])
+    return (probs / (-torch.log(u))).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (float32)."""
     raw = logits
@@ -113,17 +138,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         token_ids = greedy_ids
     else:
-        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        scaled = logits / temp[:, None]
-        if batch.any_top_k_top_p:
-            scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
-        probs = scaled.softmax(dim=-1)
-        if batch.any_min_p:
-            thresh = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < thresh, 0.0)
-        u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
-        race = probs / (-torch.log(u))
-        sampled = race.argmax(dim=-1)
+        probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                               batch.any_top_k_top_p, batch.any_min_p)
+        sampled = exponential_race(probs, batch.seeds, batch.positions)
         token_ids = torch.where(batch.temperature > 0, sampled, greedy_ids)
     out = SamplerOutput(token_ids=token_ids)
     if batch.max_num_logprobs >= 0:

@@ -1,10 +1,13 @@
 """Builds one step's device inputs and ``AttentionMetadata`` from a plan.
 
 Everything the host contributes is known at schedule time (rows, query
-lengths, upper bounds, block ids) and travels in one pinned, non-blocking
-copy. Positions, input ids, ``seq_lens`` and the slot mapping are derived on
-the device from the persistent ``num_computed`` counters, so they stay exact
-even when the host only holds bounds.
+lengths, upper bounds, block ids, draft counts) and travels in one pinned,
+non-blocking copy. Positions, input ids, ``seq_lens`` and the slot mapping are
+derived on the device from the persistent ``num_computed`` counters, so they
+stay exact even when the host only holds bounds.
+
+With speculative decoding a sampling row carrying ``k`` drafts needs logits at
+its last ``k + 1`` tokens; the indices into those logits are host-known too.
 """
 
 from __future__ import annotations
@@ -19,53 +22,51 @@ from workers.device_state import DeviceState, to_device
 
 
 @dataclass
-class StepInputs:
-    step_id: int
+class Window:
+    """Device inputs of one forward over per-row token windows."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    rows: torch.Tensor  # device row index per request
-    logits_idx: torch.Tensor  # token index of each sampling row's last token
-    sample_rows: torch.Tensor  # request index (in batch) of each sampling row
-    handles: list[int]  # handles of the sampling rows
-    opts: list[SamplingOptions]
-    is_uniform_decode: bool  # every row: one token, sampled
+    block_table: torch.Tensor  # device [num_reqs, n_blk]
+    capacity: torch.Tensor  # device int64 [num_reqs]: positions the row's blocks can hold
 
 
-def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool) -> StepInputs:
+def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_lens: list[int], ubs: list[int],
+                 starts: torch.Tensor, block_size: int, bounds_are_exact: bool,
+                 block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
+                 packed_extra: list[torch.Tensor] | None = None) -> tuple[Window, list[torch.Tensor]]:
+    """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
+    device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
+    allocated blocks are -1 (skipped), so lookahead writes can never touch another row's KV.
+    ``packed_extra`` host tensors ride along in the same copy and come back on the device."""
     dev, bs = st.device, block_size
-    rows_cpu, q_lens, ubs, sample_idx = [], [], [], []
-    for i, r in enumerate(plan.rows):
-        row = st.row_of[r.handle]
-        st.append_blocks(row, r.new_block_ids)
-        rows_cpu.append(row)
-        q_lens.append(r.num_scheduled_tokens)
-        ubs.append(r.seq_len_upper_bound)
-        if r.sample:
-            sample_idx.append(i)
     n_reqs = len(rows_cpu)
     q_lens_cpu = torch.tensor(q_lens, dtype=torch.int64)
     qsl_cpu = torch.zeros(n_reqs + 1, dtype=torch.int64)
     torch.cumsum(q_lens_cpu, 0, out=qsl_cpu[1:])
     n_tokens = int(qsl_cpu[-1])
     max_ub = max(ubs)
-    n_blk = (max_ub + bs - 1) // bs
     token_req_cpu = torch.repeat_interleave(torch.arange(n_reqs), q_lens_cpu)
     offsets_cpu = torch.arange(n_tokens) - qsl_cpu[:-1][token_req_cpu]
-    logits_idx_cpu = (qsl_cpu[1:] - 1)[sample_idx]
-    parts = [torch.tensor(rows_cpu, dtype=torch.int64), q_lens_cpu, qsl_cpu, token_req_cpu, offsets_cpu,
-             logits_idx_cpu, torch.tensor(sample_idx, dtype=torch.int64)]
-    packed = to_device(torch.cat(parts), dev)
-    rows, q_lens_d, qsl, token_req, offsets, logits_idx, sample_rows = torch.split(
-        packed, [p.numel() for p in parts]
-    )
-    block_table = to_device(st.block_table_cpu[rows_cpu, :n_blk], dev)
-    num_computed = st.num_computed[rows]
-    positions = num_computed.long()[token_req] + offsets
-    input_ids = st.token_ids[rows[token_req], positions]
-    seq_lens = (num_computed + q_lens_d).int()
+    parts = [q_lens_cpu, qsl_cpu, token_req_cpu, offsets_cpu]
+    if capacity is None:
+        parts.append(torch.tensor([st.num_blocks_cpu[r] * bs for r in rows_cpu], dtype=torch.int64))
+    extra = packed_extra or []
+    packed = to_device(torch.cat(parts + extra), dev)
+    split = list(torch.split(packed, [p.numel() for p in parts + extra]))
+    q_lens_d, qsl, token_req, offsets = split[:4]
+    if capacity is None:
+        capacity = split[4]
+    if block_table is None:
+        n_blk = (max_ub + bs - 1) // bs
+        block_table = to_device(st.block_table_cpu[rows_cpu, :n_blk], dev)
+    n_blk = block_table.shape[1]
+    positions = starts.long()[token_req] + offsets
+    input_ids = st.token_ids[rows[token_req], positions.clamp(max=st.token_ids.shape[1] - 1)]
+    seq_lens = (starts.long() + q_lens_d).int()
     blk = block_table.reshape(-1)[token_req * n_blk + (positions // bs).clamp(max=n_blk - 1)].long()
-    slot_mapping = blk * bs + positions % bs
+    slot_mapping = torch.where(positions < capacity[token_req], blk * bs + positions % bs, -1)
     meta = AttentionMetadata(
         query_start_loc=qsl.int(), query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
@@ -73,10 +74,79 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
         max_query_len=int(q_lens_cpu.max()), max_seq_len_upper_bound=max_ub,
         bounds_are_exact=bounds_are_exact,
     )
-    return StepInputs(
-        step_id=plan.step_id, input_ids=input_ids, positions=positions, meta=meta, rows=rows,
-        logits_idx=logits_idx, sample_rows=sample_rows,
-        handles=[plan.rows[i].handle for i in sample_idx],
+    return Window(input_ids, positions, meta, block_table, capacity), split[len(parts):]
+
+
+@dataclass
+class StepInputs:
+    step_id: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    rows: torch.Tensor  # device row index per request
+    rows_cpu: list[int]
+    q_lens: list[int]
+    ubs: list[int]
+    logits_idx: torch.Tensor  # token indices whose logits are needed (k + 1 per sampling row)
+    bonus_idx: torch.Tensor  # per sampling row: its last entry in logits_idx
+    sample_rows: torch.Tensor  # request index (in batch) of each sampling row
+    sample_rows_cpu: list[int]
+    handles: list[int]  # handles of the sampling rows
+    opts: list[SamplingOptions]
+    is_uniform_decode: bool  # every row: one token, sampled
+    num_drafts: list[int]  # per sampling row (host-known)
+    max_drafts: int
+    spec_idx: torch.Tensor | None = None  # [S, K] entry in logits_idx of each draft slot (clamped)
+    draft_token_idx: torch.Tensor | None = None  # [S, K] token index of each draft (clamped)
+    num_drafts_d: torch.Tensor | None = None  # [S] on the device
+    window: Window | None = None
+
+
+def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool) -> StepInputs:
+    dev = st.device
+    rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
+    for i, r in enumerate(plan.rows):
+        row = st.row_of[r.handle]
+        st.append_blocks(row, r.new_block_ids)
+        if r.draft_token_ids:
+            st.write_host_drafts(row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids)
+        rows_cpu.append(row)
+        q_lens.append(r.num_scheduled_tokens)
+        ubs.append(r.seq_len_upper_bound)
+        if r.sample:
+            sample_idx.append(i)
+            drafts.append(r.num_draft_tokens)
+    ends = torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1
+    k_max = max(drafts, default=0)
+    logits_idx, bonus_idx, spec_idx, draft_tok = [], [], [], []
+    for i, k in zip(sample_idx, drafts):
+        end = int(ends[i])
+        base = len(logits_idx)
+        logits_idx.extend(range(end - k, end + 1))
+        bonus_idx.append(base + k)
+        if k_max:
+            spec_idx.append([base + min(j, k) for j in range(k_max)])
+            draft_tok.append([end - k + 1 + min(j, k - 1) if k else end for j in range(k_max)])
+    extra = [torch.tensor(rows_cpu, dtype=torch.int64), torch.tensor(logits_idx, dtype=torch.int64),
+             torch.tensor(bonus_idx, dtype=torch.int64), torch.tensor(sample_idx, dtype=torch.int64)]
+    if k_max:
+        extra += [torch.tensor(spec_idx, dtype=torch.int64).flatten(),
+                  torch.tensor(draft_tok, dtype=torch.int64).flatten(), torch.tensor(drafts, dtype=torch.int64)]
+    rows_host = torch.tensor(rows_cpu, dtype=torch.int64)
+    # the rows must be on the device before the window gathers with them: send them first
+    rows = to_device(rows_host, dev)
+    win, back = build_window(st, rows, rows_cpu, q_lens, ubs, st.num_computed[rows], block_size,
+                             bounds_are_exact, packed_extra=extra[1:])
+    logits_i, bonus_i, sample_rows = back[:3]
+    inp = StepInputs(
+        step_id=plan.step_id, input_ids=win.input_ids, positions=win.positions, meta=win.meta, rows=rows,
+        rows_cpu=rows_cpu, q_lens=q_lens, ubs=ubs, logits_idx=logits_i, bonus_idx=bonus_i,
+        sample_rows=sample_rows, sample_rows_cpu=sample_idx, handles=[plan.rows[i].handle for i in sample_idx],
         opts=[st.sampling[rows_cpu[i]] for i in sample_idx],
-        is_uniform_decode=n_tokens == n_reqs and len(sample_idx) == n_reqs,
+        is_uniform_decode=len(q_lens) == win.meta.num_actual_tokens and len(sample_idx) == len(q_lens),
+        num_drafts=drafts, max_drafts=k_max, window=win,
     )
+    if k_max:
+        s = len(sample_idx)
+        inp.spec_idx, inp.draft_token_idx, inp.num_drafts_d = back[3].view(s, k_max), back[4].view(s, k_max), back[5]
+    return inp

@@ -1,0 +1,149 @@
+"""Draft proposers for speculative decoding. Drafts stay on the device.
+
+After a step, every sampling row knows (on the device only) how many tokens it
+has: ``known = num_computed + 1``. A proposer writes ``K`` drafts into the
+row's ``token_ids`` at ``known .. known + K - 1``, exactly where the next step
+gathers its inputs, so drafts never visit the host; the driver only knows the
+count it scheduled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.device_state import DeviceState, to_device
+from workers.rejection_sampler import STREAM_DRAFT
+from workers.sampler import exponential_race, sampling_probs
+from workers.step_inputs import StepInputs, build_window
+
+
+def ngram_drafts(hist: torch.Tensor, known: torch.Tensor, k: int, n_min: int, n_max: int) -> torch.Tensor:
+    """Prompt lookup: continue the latest earlier occurrence of the row's last ``n`` tokens
+    (longest ``n`` first). ``hist`` [R, W] token ids (positions >= ``known`` are ignored);
+    returns [R, k]. A row without a match proposes its last token repeated (it will most
+    likely be rejected, which costs nothing but the verify slots already scheduled)."""
+    R, W = hist.shape
+    dev = hist.device
+    known = known.long()
+    last = hist.gather(1, (known - 1).clamp(min=0)[:, None])
+    drafts = last.expand(R, k).clone()
+    found = torch.zeros(R, dtype=torch.bool, device=dev)
+    for n in range(n_max, n_min - 1, -1):
+        if n >= W:
+            continue
+        idx = (known[:, None] - n + torch.arange(n, device=dev)[None, :]).clamp(min=0)
+        suffix = hist.gather(1, idx)  # [R, n]
+        windows = hist.unfold(1, n, 1)  # [R, W - n + 1, n]
+        match = (windows == suffix[:, None, :]).all(dim=-1)
+        starts = torch.arange(windows.shape[1], device=dev)[None, :]
+        match &= starts + n < known[:, None]  # a continuation exists and it is not the suffix itself
+        best = torch.where(match, starts, -1).amax(dim=1)
+        take = (best >= 0) & ~found
+        cont = (best.clamp(min=0)[:, None] + n + torch.arange(k, device=dev)[None, :])
+        cont = torch.minimum(cont, (known - 1)[:, None]).clamp(min=0)
+        drafts = torch.where(take[:, None], hist.gather(1, cont), drafts)
+        found |= take
+    return drafts
+
+
+class NgramProposer:
+    def __init__(self, k: int, n_min: int, n_max: int):
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+
+    def propose(self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor,
+                draft_sampling=None) -> None:
+        width = min(st.token_ids.shape[1], max(inp.ubs) + 1)  # host bound on every known length
+        hist = st.token_ids[s_rows, :width]
+        drafts = ngram_drafts(hist, known, self.k, self.n_min, self.n_max)
+        write_drafts(st, s_rows, known, drafts)
+
+
+def write_drafts(st: DeviceState, s_rows: torch.Tensor, known: torch.Tensor, drafts: torch.Tensor) -> None:
+    k = drafts.shape[1]
+    pos = (known.long()[:, None] + torch.arange(k, device=drafts.device)[None, :])
+    pos = pos.clamp(max=st.token_ids.shape[1] - 1)
+    st.token_ids[s_rows[:, None].expand(-1, k), pos] = drafts
+
+
+class DraftModelProposer:
+    """A small model with the target's vocabulary, run in the same worker with its own KV
+    cache (same block ids: a block holds the same positions in both caches).
+
+    Pass A replays this step's target windows plus the newly sampled token, so the
+    draft's KV covers every token the target has seen; the hidden state at the row's
+    last *known* token (a device index: it depends on how many drafts were accepted)
+    yields the first draft. Passes B feed each draft back ``K - 1`` times. Lookahead
+    KV writes land in blocks the driver allocated for them; anything beyond a row's
+    blocks is skipped, never written into another row.
+    """
+
+    def __init__(self, model, kv_caches, k: int, block_size: int, bounds_are_exact: bool, max_position: int):
+        self.model, self.kv_caches, self.k = model, kv_caches, k
+        self.max_position = max_position  # lookahead positions are clamped into the rotary table
+        self.block_size = block_size
+        self.bounds_are_exact = bounds_are_exact
+
+    def propose(self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor,
+                draft_sampling) -> None:
+        from metadata.attention_metadata import AttentionMetadata
+
+        k, bs = self.k, self.block_size
+        samples = [0] * len(inp.rows_cpu)
+        sample_list = inp.sample_rows_cpu
+        for i in sample_list:
+            samples[i] = 1
+        q_lens = [q + s for q, s in zip(inp.q_lens, samples)]
+        ubs = [u + s for u, s in zip(inp.ubs, samples)]
+        starts = inp.meta.num_computed_tokens().long()  # device: KV length before this step
+        n_blk = min((max(ubs) + k + bs - 1) // bs, st.block_table_cpu.shape[1])
+        block_table = to_device(st.block_table_cpu[inp.rows_cpu, :n_blk], st.device)
+        win, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
+                              block_table=block_table)
+        hidden = self.model(win.input_ids, win.positions, win.meta, self.kv_caches)
+        if not sample_list:
+            return  # a step without sampling rows only advances the draft's KV
+        # the last known token of sampling row i sits at offset known - 1 - start in its window
+        qsl = win.meta.query_start_loc.long()
+        sr = inp.sample_rows
+        idx = qsl[sr] + (known.long() - 1 - starts[sr])
+        logits = self.model.compute_logits(hidden[idx])
+        cap = win.capacity[sr]
+        bt = block_table[sr]
+        s_ubs = [ubs[i] for i in sample_list]
+        n = len(sample_list)
+        drafts = []
+        pos = known.long()  # position the next draft takes
+        for i in range(k):
+            tok = self._pick(logits, draft_sampling, pos, st, s_rows, i)
+            drafts.append(tok)
+            if i == k - 1:
+                break
+            blk = bt.gather(1, (pos // bs).clamp(max=n_blk - 1)[:, None])[:, 0].long()
+            slots = torch.where(pos < cap, blk * bs + pos % bs, -1)
+            qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+            meta = AttentionMetadata(
+                query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=st.device),
+                query_start_loc_cpu=qsl_cpu, seq_lens=(pos + 1).int(),
+                seq_lens_upper_bound=torch.tensor([u + i + 1 for u in s_ubs], dtype=torch.int32),
+                block_table=bt, slot_mapping=slots, positions=pos, num_reqs=n, num_actual_tokens=n,
+                max_query_len=1, max_seq_len_upper_bound=max(s_ubs) + i + 1,
+                bounds_are_exact=self.bounds_are_exact,
+            )
+            hidden = self.model(tok, pos, meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden)
+            pos = (pos + 1).clamp(max=self.max_position)
+        write_drafts(st, s_rows, known, torch.stack(drafts, dim=1))
+
+    def _pick(self, logits, ds, pos, st: DeviceState, s_rows, i: int) -> torch.Tensor:
+        """Greedy rows take the draft's argmax; sampled rows draw from the draft distribution
+        (same temperature/top-k/top-p/min-p as the target) and keep it for verification."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if ds.all_greedy:
+            return greedy
+        probs = sampling_probs(logits, ds.temperature, ds.top_k, ds.top_p, ds.min_p,
+                               ds.any_top_k_top_p, ds.any_min_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        st.ensure_draft_probs(self.k)[s_rows, i] = probs
+        drawn = exponential_race(probs, ds.seeds ^ STREAM_DRAFT, pos)
+        return torch.where(ds.temperature > 0, drawn, greedy)
