@@ -45,6 +45,15 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE_8B, "rms_norm_eps": 1e-5,
         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
     },
+    # a Qwen3-0.6B-class draft for Llama-3.1-8B: Qwen3-0.6B dimensions, Llama-3 vocabulary
+    "qwen3-0.6b-llama3-vocab": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 128256, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "attention_bias": False,
+        "hidden_act": "silu", "torch_dtype": "bfloat16",
+    },
     # CPU tests: seconds, not minutes.
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -52,6 +61,13 @@ SHAPES: dict[str, dict] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "tie_word_embeddings": False, "max_position_embeddings": 8192,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu", "torch_dtype": "float32",
+    },
+    "tiny-draft": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "torch_dtype": "float32",
     },
     "tiny-qwen3": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",

@@ -1,6 +1,9 @@
-"""CUDA graphs for uniform decode steps (every row: one token, sampled).
+"""CUDA graphs for uniform steps: every row has the same query length ``q``.
 
-Graphs are captured per (padded batch size, sequence-length bucket). The
+``q = 1`` is plain decode; with speculative decoding ``q = 1 + k`` is a verify
+step (logits at every token) and the draft model replays ``q = 1`` and
+``q = k + 2`` windows. Graphs are captured per (padded batch size,
+sequence-length bucket, q). The
 bucket is the ``max_seq_len_upper_bound`` the kernels are sized with; it is
 only an upper bound, so a step whose bound fits a bucket replays that bucket's
 graph and the kernels read the exact lengths from the device ``seq_lens``.
@@ -33,80 +36,100 @@ def seq_buckets(max_model_len: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """``logits=True``: a graph returns the logits of every token; else the hidden states."""
+
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 max_blocks: int, device: torch.device, bounds_are_exact: bool):
+                 max_blocks: int, device: torch.device, bounds_are_exact: bool,
+                 query_lens: tuple[int, ...] = (1,), logits: bool = True):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.buckets = seq_buckets(max_model_len)
         self.block_size = block_size
         self.bounds_are_exact = bounds_are_exact
+        self.query_lens = query_lens
+        self.logits = logits
         b = self.sizes[-1]
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
+        t = b * max(query_lens)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)
-        self.qsl = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self.qsl_cpu = torch.arange(b + 1, dtype=torch.int32)
+        self.qsl = {q: torch.arange(b + 1, dtype=torch.int32, device=device) * q for q in query_lens}
+        self.qsl_cpu = {q: torch.arange(b + 1, dtype=torch.int32) * q for q in query_lens}
         self.ub_cpu = torch.ones(b, dtype=torch.int32)
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
-        self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
-    def _meta(self, b: int, bound: int) -> AttentionMetadata:
+    def _meta(self, b: int, bound: int, q: int) -> AttentionMetadata:
         n_blk = (bound + self.block_size - 1) // self.block_size
         return AttentionMetadata(
-            query_start_loc=self.qsl[: b + 1], query_start_loc_cpu=self.qsl_cpu[: b + 1],
+            query_start_loc=self.qsl[q][: b + 1], query_start_loc_cpu=self.qsl_cpu[q][: b + 1],
             seq_lens=self.seq_lens[:b], seq_lens_upper_bound=self.ub_cpu[:b],
-            block_table=self.block_table[:b, :n_blk], slot_mapping=self.slots[:b],
-            positions=self.positions[:b], num_reqs=b, num_actual_tokens=b, max_query_len=1,
+            block_table=self.block_table[:b, :n_blk], slot_mapping=self.slots[: b * q],
+            positions=self.positions[: b * q], num_reqs=b, num_actual_tokens=b * q, max_query_len=q,
             max_seq_len_upper_bound=bound, bounds_are_exact=self.bounds_are_exact,
         )
 
-    def _forward(self, b: int, bound: int) -> torch.Tensor:
-        h = self.model(self.input_ids[:b], self.positions[:b], self._meta(b, bound), self.kv_caches)
-        return self.model.compute_logits(h)
+    def _forward(self, b: int, bound: int, q: int) -> torch.Tensor:
+        h = self.model(self.input_ids[: b * q], self.positions[: b * q], self._meta(b, bound, q), self.kv_caches)
+        return self.model.compute_logits(h) if self.logits else h
 
     @torch.inference_mode()
     def capture(self) -> None:
         self.slots.fill_(-1)
-        for bound in self.buckets:
-            for b in reversed(self.sizes):
-                self._forward(b, bound)  # warm-up: JIT-compile the kernels for this shape
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out = self._forward(b, bound)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[(b, bound)] = (g, out)
+        for q in self.query_lens:
+            self.seq_lens.fill_(q)
+            for bound in self.buckets:
+                if bound < q:
+                    continue
+                for b in reversed(self.sizes):
+                    self._forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        out = self._forward(b, bound, q)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    self.graphs[(b, bound, q)] = (g, out)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (sizes %s, buckets %s)",
-                    len(self.graphs), self.sizes, self.buckets)
+        logger.info("captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",
+                    len(self.graphs), self.sizes, self.buckets, self.query_lens)
 
-    def pick(self, inputs: StepInputs) -> tuple[int, int] | None:
-        if not inputs.is_uniform_decode:
+    def pick_shape(self, n: int, q_lens: list[int], bound: int) -> tuple[int, int, int] | None:
+        q = q_lens[0]
+        if q not in self.query_lens or any(x != q for x in q_lens):
             return None
-        n, bound = inputs.meta.num_reqs, inputs.meta.max_seq_len_upper_bound
         b = next((s for s in self.sizes if s >= n), None)
         L = next((x for x in self.buckets if x >= bound), None)
-        return None if b is None or L is None else (b, L)
+        return None if b is None or L is None else (b, L, q)
 
-    def run(self, inputs: StepInputs, key: tuple[int, int]) -> torch.Tensor:
-        """Replay; returns logits of the real rows (in batch order)."""
-        b, _ = key
-        n = inputs.meta.num_reqs
+    def pick(self, inputs: StepInputs) -> tuple[int, int, int] | None:
+        """A step fits when every row has the same query length and samples at every token
+        (plain decode, or verification with the same draft count in every row)."""
+        if len(inputs.sample_rows_cpu) != len(inputs.q_lens):
+            return None
+        if any(k + 1 != q for k, q in zip(inputs.num_drafts, inputs.q_lens)):
+            return None
+        return self.pick_shape(inputs.meta.num_reqs, inputs.q_lens, inputs.meta.max_seq_len_upper_bound)
+
+    def run(self, inputs, key: tuple[int, int, int]) -> torch.Tensor:
+        """Replay; returns the outputs of the real tokens (in batch order). ``inputs`` has
+        ``input_ids``, ``positions`` and ``meta`` (a ``StepInputs`` or a ``Window``)."""
+        b, _, q = key
         m = inputs.meta
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
+        n, t = m.num_reqs, m.num_actual_tokens
+        self.input_ids[:t].copy_(inputs.input_ids)
+        self.positions[:t].copy_(inputs.positions)
         self.seq_lens[:n].copy_(m.seq_lens)
-        self.slots[:n].copy_(m.slot_mapping)
+        self.slots[:t].copy_(m.slot_mapping)
         self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
         if b > n:
-            self.slots[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
+            self.slots[t : b * q].fill_(-1)
+            self.seq_lens[n:b].fill_(q)
         g, out = self.graphs[key]
         g.replay()
-        return out[:n]
+        return out[:t]
 
 

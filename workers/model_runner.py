@@ -118,11 +118,21 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
+        k = self.cfg.speculative.num_speculative_tokens if self.spec is not None else 0
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.max_model_len,
             self.block_size, self.max_blocks_per_req, self.device, self.bounds_are_exact,
+            query_lens=(1, 1 + k) if k else (1,),
         )
         self.graphs.capture()
+        if self.spec is not None and self.spec.draft_model is not None:
+            # the draft replays (k + 2)-token windows and then feeds single drafts back
+            self.spec.proposer.graphs = DecodeGraphs(
+                self.spec.draft_model, self.spec.proposer.kv_caches, self.cfg.scheduler.max_num_seqs,
+                self.spec.max_position, self.block_size, self.max_blocks_per_req, self.device,
+                self.bounds_are_exact, query_lens=(1, k + 2), logits=False,
+            )
+            self.spec.proposer.graphs.capture()
 
     # ------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:

@@ -65,6 +65,11 @@ def write_drafts(st: DeviceState, s_rows: torch.Tensor, known: torch.Tensor, dra
     st.token_ids[s_rows[:, None].expand(-1, k), pos] = drafts
 
 
+class _Inputs:
+    def __init__(self, input_ids, positions, meta):
+        self.input_ids, self.positions, self.meta = input_ids, positions, meta
+
+
 class DraftModelProposer:
     """A small model with the target's vocabulary, run in the same worker with its own KV
     cache (same block ids: a block holds the same positions in both caches).
@@ -80,6 +85,7 @@ class DraftModelProposer:
     def __init__(self, model, kv_caches, k: int, block_size: int, bounds_are_exact: bool, max_position: int):
         self.model, self.kv_caches, self.k = model, kv_caches, k
         self.max_position = max_position  # lookahead positions are clamped into the rotary table
+        self.graphs = None  # DecodeGraphs of the draft (hidden states), set after capture
         self.block_size = block_size
         self.bounds_are_exact = bounds_are_exact
 
@@ -99,7 +105,7 @@ class DraftModelProposer:
         block_table = to_device(st.block_table_cpu[inp.rows_cpu, :n_blk], st.device)
         win, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
                               block_table=block_table)
-        hidden = self.model(win.input_ids, win.positions, win.meta, self.kv_caches)
+        hidden = self._forward(win, len(q_lens), q_lens, max(ubs))
         if not sample_list:
             return  # a step without sampling rows only advances the draft's KV
         # the last known token of sampling row i sits at offset known - 1 - start in its window
@@ -129,10 +135,16 @@ class DraftModelProposer:
                 max_query_len=1, max_seq_len_upper_bound=max(s_ubs) + i + 1,
                 bounds_are_exact=self.bounds_are_exact,
             )
-            hidden = self.model(tok, pos, meta, self.kv_caches)
+            hidden = self._forward(_Inputs(tok, pos, meta), n, [1] * n, meta.max_seq_len_upper_bound)
             logits = self.model.compute_logits(hidden)
             pos = (pos + 1).clamp(max=self.max_position)
         write_drafts(st, s_rows, known, torch.stack(drafts, dim=1))
+
+    def _forward(self, inputs, n: int, q_lens: list[int], bound: int) -> torch.Tensor:
+        key = self.graphs.pick_shape(n, q_lens, bound) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(inputs, key)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _pick(self, logits, ds, pos, st: DeviceState, s_rows, i: int) -> torch.Tensor:
         """Greedy rows take the draft's argmax; sampled rows draw from the draft distribution

@@ -1,0 +1,137 @@
+"""Speculative decoding against plain decoding, and against the speedup its acceptance predicts.
+
+For each batch size, the same greedy decode workload (random prompt ids, EOS
+ignored) runs through ``cluster.LLM`` with async scheduling: plain decoding of
+the target, plain decoding of the draft alone (to measure the cost ratio
+``c = draft step time / target step time``), and speculative decoding with the
+draft (and, with ``--self-draft``, with the target as its own draft, which pins
+acceptance near 100 %). The prediction is Leviathan et al.'s improvement factor
+
+    predicted = (1 - alpha^(k+1)) / ((1 - alpha) * (k * c + 1))
+
+with ``alpha`` the measured per-draft acceptance rate (computed from the mean
+accepted drafts per verify step) and ``c`` from the two plain runs measured
+here. It assumes a verify step costs one target decode step, which holds while
+decode is memory bound (small batches).
+
+    python -m benchmarks.spec_decode --shape llama-3.1-8b --draft-shape qwen3-0.6b-llama3-vocab --self-draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from benchmarks.common import hardware_info, versions
+from benchmarks.shapes import resolve_model
+
+
+def _run(llm, batch: int, prompt_len: int, out_len: int) -> dict:
+    from cluster import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 997 + 10 for j in range(prompt_len)]} for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    st0 = dict(llm.engine.stats)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    st = llm.engine.stats
+    drafted = st.get("spec_draft_tokens", 0) - st0.get("spec_draft_tokens", 0)
+    accepted = st.get("spec_accepted_tokens", 0) - st0.get("spec_accepted_tokens", 0)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"batch": batch, "output_tokens": n_out, "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None}
+
+
+def _engine(model, fmt, batch_max, max_len, extra, **spec):
+    from cluster import LLM
+
+    return LLM(model=model, load_format=fmt, async_scheduling=True, max_num_seqs=batch_max,
+               max_model_len=max_len, **extra, **spec)
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    tokens = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+def alpha_from_mean_accepted(mean_acc: float, k: int) -> float:
+    """Solve E[accepted] = sum_{i=1..k} alpha^i for alpha (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, k + 1)) < mean_acc:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--draft-shape", default="qwen3-0.6b-llama3-vocab")
+    p.add_argument("--self-draft", action="store_true", help="also run the target as its own draft")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--output", default="spec_decode.json")
+    args = p.parse_args(argv)
+    target, fmt = resolve_model(None, args.shape)
+    draft, _ = resolve_model(None, args.draft_shape)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = args.prompt_len + args.output_len + 2 * args.k + 16
+    extra = {"device": args.device}
+    if args.num_kv_blocks:
+        extra["num_kv_blocks"] = args.num_kv_blocks
+    from tqdm.auto import tqdm
+
+    configs = [("target", target, {}), ("draft_alone", draft, {}),
+               ("spec_draft", target, {"speculative_method": "draft_model", "speculative_model": draft,
+                                       "num_speculative_tokens": args.k})]
+    if args.self_draft:
+        configs.append(("spec_self", target, {"speculative_method": "draft_model", "speculative_model": target,
+                                              "num_speculative_tokens": args.k}))
+    runs: dict[str, dict[int, dict]] = {}
+    for name, model, spec in tqdm(configs, desc="engines"):
+        llm = _engine(model, fmt, max(batches), max_len, extra, **spec)
+        try:
+            runs[name] = {b: _run(llm, b, args.prompt_len, args.output_len) for b in batches}
+        finally:
+            llm.shutdown()
+    results = []
+    for b in batches:
+        t, d = runs["target"][b], runs["draft_alone"][b]
+        # decode step time ~ batch / throughput; c = draft step / target step
+        c = t["output_tokens_per_s"] / d["output_tokens_per_s"]
+        for name in [n for n, _, _ in configs if n.startswith("spec")]:
+            r = runs[name][b]
+            steps_rows = max(1, r["draft_tokens"] // args.k)
+            mean_acc = r["accepted_tokens"] / steps_rows
+            alpha = alpha_from_mean_accepted(mean_acc, args.k)
+            pred = predicted_speedup(alpha, args.k, c if name == "spec_draft" else 1.0)
+            actual = r["output_tokens_per_s"] / t["output_tokens_per_s"]
+            results.append({"batch": b, "config": name, "k": args.k, "target_tokens_per_s": t["output_tokens_per_s"],
+                            "spec_tokens_per_s": r["output_tokens_per_s"], "acceptance_rate": r["acceptance_rate"],
+                            "mean_accepted_per_step": mean_acc, "alpha": alpha, "cost_ratio_c": c if name == "spec_draft" else 1.0,
+                            "speedup": actual, "predicted_speedup": pred, "actual_over_predicted": actual / pred})
+    out = {"benchmark": "spec_decode", "config": vars(args), "hardware": hardware_info(), "versions": versions(),
+           "runs": {k: list(v.values()) for k, v in runs.items()}, "results": results}
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{'batch':>5} {'config':>10} {'plain/s':>9} {'spec/s':>9} {'accept':>7} {'c':>5} {'speedup':>8} {'predicted':>9} {'ratio':>6}")
+    for r in results:
+        print(f"{r['batch']:>5} {r['config']:>10} {r['target_tokens_per_s']:9.1f} {r['spec_tokens_per_s']:9.1f} "
+              f"{r['acceptance_rate'] or 0:7.3f} {r['cost_ratio_c']:5.2f} {r['speedup']:8.3f} "
+              f"{r['predicted_speedup']:9.3f} {r['actual_over_predicted']:6.3f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
