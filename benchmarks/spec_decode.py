@@ -34,6 +34,7 @@ def _run(llm, batch: int, prompt_len: int, out_len: int) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     st0 = dict(llm.engine.stats)
+    llm.engine.timeline.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -41,7 +42,12 @@ def _run(llm, batch: int, prompt_len: int, out_len: int) -> dict:
     drafted = st.get("spec_draft_tokens", 0) - st0.get("spec_draft_tokens", 0)
     accepted = st.get("spec_accepted_tokens", 0) - st0.get("spec_accepted_tokens", 0)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": batch, "output_tokens": n_out, "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
+    # device busy time per step and the idle gap before it (CUDA events; decode steps only)
+    steps = [t for t in llm.engine.timeline if t[0] == batch and t[2] >= 0]
+    steps = steps[3:-3] if len(steps) > 12 else steps
+    dev_ms = 1e3 * sum(t[1] for t in steps) / max(1, len(steps))
+    idle_ms = 1e3 * sum(t[2] for t in steps) / max(1, len(steps))
+    return {"device_step_ms": dev_ms, "device_idle_ms": idle_ms,"batch": batch, "output_tokens": n_out, "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
             "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None}
 
@@ -50,6 +56,7 @@ def _engine(model, fmt, batch_max, max_len, extra, **spec):
     from cluster import LLM
 
     return LLM(model=model, load_format=fmt, async_scheduling=True, max_num_seqs=batch_max,
+               measure_device_timeline=True,
                max_model_len=max_len, **extra, **spec)
 
 
@@ -120,16 +127,18 @@ def main(argv=None) -> dict:
             results.append({"batch": b, "config": name, "k": args.k, "target_tokens_per_s": t["output_tokens_per_s"],
                             "spec_tokens_per_s": r["output_tokens_per_s"], "acceptance_rate": r["acceptance_rate"],
                             "mean_accepted_per_step": mean_acc, "alpha": alpha, "cost_ratio_c": c if name == "spec_draft" else 1.0,
-                            "speedup": actual, "predicted_speedup": pred, "actual_over_predicted": actual / pred})
+                            "device_step_ms": r["device_step_ms"], "device_idle_ms": r["device_idle_ms"],
+                            "target_device_step_ms": t["device_step_ms"], "speedup": actual, "predicted_speedup": pred, "actual_over_predicted": actual / pred})
     out = {"benchmark": "spec_decode", "config": vars(args), "hardware": hardware_info(), "versions": versions(),
            "runs": {k: list(v.values()) for k, v in runs.items()}, "results": results}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{'batch':>5} {'config':>10} {'plain/s':>9} {'spec/s':>9} {'accept':>7} {'c':>5} {'speedup':>8} {'predicted':>9} {'ratio':>6}")
+    print(f"{'batch':>5} {'config':>10} {'plain/s':>9} {'spec/s':>9} {'accept':>7} {'c':>5} {'speedup':>8} {'predicted':>9} {'ratio':>6} {'dev ms':>7} {'idle ms':>7}")
     for r in results:
         print(f"{r['batch']:>5} {r['config']:>10} {r['target_tokens_per_s']:9.1f} {r['spec_tokens_per_s']:9.1f} "
               f"{r['acceptance_rate'] or 0:7.3f} {r['cost_ratio_c']:5.2f} {r['speedup']:8.3f} "
-              f"{r['predicted_speedup']:9.3f} {r['actual_over_predicted']:6.3f}")
+              f"{r['predicted_speedup']:9.3f} {r['actual_over_predicted']:6.3f} "
+              f"{r['device_step_ms']:7.2f} {r['device_idle_ms']:7.2f}")
     return out
 
 

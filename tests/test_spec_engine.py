@@ -153,3 +153,16 @@ def test_startup_refusals(ray_local, model, ckpt_dir):
     with pytest.raises(Exception, match="vocab"):
         LLM(model=str(model), speculative_method="draft_model", speculative_model=str(other_vocab),
             num_kv_blocks=16, max_model_len=64)
+
+
+def test_spec_benchmark_runs_on_cpu(ray_local, tmp_path):
+    from benchmarks.spec_decode import alpha_from_mean_accepted, main, predicted_speedup
+
+    assert abs(alpha_from_mean_accepted(0.5 + 0.25 + 0.125, 3) - 0.5) < 1e-6
+    assert abs(predicted_speedup(1.0, 3, 0.0) - 4.0) < 1e-9
+    out = main(["--shape", "tiny", "--draft-shape", "tiny-draft", "--self-draft", "--batch-sizes", "1",
+                "--prompt-len", "8", "--output-len", "8", "--device", "cpu", "--output", str(tmp_path / "s.json")])
+    self_row = next(r for r in out["results"] if r["config"] == "spec_self")
+    # the target as its own draft: c = 1, so all-accepted k=3 predicts (k+1)/(k+1) = 1
+    assert self_row["acceptance_rate"] > 0.9 and abs(self_row["predicted_speedup"] - 1.0) < 0.05
+    assert (tmp_path / "s.json").exists()
