@@ -61,6 +61,8 @@ class DecodeGraphs:
         self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.replays = 0
+        self._warned_miss = False
 
     def _meta(self, b: int, bound: int, q: int) -> AttentionMetadata:
         n_blk = (bound + self.block_size - 1) // self.block_size
@@ -99,11 +101,19 @@ class DecodeGraphs:
 
     def pick_shape(self, n: int, q_lens: list[int], bound: int) -> tuple[int, int, int] | None:
         q = q_lens[0]
-        if q not in self.query_lens or any(x != q for x in q_lens):
+        if any(x != q for x in q_lens):
             return None
         b = next((s for s in self.sizes if s >= n), None)
         L = next((x for x in self.buckets if x >= bound), None)
-        return None if b is None or L is None else (b, L, q)
+        if q not in self.query_lens or b is None or L is None:
+            if not self._warned_miss:
+                self._warned_miss = True
+                logger.warning("uniform step (rows %d, query length %d, bound %d) has no CUDA graph "
+                               "(sizes %s, buckets %s, query lengths %s): running eagerly",
+                               n, q, bound, self.sizes, self.buckets, self.query_lens)
+            return None
+        self.replays += 1
+        return (b, L, q)
 
     def pick(self, inputs: StepInputs) -> tuple[int, int, int] | None:
         """A step fits when every row has the same query length and samples at every token

@@ -61,7 +61,8 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
         per_block = kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
         draft = self.spec.draft_model if self.spec is not None else None
-        if draft is not None:  # the draft's cache has the same blocks: size both together
+        if draft is not None:
+            self.spec.proposer = None  # drop a previous draft cache before allocating the new one  # the draft's cache has the same blocks: size both together
             per_block += kv_cache.bytes_per_block(self.spec.draft_arch, self.spec.draft_num_kv_heads,
                                                   self.block_size, self.dtype)
         budget = None
