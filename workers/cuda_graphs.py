@@ -105,7 +105,9 @@ class DecodeGraphs:
             return None
         b = next((s for s in self.sizes if s >= n), None)
         L = next((x for x in self.buckets if x >= bound), None)
-        if q not in self.query_lens or b is None or L is None:
+        if q not in self.query_lens:
+            return None  # e.g. a prefill: never graphed
+        if b is None or L is None:
             if not self._warned_miss:
                 self._warned_miss = True
                 logger.warning("uniform step (rows %d, query length %d, bound %d) has no CUDA graph "
