@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placement", choices=("auto", "local", "ray"), default="auto",
                    help="auto: a Ray task inside `ray job submit`, else in-process")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--skinny-max-m", type=int, default=None,
+                   help="decode batches up to this size use the fused Triton skinny GEMM "
+                        "(kernels.ops.SKINNY_MAX_M; 0 = cuBLAS + separate norm/act kernels)")
+    p.add_argument("--profile", action="append", default=[], metavar="BATCH,CONTEXT",
+                   help="also profile this cell's decode steps (torch.profiler): per-step kernel "
+                        "time by kernel name, in the result and printed (repeatable)")
+    p.add_argument("--profile-steps", type=int, default=5)
     common.add_output_args(p, "decode_roofline")
     return p.parse_args(argv)
 
@@ -133,7 +140,7 @@ class Bench:
             torch.cuda.set_device(self.device)
         arch = load_arch(conf["model_dir"])
         self.arch = arch
-        steps = conf["warmup"] + conf["iters"]
+        steps = conf["warmup"] + conf["iters"] + (conf["profile_steps"] if conf.get("profile_cells") else 0)
         bs = conf["block_size"]
         max_ctx = max(conf["context_lens"])
         max_len = max_ctx + steps + 2
@@ -212,6 +219,9 @@ class Bench:
                 raise RuntimeError(f"decode step failed at batch {batch}, context {ctx}: {res.error}")
             if k >= conf["warmup"]:
                 times.append(dt)
+        profile = None
+        if (batch, ctx) in conf.get("profile_cells", ()):
+            profile = self._profile(handles, ctx + conf["warmup"] + conf["iters"], conf["profile_steps"])
         runner.execute(self._plan(finished_handles=handles))
         mean_seq = ctx + conf["warmup"] + (conf["iters"] - 1) / 2 + 1
         w_bytes = weight_bytes_per_step(runner.model, batch)
@@ -223,7 +233,39 @@ class Bench:
                 "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
                 "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "roofline_ms": roof_s * 1e3,
                 "ratio": step_s / roof_s, "achieved_bandwidth_bytes_per_s": (w_bytes + kv_bytes) / step_s,
-                "tokens_per_s": batch / step_s}
+                "tokens_per_s": batch / step_s, **({"profile": profile} if profile else {})}
+
+    def _profile(self, handles, start_len: int, steps: int) -> dict[str, Any]:
+        """Kernel time per decode step by kernel name (CUDA graph replays included)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from metadata.wire import ScheduledRow
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for k in range(steps):
+                plan = self._plan(rows=[ScheduledRow(handle=h, num_scheduled_tokens=1,
+                                                     seq_len_upper_bound=start_len + k + 1,
+                                                     new_block_ids=[], sample=True) for h in handles])
+                self.runner.execute(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        kernels = []
+        for ev in prof.key_averages():
+            if "CUDA" not in str(getattr(ev, "device_type", "")):
+                continue  # CPU-side ops; their kernels are listed as CUDA events themselves
+            dev_us = getattr(ev, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(ev, "self_cuda_time_total", 0)
+            if dev_us > 0:
+                kernels.append({"name": ev.key[:120], "us_per_step": dev_us / steps,
+                                "calls_per_step": ev.count / steps})
+        kernels.sort(key=lambda r: -r["us_per_step"])
+        total = sum(r["us_per_step"] for r in kernels)
+        launches = sum(r["calls_per_step"] for r in kernels)
+        return {"steps": steps, "kernel_us_per_step": total, "kernels_per_step": launches,
+                "top": kernels[:40]}
 
 
 def measure(conf: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +279,11 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
     bw = measure_bandwidth(dev, mib << 20, conf["bandwidth_iters"])
     print(f"copy bandwidth on {dev}: {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
     conf = dict(conf, bandwidth_bytes_per_s=bw["bandwidth_bytes_per_s"])
+    if conf.get("skinny_max_m") is not None:
+        from kernels import ops
+
+        ops.SKINNY_MAX_M = conf["skinny_max_m"]
+    conf["profile_cells"] = {tuple(c) for c in conf.get("profile_cells", ())}
     bench = Bench(conf)
     cells = []
     grid = [(b, c) for c in conf["context_lens"] for b in conf["batch_sizes"]]
@@ -248,7 +295,18 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
         else:
             tqdm.write(f"batch {b:4d} context {c:6d}: step {cell['step_ms_median']:8.3f} ms, roofline "
                        f"{cell['roofline_ms']:8.3f} ms, ratio {cell['ratio']:6.2f}")
+            prof = cell.get("profile")
+            if prof:
+                tqdm.write(f"  profile: {prof['kernel_us_per_step']:.1f} us of kernels per step, "
+                           f"{prof['kernels_per_step']:.0f} launches per step")
+                for r in prof["top"][:25]:
+                    tqdm.write(f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}")
+    from kernels import ops
+
+    conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
+    conf_out["skinny_max_m_effective"] = ops.SKINNY_MAX_M
     return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
+            "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"]},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
             "kv_bytes_per_token": bench.kv_bytes_per_token, "model_load_s": bench.load_s,
             "engine_config": bench.cfg.to_dict(), "worker_hardware": common.hardware_info()}
@@ -300,7 +358,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "warmup": args.warmup, "iters": args.iters, "cuda_graphs": args.cuda_graphs, "device": args.device,
             "dtype": args.dtype, "block_size": args.block_size, "engine_options": opts,
             "gpu_memory_utilization": args.gpu_memory_utilization, "bandwidth_mib": args.bandwidth_mib,
-            "bandwidth_iters": args.bandwidth_iters}
+            "bandwidth_iters": args.bandwidth_iters, "skinny_max_m": args.skinny_max_m,
+            "profile_cells": [[int(v) for v in c.split(",")] for c in args.profile],
+            "profile_steps": args.profile_steps}
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
     res = _run_placed(conf, args.placement)

@@ -7,6 +7,10 @@ Prints and writes (JSON) ``elapsed_time``, ``num_requests``, ``total_num_tokens`
 ``requests_per_second``, ``tokens_per_second`` and ``output_tokens_per_second``
 (vLLM's names), with the hardware, versions and full configuration. ``--baseline hf``
 runs the same workload through transformers' ``generate_batch`` and adds the ratio.
+It also measures the device's copy bandwidth and matmul rate (a Ray task on the
+engine's kind of device, after the engine is shut down) and reports the workload's
+own ``roofline`` (decode weight + KV bytes over the bandwidth, plus prefill FLOPs
+over the matmul rate; see ``workload_roofline``) and the ``achieved_fraction`` of it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,67 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
             "engine_stats": dict(llm.engine.stats)}
 
 
+def measure_ceilings(device: str) -> dict[str, Any]:
+    """The device's copy bandwidth (read + write bytes of a large copy) and dense matmul
+    rate (bf16 8192^3 on a GPU, fp32 1024^3 on the CPU), measured where this runs."""
+    import torch
+
+    from benchmarks.decode_roofline import measure_bandwidth
+
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    bw = measure_bandwidth(dev, (2048 if dev.type == "cuda" else 128) << 20, 10 if dev.type == "cuda" else 3)
+    n, dtype, iters = (8192, torch.bfloat16, 10) if dev.type == "cuda" else (1024, torch.float32, 3)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    sec = (time.perf_counter() - t) / iters
+    return {"bandwidth_bytes_per_s": bw["bandwidth_bytes_per_s"], "bandwidth_method": bw["method"],
+            "matmul_flops_per_s": 2 * n**3 / sec,
+            "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
+                             f"mean of {iters} after 3 warm-ups"}
+
+
+def workload_roofline(arch, dtype_bytes: int, tp: int, prompt_lens: list[int], output_lens: list[int],
+                      max_num_seqs: int, ceilings: dict[str, Any]) -> dict[str, Any]:
+    """The workload's own floor on one GPU of the TP group (every rank reads its shard at once).
+
+    Decode: at least ``max(max(o - 1), ceil(sum(o - 1) / max_num_seqs))`` steps, each
+    reading every weight matrix once; every decode token reads its request's KV so far
+    (``p + j`` tokens for the ``j``-th). Bytes over the measured copy bandwidth.
+    Prefill: ``2 * matmul params`` FLOPs per prompt token, causal attention
+    ``2 * p^2 * heads * head_dim`` per layer, one LM-head row per request; FLOPs over the
+    measured matmul rate. Decode compute and prefill weight reads are not counted."""
+    h, d = arch.hidden_size, arch.head_dim
+    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    layer = h * qkv_out + arch.num_heads * d * h + 3 * arch.intermediate_size * h
+    layer_extra = 2 * h + (qkv_out if arch.qkv_bias else 0) + (2 * d if arch.qk_norm else 0)
+    lm_head = arch.vocab_size * h
+    step_params = arch.num_layers * (layer + layer_extra) + h + lm_head
+    weight_bytes_step = step_params * dtype_bytes / tp
+    decode = [max(0, o - 1) for o in output_lens]
+    steps = max(max(decode, default=0), -(-sum(decode) // max(1, max_num_seqs)))
+    kv_tok = arch.kv_bytes_per_token(dtype_bytes, tp)
+    kv_bytes = sum(kv_tok * (o * p + o * (o - 1) // 2) for p, o in zip(prompt_lens, decode))
+    flops = sum(2 * arch.num_layers * layer * p + 2 * arch.num_layers * p * p * arch.num_heads * d
+                + 2 * lm_head for p in prompt_lens) / tp
+    bw, rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
+    mem_s = (steps * weight_bytes_step + kv_bytes) / bw
+    comp_s = flops / rate
+    total_out = sum(output_lens)
+    return {**ceilings, "decode_steps": steps, "weight_bytes_per_step": weight_bytes_step,
+            "weight_bytes_total": steps * weight_bytes_step, "kv_bytes_total": kv_bytes,
+            "prefill_flops": flops, "decode_memory_s": mem_s, "prefill_compute_s": comp_s,
+            "roofline_s": mem_s + comp_s, "roofline_output_tokens_per_s": total_out / (mem_s + comp_s)}
+
+
 def _remote(fn, device: str, *args):
     """Run ``fn`` in a Ray task on the engine's kind of device."""
     import ray
@@ -98,6 +163,32 @@ def plot(result: dict[str, Any], path) -> None:
     common.save_figure(fig, path)
 
 
+def _roofline(model_dir, engine_cfg, device, opts, requests, res) -> dict[str, Any] | None:
+    """Measure the ceilings on the engine's kind of device (after the engine is gone) and
+    put the run against the workload's roofline; failures are reported, not raised."""
+    try:
+        from workers.models.arch import load_arch
+
+        arch = load_arch(model_dir)
+        dtype = engine_cfg["model"]["dtype"]
+        nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2 if device == "cuda" else 4)
+        tp = int(engine_cfg.get("parallel", {}).get("tensor_parallel_size", 1) or 1)
+        ceil = _remote(measure_ceilings, device, device)
+        roof = workload_roofline(arch, nbytes, tp, [r.prompt_len for r in requests],
+                                 [r.expected_output_len for r in requests],
+                                 engine_cfg["scheduler"]["max_num_seqs"], ceil)
+    except Exception as exc:  # the throughput numbers stand on their own
+        print(f"workload roofline: not computed ({exc!r})", file=sys.stderr)
+        return {"error": repr(exc)}
+    roof["achieved_fraction"] = roof["roofline_s"] / res["elapsed_time"]
+    print(f"Workload roofline: {roof['roofline_s']:.3f} s (decode memory {roof['decode_memory_s']:.3f} s over "
+          f"{roof['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, prefill compute {roof['prefill_compute_s']:.3f} s "
+          f"over {roof['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) = "
+          f"{roof['roofline_output_tokens_per_s']:.0f} output tok/s; achieved "
+          f"{100 * roof['achieved_fraction']:.1f} % of it", flush=True)
+    return roof
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out_path, png = common.output_paths(args, "throughput")
@@ -122,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = run_engine(llm, requests, args.temperature, args.num_warmup)
     llm.shutdown()
     print_summary(res)
+    roof = _roofline(model_dir, engine_cfg, device, opts, requests, res)
     result = common.record("throughput", args)
     result.update(res)
     result["config"] = {
@@ -129,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine_options": opts, "engine_config": engine_cfg, "device": device, "engine_init_s": init_s,
         "max_model_len": llm.engine.max_model_len, "dataset": args.dataset, "num_prompts": len(requests),
     }
+    if roof is not None:
+        result["roofline"] = roof
     result["worker_hardware"] = common.remote_hardware_info(1 if device == "cuda" else 0)
     result["ray_cluster"] = common.ray_cluster_info()
     if args.baseline == "hf":

@@ -6,6 +6,11 @@ import torch
 
 from kernels import reference
 
+# Decode-sized batches (M <= this) of 16-bit weights use the Triton skinny GEMM with its
+# fused RMSNorm prologue / SiLU*mul epilogue; larger ones cuBLAS plus separate kernels.
+# A module attribute so a benchmark can compare both paths (0 disables the skinny path).
+SKINNY_MAX_M = 16
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
@@ -50,3 +55,57 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
         return rotary_embedding_triton(positions, q, k, cos_sin_cache)
     return reference.rotary_embedding_reference(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    if _use_triton(x):
+        from kernels.activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return reference.silu_and_mul_reference(x)
+
+
+def rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                      q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+    """[q/k RMSNorm] + rotary + KV write in one launch on CUDA; returns the rotated q."""
+    if _use_triton(q):
+        from kernels.rope_kv import rope_and_write_kv_triton
+
+        return rope_and_write_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                        slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return reference.rope_and_write_kv_reference(positions, q, k, v, cos_sin_cache, k_cache,
+                                                 v_cache, slot_mapping, q_norm_weight,
+                                                 k_norm_weight, eps)
+
+
+def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype)
+
+
+def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6,
+           act: str | None = None, out_dtype=None):
+    """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
+
+    Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch with the norm
+    and activation fused. Otherwise the same math unfused: the RMSNorm kernel, cuBLAS,
+    the SiLU*mul kernel on CUDA; the references on the CPU (where this is exactly the
+    previous unfused model code)."""
+    if uses_skinny(x, weight):
+        from kernels.skinny_gemm import skinny_linear_triton
+
+        return skinny_linear_triton(x, weight, bias, residual=residual, norm_weight=norm_weight,
+                                    eps=eps, act=act, out_dtype=out_dtype)
+    if not _use_triton(x):
+        return reference.skinny_linear_reference(x, weight, bias, residual=residual,
+                                                 norm_weight=norm_weight, eps=eps, act=act,
+                                                 out_dtype=out_dtype)
+    new_res = None
+    if norm_weight is not None:
+        x, new_res = rms_norm(x, norm_weight, eps, residual)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if act == "silu_and_mul":
+        y = silu_and_mul(y)
+    elif act is not None:
+        raise ValueError(f"unknown activation {act!r}")
+    return (y.to(out_dtype) if out_dtype is not None else y), new_res

@@ -24,9 +24,16 @@ The CPU ints only size grids and pick constexpr configs:
 Split-KV (flash decoding): grid axis 2 splits each program's KV range into
 ``num_splits`` equal chunks *of its real length* (read from device
 ``seq_lens``), so short and long rows are both balanced. A split whose chunk
-is empty writes a neutral partial (o = 0, lse = -inf); a reduce kernel merges
-the partials. ``num_splits`` is chosen on the CPU from
-``max_seq_len_upper_bound`` and the batch size only.
+is empty writes a neutral partial (o = 0, lse = -inf). For decode batches the
+partials are merged in the same launch: each split bumps a per-(request, KV
+head) arrival counter (acq_rel atomic, after a CTA barrier), and the split that
+arrives last reads every partial back from L2, writes the merged output and
+re-arms the counter to 0 for the next launch or graph replay. That saves the
+reduce kernel's launch (~2.5 us a layer inside a graph at batch 1); the
+separate reduce kernel remains for forced splits of prefill-shaped batches and
+when no counter buffer can be had (first use inside a graph capture).
+``num_splits`` is chosen on the CPU from ``max_seq_len_upper_bound`` and the
+batch size only.
 
 No host synchronisation happens here and all buffers come from ``torch.empty``
 with shapes fixed by the CPU ints, so a decode step is CUDA-graph capturable.
@@ -69,7 +76,7 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 # batch of 1 or a 16-divisible bound, in the middle of CUDA-graph capture).
 @triton.jit(do_not_specialize=["num_reqs", "kv_cap"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     num_reqs, kv_cap, scale_log2,
     stride_qt, stride_qh,
@@ -77,12 +84,12 @@ def _paged_attention_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_bt,
     stride_os, stride_ot, stride_oh,
-    stride_ls, stride_lt,
+    stride_ls, stride_lt, stride_ft, stride_fh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,6 +194,33 @@ def _paged_attention_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         l_rows = (q_start + tok).to(tl.int64) * stride_lt + qhead
         tl.store(lse_ptr + split * stride_ls + l_rows, lse, mask=row_ok)
+        if FUSED_REDUCE:
+            # The last split of this (query block, KV head) to finish merges all
+            # partials: no reduce launch. Release our partials, count arrivals.
+            tl.debug_barrier()
+            sem = sem_ptr + pid * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                offs_s = tl.arange(0, SPLITS_P)
+                lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
+                                  mask=(offs_s[:, None] < NUM_SPLITS) & row_ok[None, :],
+                                  other=float("-inf"), cache_modifier=".cg")
+                m_all = tl.max(lse_all, 0)
+                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
+                o_mask = row_ok[:, None] & d_ok[None, :]
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for sp in range(NUM_SPLITS):
+                    w_s = tl.exp2(tl.load(lse_ptr + sp * stride_ls + l_rows, mask=row_ok,
+                                          other=float("-inf"), cache_modifier=".cg") - m_all)
+                    part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
+                                   mask=o_mask, other=0.0, cache_modifier=".cg")
+                    merged += w_s[:, None] * part
+                merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+                f_rows = (q_start + tok).to(tl.int64) * stride_ft + qhead * stride_fh
+                tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
+                         merged.to(final_ptr.dtype.element_ty), mask=o_mask)
+                tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -226,6 +260,33 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Arrival counters of the fused split reduce, one int32 per (query block, KV head),
+# zero between launches (the last arriving program re-arms its counter). One growing
+# buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
+# their addresses.
+_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+MIN_SEMAPHORES = 1 << 14
+
+
+def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
+    a buffer too small (allocating then would tie it to the graph's pool): the caller
+    falls back to the reduce kernel."""
+    key = (device.type, device.index if device.index is not None else -1)
+    buf = _SEMAPHORES.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(n, MIN_SEMAPHORES if buf is None else 2 * buf.numel()),
+                      dtype=torch.int32, device=device)
+    _SEMAPHORES[key] = buf
+    return buf
+
+
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -261,12 +322,17 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    fused_reduce: bool | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
     ``max_query_len`` and ``max_seq_len_upper_bound`` are CPU ints that must be
     >= the real values; they only size grids and pick configs. ``num_splits``
-    overrides the split-KV heuristic (tests, benchmarks). Rows of ``q`` past
+    overrides the split-KV heuristic (tests, benchmarks). Decode-shaped splits
+    merge their partials in the last arriving program (``fused_reduce``, default
+    on) instead of a second launch. ``config`` overrides ``block_n`` /
+    ``num_warps`` / ``num_stages`` (benchmarks). Rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten.
     """
     num_tokens, hq, head_dim = q.shape
@@ -293,11 +359,18 @@ def paged_attention_triton(
         one_qblock, grid0 = False, num_tokens // block_q + num_reqs
         block_n = 64 if block_d <= 128 else 32
         num_warps, num_stages = (8 if block_m >= 128 else 4), 2
+    if config:
+        block_n = config.get("block_n", block_n)
+        num_warps = config.get("num_warps", num_warps)
+        num_stages = config.get("num_stages", num_stages)
 
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, hkv, max_query_len,
                                        max_seq_len_upper_bound, _device_sms(q.device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    sem = None
+    if num_splits > 1 and one_qblock and fused_reduce is not False:
+        sem = _semaphores(q.device, grid0 * hkv)
     if num_splits > 1:
         part = torch.empty((num_splits, num_tokens, hq, head_dim), dtype=torch.float32,
                            device=q.device)
@@ -309,7 +382,7 @@ def paged_attention_triton(
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
-        q, k_cache, v_cache, dst, lse,
+        q, k_cache, v_cache, dst, lse, out, sem if sem is not None else seq_lens,
         block_table, seq_lens, query_start_loc,
         num_reqs, kv_cap, float(scale) * LOG2E,
         q.stride(0), q.stride(1),
@@ -317,7 +390,7 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         stride_os, dst.stride(-3), dst.stride(-2),
-        stride_ls, stride_lt,
+        stride_ls, stride_lt, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=kv_block_size,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ONE_QBLOCK_PER_REQ=one_qblock,
@@ -325,9 +398,10 @@ def paged_attention_triton(
         # The interpreter's tl.dot multiplies bf16 as raw uint16 bits (triton 3.9):
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
+        FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and sem is None:
         block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))
         _reduce_splits_kernel[(num_tokens, triton.cdiv(hq, block_h))](
             part, lse, out, query_start_loc, num_reqs, hq,

@@ -116,3 +116,63 @@ def rotary_embedding_reference(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for a fused gate|up output ``[..., 2I]``."""
+    inter = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
+
+
+def rope_and_write_kv_reference(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Optional per-head q/k RMSNorm, then rotary, then the KV write; returns rotated q.
+
+    q ``[T, Hq, D]``, k/v ``[T, Hk, D]``. Exactly the unfused sequence the fused
+    kernel (``kernels.rope_kv``) replaces."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if q_norm_weight is not None:
+        q = rms_norm_reference(q.reshape(-1, d), q_norm_weight, eps)[0].view(t, hq, d)
+    if k_norm_weight is not None:
+        k = rms_norm_reference(k.reshape(-1, d), k_norm_weight, eps)[0].view(t, hk, d)
+    q, k = rotary_embedding_reference(positions, q, k, cos_sin_cache)
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def skinny_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    act: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``act(linear(rms_norm(x [+ residual])))``, unfused: returns ``(y, new_residual)``.
+
+    Without ``norm_weight`` it is ``linear`` (+ act); ``new_residual`` is
+    ``x + residual`` when a residual is given, else None."""
+    new_res = None
+    if norm_weight is not None:
+        x, new_res = rms_norm_reference(x, norm_weight, eps, residual)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if act == "silu_and_mul":
+        y = silu_and_mul_reference(y)
+    elif act is not None:
+        raise ValueError(f"unknown activation {act!r}")
+    return (y.to(out_dtype) if out_dtype is not None else y), new_res

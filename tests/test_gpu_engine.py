@@ -11,42 +11,75 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _hf_greedy(model_dir, prompts, n, dtype=torch.bfloat16):
-    """transformers' greedy continuations plus a function giving its logits after any prefix."""
+    """transformers' greedy continuations and, per prompt, its own logits at every
+    generated position (``output_logits``: the scores generate picked from)."""
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
-    outs = []
+    outs, logits = [], []
     with torch.no_grad():
         for p in prompts:
             g = m.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
-
-    def logits_after(ids):
-        with torch.no_grad():
-            return m(torch.tensor([ids], device="cuda")).logits[0, -1].float()
-
-    return outs, logits_after
+                           do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                           output_logits=True)
+            outs.append(g.sequences[0, len(p):].tolist())
+            logits.append([step[0].float() for step in g.logits])
+    return outs, logits
 
 
-def assert_greedy_equal(prompts, got, expected, logits_after, rel_tol):
-    """Token-for-token equality; a divergence is accepted only where transformers itself
-    sees a near-tie between its token and ours (gap <= rel_tol * max|logit|), and at
-    least half the prompts must match on every token."""
-    exact = 0
+# bf16 tolerance for a greedy divergence (see assert_greedy_equal): unit roundoff
+# 2^-8, times (2 + 2 sqrt(R * L)) for R = 12 bf16 roundings on each layer's path
+# (norm, q/k/v, rope, attention, o_proj, residual, norm, gate, up, act, down,
+# residual) over L layers, times the largest |logit| at that position.
+BF16_ROUNDINGS_PER_LAYER = 12
+EARLY_TOKENS = 4
+
+
+def logit_tolerance(dtype: torch.dtype, num_layers: int, max_abs_logit: float) -> float:
+    if dtype == torch.float32:
+        return 1e-4 * max_abs_logit  # fp32: summation-order noise only
+    u = torch.finfo(dtype).eps / 2
+    return (2 + 2 * (BF16_ROUNDINGS_PER_LAYER * num_layers) ** 0.5) * u * max_abs_logit
+
+
+def assert_greedy_equal(prompts, got, expected, hf_logits, dtype, num_layers):
+    """Token-for-token comparison with transformers' greedy output.
+
+    Two greedy decoders in 16-bit arithmetic that round at different points (fused
+    kernels vs transformers' eager ops) may pick different tokens where the top two
+    logits are closer than their rounding noise; after that the continuations are
+    unrelated, so only the *first* divergence is judged:
+
+    * at that position transformers' own top-2 gap, and the gap between its logit for
+      its token and for ours, must be within the rounding noise: a unit roundoff ``u``
+      (2^-8 for bf16) per rounding, accumulating like a random walk over the
+      ``R * L`` roundings on the residual path (``2 sqrt(R L) u``), plus ``2u`` for the
+      final rounding of the two logits compared, relative to the largest |logit| there
+      (rounding errors are relative; the logits' scale sets the absolute noise);
+    * divergences must be rare early: most prompts (all but a third) match through the
+      first ``EARLY_TOKENS`` tokens, where the KV cache, rotary positions and the
+      prefill/decode switch all show their bugs.
+    """
+    early = []
     for i, (ours, ref) in enumerate(zip(got, expected)):
+        assert len(ours) == len(ref), f"prompt {i}: {len(ours)} tokens, expected {len(ref)}"
         j = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
         if j is None:
-            exact += 1
             continue
-        logits = logits_after(prompts[i] + ref[:j])
+        logits = hf_logits[i][j]
+        top2 = torch.topk(logits, 2).values
+        top2_gap = float(top2[0] - top2[1])
         gap = float(logits[ref[j]] - logits[ours[j]])
-        bound = rel_tol * float(logits.abs().max())
-        assert gap <= bound, (
-            f"prompt {i} (len {len(prompts[i])}) diverged at token {j} without a near-tie "
-            f"(logit gap {gap:.4g} > {bound:.4g}): {ours} vs {ref}"
+        tol = logit_tolerance(dtype, num_layers, float(logits.abs().max()))
+        assert top2_gap <= tol and gap <= tol, (
+            f"prompt {i} (len {len(prompts[i])}) diverged at token {j} without a near-tie: "
+            f"transformers' top-2 gap {top2_gap:.4g}, its logit gap to our token {gap:.4g}, "
+            f"tolerance {tol:.4g}: {ours} vs {ref}"
         )
-    assert exact * 2 >= len(prompts), f"only {exact}/{len(prompts)} prompts matched all tokens"
+        if j < EARLY_TOKENS:
+            early.append(i)
+    assert len(early) <= len(prompts) // 3, (
+        f"prompts {early} diverged within the first {EARLY_TOKENS} tokens")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +103,7 @@ def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype):
     from cluster import LLM, SamplingParams
 
     prompts = _prompts()
-    expected, logits_after = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
+    expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
     llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,
               kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
     try:
@@ -79,7 +112,7 @@ def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype):
         got = [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
-    assert_greedy_equal(prompts, got, expected, logits_after, 2e-2 if dtype == "bfloat16" else 1e-4)
+    assert_greedy_equal(prompts, got, expected, hf_logits, getattr(torch, dtype), num_layers=2)
 
 
 @cuda

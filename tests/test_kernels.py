@@ -28,12 +28,15 @@ from kernels import reference as ref  # noqa: E402
 
 if INTERPRETED:
     import triton
+    from kernels import activation as act
     from kernels import kv_write as kvw
     from kernels import paged_attention as pa
     from kernels import rms_norm as rms
+    from kernels import rope_kv as rkv
     from kernels import rotary as rot
+    from kernels import skinny_gemm as sg
 else:
-    triton = pa = kvw = rms = rot = None  # only the child touches triton
+    triton = pa = kvw = rms = rot = act = rkv = sg = None  # only the child touches triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,6 +82,9 @@ def test_kernels_are_interpreted():
     assert isinstance(kvw._write_kv_kernel, InterpretedFunction)
     assert isinstance(rms._rms_norm_kernel, InterpretedFunction)
     assert isinstance(rot._rotary_kernel, InterpretedFunction)
+    assert isinstance(act._silu_and_mul_kernel, InterpretedFunction)
+    assert isinstance(rkv._rope_kv_kernel, InterpretedFunction)
+    assert isinstance(sg._skinny_kernel, InterpretedFunction)
 
 
 # ----------------------------------------------------------------- paged attention
@@ -107,11 +113,12 @@ def make_attention_case(q_lens, seq_lens, hq, hkv, d=32, bs=16, dtype=torch.floa
                 max_query_len=max(q_lens), max_seq_len_upper_bound=ub, scale=d ** -0.5)
 
 
-def run_attention(c, num_splits=None, scale=None):
+def run_attention(c, num_splits=None, scale=None, fused_reduce=None):
     out = pa.paged_attention_triton(
         c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
         c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
-        c["scale"] if scale is None else scale, num_splits=num_splits)
+        c["scale"] if scale is None else scale, num_splits=num_splits,
+        fused_reduce=fused_reduce)
     bt = c["block_table"].clamp(min=0)  # the reference gathers (then masks) every column
     expect = ref.paged_attention_reference(
         c["q"], c["k_cache"], c["v_cache"], bt, c["seq_lens"], c["query_start_loc"],
@@ -136,13 +143,29 @@ def test_paged_attention_decode(hq, hkv, dtype):
     torch.testing.assert_close(out, expect, **TOL[dtype])
 
 
+@pytest.mark.parametrize("fused_reduce", [True, False])  # in-kernel merge vs reduce kernel
 @pytest.mark.parametrize("num_splits", [2, 5])  # 5 splits > tiles of short rows: neutral
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
-def test_paged_attention_decode_split_kv(hq, hkv, num_splits):
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
+def test_paged_attention_decode_split_kv(hq, hkv, num_splits, fused_reduce):
     c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv,
                             pad_tokens=2, bound_slack=40)
-    out, expect = run_attention(c, num_splits=num_splits)
+    out, expect = run_attention(c, num_splits=num_splits, fused_reduce=fused_reduce)
     torch.testing.assert_close(out, expect, **TOL[torch.float32])
+    if fused_reduce:  # every arrival counter was re-armed for the next launch
+        assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
+        again, _ = run_attention(c, num_splits=num_splits, fused_reduce=True)
+        torch.testing.assert_close(again, expect, **TOL[torch.float32])
+
+
+def test_paged_attention_fused_reduce_spec_verify_rows():
+    # q_len > 1 per request (spec-decode verify) with splits: each program merges
+    # GROUP x q_len rows; an empty request never arrives at its counter.
+    c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3,
+                            bound_slack=9, seed=8)
+    for splits in (3, 4):
+        out, expect = run_attention(c, num_splits=splits, fused_reduce=True)
+        torch.testing.assert_close(out, expect, **TOL[torch.float32])
+    assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
 
 
 MIXED = dict(q_lens=[1, 20, 1, 3, 33, 1, 0], seq_lens=[17, 20, 64, 50, 80, 1, 9])
@@ -273,6 +296,126 @@ def test_rotary_embedding(dtype):
     torch.testing.assert_close(k_out, k_exp, **tol)
     q_bad, _ = rot.rotary_embedding_triton(positions + 1, q, k, cache)
     assert not torch.allclose(q_bad.float(), q_exp.float(), atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------- SiLU * mul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,inter", [(7, 96), (1, 2048 + 40)])  # odd width; > one block
+def test_silu_and_mul(dtype, t, inter):
+    g = torch.Generator().manual_seed(9)
+    x = (3 * torch.randn(t, 2 * inter + 6, generator=g)).to(dtype)[:, : 2 * inter]  # row-strided
+    out = act.silu_and_mul_triton(x)
+    expect = ref.silu_and_mul_reference(x)
+    assert out.shape == (t, inter) and out.dtype == dtype
+    torch.testing.assert_close(out, expect, **TOL[dtype])
+    swapped = torch.cat([x[:, inter:], x[:, :inter]], dim=1)  # gate/up halves must not swap
+    assert not torch.allclose(act.silu_and_mul_triton(swapped).float(), expect.float(),
+                              atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------- fused rope + KV write
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama / Qwen3
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_write_kv(qk_norm, hq, hk, dtype):
+    g = torch.Generator().manual_seed(10)
+    t, d, nb, bs = 9, 32, 6, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)  # fused projection rows
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    positions = torch.tensor([0, 5, 17, 3, 63, 1, 40, 16, 15])
+    # ragged slots across block boundaries; -1 = CUDA-graph padding, never written
+    slots = torch.tensor([0, 15, 16, -1, 17, 47, -1, 95, 33], dtype=torch.int64)
+    cache = cos_sin_cache(64, d)
+    qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
+    kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
+    k_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    v_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw,
+                                            1e-6)
+    before = k_cache.clone()
+    q_out = rkv.rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw, kw,
+                                         1e-6)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q_out, q_exp, **tol)
+    torch.testing.assert_close(k_cache, k_exp, **tol)
+    assert torch.equal(v_cache, v_exp)  # v is copied, not computed
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(k_cache.view(nb * bs, hk, d)[untouched], before.view(nb * bs, hk, d)[untouched])
+    q_bad = rkv.rope_and_write_kv_triton(positions + 1, q, k, v, cache, k_cache.clone(),
+                                         v_cache.clone(), slots, qw, kw, 1e-6)
+    assert not torch.allclose(q_bad.float(), q_exp.float(), atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------- skinny GEMM
+
+
+SKINNY_CASES = {  # name -> kwargs of skinny_linear (besides x, weight)
+    "plain": {}, "bias": {"bias": True}, "norm": {"norm": True},
+    "norm_residual": {"norm": True, "residual": True},
+    "norm_residual_act": {"norm": True, "residual": True, "act": "silu_and_mul"},
+    "act_bias_fp32_out": {"bias": True, "act": "silu_and_mul", "out_dtype": torch.float32},
+}
+
+
+def skinny_case(m, n, k, dtype, spec, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    kw = {"act": spec.get("act"), "out_dtype": spec.get("out_dtype")}
+    if spec.get("bias"):
+        kw["bias"] = torch.randn(n, generator=g).to(dtype)
+    if spec.get("norm"):
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+        kw["eps"] = 1e-5
+    if spec.get("residual"):
+        kw["residual"] = torch.randn(m, k, generator=g).to(dtype)
+    return x, w, kw
+
+
+@pytest.mark.parametrize("case", list(SKINNY_CASES))
+@pytest.mark.parametrize("m", [1, 5, 16, 33])  # 33: BLOCK_M 64 with masked rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_dot(case, m, dtype):
+    # k=96 with block_k 64: a masked K tail; n=40: a masked N tail
+    x, w, kw = skinny_case(m, 40, 96, dtype, SKINNY_CASES[case])
+    cfg = dict(use_dot=True, block_n=16, block_k=64, num_warps=4, num_stages=2)
+    y, new_res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
+    y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
+    assert y.shape == y_exp.shape and y.dtype == y_exp.dtype
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(y, y_exp, **tol)
+    if "residual" in kw:
+        torch.testing.assert_close(new_res, res_exp, **TOL[dtype])
+    else:
+        assert new_res is None
+
+
+@pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out"])
+@pytest.mark.parametrize("block_k", [32, 64])  # K=96: 32 divides it (no K mask), 64 leaves a tail
+def test_skinny_linear_fma_batch_of_one(case, block_k):
+    x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)
+    cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1)
+    y, _ = sg.skinny_linear_triton(x, w, config=cfg, **kw)
+    y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
+    torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
+
+
+def test_skinny_linear_wrong_eps_and_padded_rows():
+    x, w, kw = skinny_case(3, 32, 64, torch.float32, SKINNY_CASES["norm_residual"], seed=13)
+    y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
+    bad, _ = sg.skinny_linear_triton(x, w, **dict(kw, eps=1.0))
+    assert not torch.allclose(bad, y_exp, atol=1e-3, rtol=1e-3)
+    # rows beyond M are neither read into the result nor written
+    y, _ = sg.skinny_linear_triton(x[:2], w, **dict(kw, residual=kw["residual"][:2]))
+    torch.testing.assert_close(y, y_exp[:2], **TOL[torch.float32])
 
 
 if not INTERPRETED:  # parent process: every test reports its interpreted child run

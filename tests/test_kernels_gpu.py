@@ -58,14 +58,15 @@ def make_attention_case(q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfl
                 max_seq_len_upper_bound=ub, scale=d ** -0.5)
 
 
-def triton_attention(c, num_splits=None, scale=None):
+def triton_attention(c, num_splits=None, scale=None, fused_reduce=None):
     from kernels.paged_attention import paged_attention_triton
 
     with no_sync():
         return paged_attention_triton(
             c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
             c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
-            c["scale"] if scale is None else scale, num_splits=num_splits)
+            c["scale"] if scale is None else scale, num_splits=num_splits,
+            fused_reduce=fused_reduce)
 
 
 def reference_attention(c):
@@ -74,9 +75,9 @@ def reference_attention(c):
         c["query_start_loc"], c["qsl_cpu"], c["max_seq_len_upper_bound"], c["scale"])
 
 
-def check_attention(c, num_splits=None):
+def check_attention(c, num_splits=None, fused_reduce=None):
     n = int(c["qsl_cpu"][-1])
-    out = triton_attention(c, num_splits)[:n].float()
+    out = triton_attention(c, num_splits, fused_reduce=fused_reduce)[:n].float()
     torch.testing.assert_close(out, reference_attention(c)[:n].float(), **TOL[c["q"].dtype])
 
 
@@ -93,6 +94,19 @@ def test_paged_attention_decode(hq, hkv, d, num_splits):
     lens = decode_lens(24)
     c = make_attention_case([1] * len(lens), lens, hq, hkv, d=d, pad_tokens=8, bound=2100)
     check_attention(c, num_splits)
+
+
+@pytest.mark.parametrize("fused_reduce", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (16, 8)])
+def test_paged_attention_decode_fused_vs_kernel_reduce(hq, hkv, fused_reduce):
+    from kernels.paged_attention import _semaphores
+
+    lens = decode_lens(40, max_len=4000, seed=5)
+    c = make_attention_case([1] * len(lens), lens, hq, hkv, pad_tokens=3, bound=4096, seed=6)
+    for splits in (None, 3, 16):
+        check_attention(c, splits, fused_reduce=fused_reduce)
+    torch.cuda.synchronize()
+    assert int(_semaphores(c["q"].device, 1).count_nonzero()) == 0  # all re-armed
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8)])
@@ -214,3 +228,119 @@ def test_decode_bandwidth_report(batch, seq):
           f"{kv_bytes / ms / 1e9:.0f} GB/s KV read")
     if batch * seq <= 65536:
         check_attention(c)
+
+
+def rel_err(out, ref_):
+    out, ref_ = out.double(), ref_.double()
+    return float((out - ref_).norm() / ref_.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("t,inter", [(37, 14336), (5, 3072), (1, 1000)])
+def test_silu_and_mul(t, inter):
+    from kernels.activation import silu_and_mul_triton
+
+    x = 3 * torch.randn(t, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    with no_sync():
+        out = silu_and_mul_triton(x)
+    # same rounding as F.silu(g) * u on the GPU: bit-identical up to exp's last ulp
+    torch.testing.assert_close(out, ref.silu_and_mul_reference(x), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("hq,hk,qk_norm", [(32, 8, False), (16, 8, True), (8, 8, False),
+                                           (64, 8, True)])
+def test_rope_and_write_kv(hq, hk, qk_norm):
+    from kernels.rope_kv import rope_and_write_kv_triton
+
+    t, d, nb, bs = 45, 128, 40, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    f = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    cache = torch.cat([f.cos(), f.sin()], dim=-1)
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    slots[::7] = -1
+    qw = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16) if qk_norm else None
+    kw = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16) if qk_norm else None
+    k_cache = torch.randn(nb, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw,
+                                            1e-6)
+    with no_sync():
+        q_out = rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw,
+                                         kw, 1e-6)
+    torch.testing.assert_close(q_out, q_exp, **BF16)
+    torch.testing.assert_close(k_cache, k_exp, **BF16)
+    assert torch.equal(v_cache, v_exp)
+
+
+SKINNY_SHAPES = {  # (N, K, variant) of the decode projections of Llama-3.1-8B and Qwen3-0.6B
+    "8b_qkv": (6144, 4096, "norm_res"), "8b_o": (4096, 4096, "plain"),
+    "8b_gate_up": (28672, 4096, "norm_res_act"), "8b_down": (4096, 14336, "plain"),
+    "06b_qkv": (4096, 1024, "norm_res"), "06b_gate_up": (6144, 1024, "norm_res_act"),
+    "06b_o": (1024, 2048, "plain"), "odd": (1000, 1000, "norm_act_bias"),
+}
+
+
+def skinny_inputs(m, n, k, variant, dtype=torch.bfloat16):
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    kw = {}
+    if "norm" in variant:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+        kw["eps"] = 1e-6
+    if "res" in variant:
+        kw["residual"] = torch.randn(m, k, device="cuda", dtype=dtype)
+    if "act" in variant:
+        kw["act"] = "silu_and_mul"
+    if "bias" in variant:
+        kw["bias"] = torch.randn(n, device="cuda", dtype=dtype)
+    return x, w, kw
+
+
+def reference_fp64(x, w, kw):
+    """The unfused math in float64 on the same 16-bit inputs (a rounding-free oracle)."""
+    up = {k_: (v.double() if torch.is_tensor(v) else v) for k_, v in kw.items()}
+    return ref.skinny_linear_reference(x.double(), w.double(), **up)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 33, 64])
+@pytest.mark.parametrize("shape", list(SKINNY_SHAPES))
+def test_skinny_linear(shape, m):
+    from kernels.skinny_gemm import MAX_M, skinny_linear_triton
+
+    if m > MAX_M:
+        pytest.skip(f"M {m} > MAX_M {MAX_M}")
+    n, k, variant = SKINNY_SHAPES[shape]
+    x, w, kw = skinny_inputs(m, n, k, variant)
+    with no_sync():
+        y, new_res = skinny_linear_triton(x, w, **kw)
+    y_exp, res_exp = reference_fp64(x, w, kw)
+    assert rel_err(y, y_exp) < 1e-2, rel_err(y, y_exp)  # bf16 operands: 1e-3..1e-2
+    if "residual" in kw:
+        torch.testing.assert_close(new_res.double(), res_exp, atol=0, rtol=8e-3)
+
+
+def test_skinny_linear_fp32_logits_and_cuda_graph():
+    from kernels.skinny_gemm import skinny_linear_triton
+
+    x, w, _ = skinny_inputs(4, 2000, 1024, "plain")
+    with no_sync():
+        y, _ = skinny_linear_triton(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    # widened after rounding to bf16, as linear(...).float() is
+    assert torch.equal(y, y.to(torch.bfloat16).float())
+    assert rel_err(y, x.double() @ w.double().T) < 1e-2
+    xs = x.clone()
+    g = torch.cuda.CUDAGraph()
+    skinny_linear_triton(xs, w)
+    with torch.cuda.graph(g):
+        out, _ = skinny_linear_triton(xs, w)
+    for _ in range(2):
+        xs.copy_(torch.randn_like(xs))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, xs.double() @ w.double().T) < 1e-2

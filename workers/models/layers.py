@@ -66,7 +66,16 @@ class MergedColumnLinear(nn.Module):
         target.data[off : off + length].copy_(tensor.narrow(0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)[0]
+
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm",
+                     act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``act(self(norm(x [+ residual])))`` and the new residual (``x`` itself when
+        ``residual`` is None, the first layer). One launch at decode batch sizes on CUDA
+        (``ops.linear``'s skinny GEMM fuses the norm and the activation)."""
+        y, new_res = ops.linear(x, self.weight, self.bias, residual=residual,
+                                norm_weight=norm.weight, eps=norm.eps, act=act)
+        return y, (x if residual is None else new_res)
 
 
 def shard_rows(full: int, tp: TPGroup) -> tuple[int, int]:
@@ -89,7 +98,7 @@ class RowParallelLinear(_Sharded):
         self.bias = _param((out_f,), dtype, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(ops.linear(x, self.weight)[0])
         return y + self.bias if self.bias is not None else y
 
 
@@ -124,8 +133,10 @@ class ParallelLMHead(_Sharded):
         self.per_rank = (vocab + tp.size - 1) // tp.size
         self.weight = _param((self.per_rank, dim), dtype, (0, tp.rank, tp.size))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(h, self.weight)
+    def forward(self, h: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Logits, optionally widened to ``out_dtype`` (rounded to the weights' dtype
+        first, as ``linear(...).to(out_dtype)`` would be; fused into the skinny GEMM)."""
+        logits = ops.linear(h, self.weight, out_dtype=out_dtype)[0]
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab]
 
 

@@ -1,0 +1,210 @@
+"""Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
+
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|attention]
+
+Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
+inside the engine's decode graphs), rotating over enough copies of the weights
+/ KV cache to exceed L2, median of 5 replays. The GEMM baseline is what the
+model runs without the skinny path: RMSNorm kernel + cuBLAS + SiLU*mul kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+L2_BYTES = 60 << 20
+
+
+def graph_time_us(fns, target_ms: float = 3.0) -> float:
+    """Median per-call time of a graph of calls cycling through ``fns``."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for f in fns:
+        f()
+    end.record()
+    end.synchronize()
+    est_ms = max(start.elapsed_time(end) / len(fns), 1e-3)
+    reps = max(len(fns), min(2000, int(target_ms / est_ms)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(g, stream=side):
+            for i in range(reps):
+                fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(side)
+    times = []
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    del g
+    return statistics.median(times)
+
+
+GEMM_SHAPES = {  # name -> (N, K, variant), Llama-3.1-8B and Qwen3-0.6B decode projections
+    "8b_qkv": (6144, 4096, "norm"), "8b_o": (4096, 4096, "plain"),
+    "8b_gate_up": (28672, 4096, "norm_act"), "8b_down": (4096, 14336, "plain"),
+    "8b_lm_head": (128256, 4096, "logits"),
+    "06b_qkv": (4096, 1024, "norm"), "06b_o": (1024, 2048, "plain"),
+    "06b_gate_up": (6144, 1024, "norm_act"), "06b_down": (1024, 3072, "plain"),
+    "06b_lm_head": (151936, 1024, "logits"),
+}
+CONFIGS = {  # block_m -> candidate (use_dot, block_n, block_k, num_warps, num_stages)
+    1: [(True, 16, 256, 4, 4), (True, 16, 512, 4, 3), (True, 32, 256, 4, 4), (True, 16, 128, 4, 6),
+        (False, 8, 512, 4, 2), (False, 4, 1024, 4, 2), (False, 16, 256, 4, 2), (False, 8, 256, 2, 3)],
+    16: [(True, 16, 256, 4, 4), (True, 16, 512, 4, 3), (True, 32, 256, 4, 4), (True, 16, 128, 4, 6),
+         (True, 64, 128, 4, 4)],
+    32: [(True, 32, 256, 4, 3), (True, 16, 256, 4, 4), (True, 64, 128, 4, 4), (True, 32, 128, 4, 4)],
+    64: [(True, 64, 128, 4, 3), (True, 32, 256, 4, 3), (True, 64, 64, 4, 4), (True, 32, 128, 4, 4)],
+}
+
+
+def _gemm_call_kwargs(variant, m, k, dtype, dev):
+    kw = {}
+    if variant in ("norm", "norm_act"):
+        kw["norm_weight"] = torch.ones(k, device=dev, dtype=dtype)
+        kw["residual"] = torch.randn(m, k, device=dev, dtype=dtype)
+    if variant == "norm_act":
+        kw["act"] = "silu_and_mul"
+    if variant == "logits":
+        kw["out_dtype"] = torch.float32
+    return kw
+
+
+def bench_gemm(ms: list[int]) -> list[dict]:
+    from kernels import ops
+    from kernels.skinny_gemm import MAX_M, skinny_linear_triton
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name, (n, k, variant) in GEMM_SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        for m in ms:
+            if m > MAX_M:
+                continue
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            kw = _gemm_call_kwargs(variant, m, k, dt, dev)
+            saved = ops.SKINNY_MAX_M
+            ops.SKINNY_MAX_M = 0  # the unfused path: norm kernel + cuBLAS + act kernel
+            try:
+                base = graph_time_us([lambda w=w: ops.linear(x, w, **kw) for w in ws])
+            finally:
+                ops.SKINNY_MAX_M = saved
+            row = {"shape": name, "n": n, "k": k, "m": m, "variant": variant,
+                   "weight_bytes": nbytes, "baseline_us": base,
+                   "baseline_tb_s": nbytes / base / 1e6, "configs": []}
+            block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+            cands = list(CONFIGS[1] if m == 1 else CONFIGS[block_m])
+            for use_dot, bn, bk, nw, st in cands:
+                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
+                try:
+                    us = graph_time_us([lambda w=w, cfg=cfg: skinny_linear_triton(x, w, config=cfg, **kw)
+                                        for w in ws])
+                except Exception as e:  # a config that does not compile (resources)
+                    row["configs"].append({**cfg, "error": repr(e)[:200]})
+                    continue
+                row["configs"].append({**cfg, "us": us, "tb_s": nbytes / us / 1e6})
+            ok = [c for c in row["configs"] if "us" in c]
+            best = min(ok, key=lambda c: c["us"]) if ok else None
+            row["best"] = best
+            row["speedup"] = base / best["us"] if best else None
+            rows.append(row)
+            print(f"gemm {name:12s} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
+                  + (f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
+                     f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
+                     f"w={best['num_warps']} s={best['num_stages']} -> {row['speedup']:.2f}x"
+                     if best else ", no config ran"), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+ATTN_CASES = [  # (batch, context, hq, hkv, bound): the roofline cells' decode attention
+    (1, 512, 32, 8, 1024), (1, 4096, 32, 8, 4128), (8, 512, 32, 8, 1024), (32, 4096, 32, 8, 4128),
+    (128, 512, 32, 8, 1024), (256, 512, 32, 8, 1024), (256, 512, 16, 8, 1024),
+    (128, 4096, 16, 8, 4128), (1, 512, 16, 8, 1024),
+]
+ATTN_CONFIGS = [None, dict(block_n=64, num_warps=2, num_stages=3), dict(block_n=128, num_warps=4, num_stages=3),
+                dict(block_n=128, num_warps=8, num_stages=2), dict(block_n=32, num_warps=4, num_stages=4),
+                dict(block_n=64, num_warps=4, num_stages=4)]
+
+
+def bench_attention() -> list[dict]:
+    from kernels.paged_attention import choose_num_splits, paged_attention_triton
+
+    dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
+    rows = []
+    for b, ctx, hq, hkv, bound in ATTN_CASES:
+        per = -(-bound // bs)
+        kv_bytes = b * ctx * hkv * d * 2 * 2
+        copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
+        caches = []
+        for _ in range(copies):
+            nb = b * per
+            kc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dt)
+            vc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dt)
+            bt = torch.randperm(nb, device=dev, dtype=torch.int32).view(b, per)
+            caches.append((kc, vc, bt))
+        q = torch.randn(b, hq, d, device=dev, dtype=dt)
+        seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        splits = choose_num_splits(b, hkv, 1, bound)
+        row = {"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound, "kv_bytes": kv_bytes,
+               "heuristic_splits": splits, "variants": []}
+        variants = [("default (fused reduce)", dict()), ("reduce kernel", dict(fused_reduce=False)),
+                    ("no split", dict(num_splits=1))]
+        if splits > 1:
+            variants.append(("2x splits", dict(num_splits=min(64, 2 * splits))))
+            variants.append(("half splits", dict(num_splits=max(1, splits // 2))))
+        variants += [(f"cfg {c}", dict(config=c)) for c in ATTN_CONFIGS[1:] if b >= 32]
+        for label, kw in variants:
+            try:
+                us = graph_time_us([lambda c=c, kw=kw: paged_attention_triton(
+                    q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5, **kw) for c in caches])
+            except Exception as e:
+                row["variants"].append({"label": label, "error": repr(e)[:200]})
+                continue
+            row["variants"].append({"label": label, "us": us, "tb_s": kv_bytes / us / 1e6})
+        rows.append(row)
+        print(f"attn b={b:3d} ctx={ctx:5d} hq={hq} hkv={hkv} splits={splits}: " + ", ".join(
+            f"{v['label']} {v['us']:.1f}us/{v['tb_s']:.2f}TB/s" for v in row["variants"] if "us" in v),
+            flush=True)
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
+    p.add_argument("--out", default=None)
+    p.add_argument("--only", choices=("gemm", "attention"), default=None)
+    p.add_argument("--ms", default="1,4,16,32,64")
+    a = p.parse_args(argv)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    res["triton"] = triton.__version__
+    if a.only in (None, "gemm"):
+        res["gemm"] = bench_gemm([int(x) for x in a.ms.split(",")])
+    if a.only in (None, "attention"):
+        res["attention"] = bench_attention()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

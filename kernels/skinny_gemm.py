@@ -1,0 +1,204 @@
+"""Triton skinny GEMM (decode-sized M) with fused RMSNorm prologue and SiLU*mul epilogue.
+
+``y = act(norm(x [+ residual]) @ W^T + b)`` for ``x [M, K]`` with small ``M``
+(decode batches), ``W [N, K]`` row-major as ``nn.Linear`` stores it. At decode
+the projections are bound by reading ``W`` once; every program owns
+``BLOCK_N`` output columns for all ``M`` rows, so ``W`` is read exactly once
+and the ``M`` rows of ``x`` come from L2.
+
+Fusions, each removing a launch per layer (and its round trip through HBM):
+
+* **RMSNorm prologue** (``norm_weight``, optional ``residual``): the input
+  ``s = x + residual`` (rounded to the dtype; program 0 stores it as the new
+  residual) is normalised on the fly. Each program accumulates ``sum(s^2)``
+  over its K loop, multiplies ``s * norm_weight`` into the product and scales
+  the result by ``rstd`` at the end: ``W @ (rstd * s * g) = rstd * (W @ (s * g))``.
+  The math is the reference's; only the rounding point of the normalised input
+  moves (it is rounded before the ``rstd`` scale rather than after), so results
+  agree within 16-bit tolerance, not bit for bit.
+* **SiLU-and-mul epilogue** (``act="silu_and_mul"`` on a fused gate|up weight
+  ``[2I, K]``): the program computes gate rows ``n`` and up rows ``I + n``
+  together and writes ``silu(gate) * up`` (rounded like the reference: gate and
+  up to the dtype, silu to the dtype, the product to the dtype).
+
+``USE_DOT`` picks the tensor-core path (``x`` padded to ``BLOCK_M >= 16`` rows,
+``tl.dot`` on a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile, loads
+software-pipelined by ``num_stages``); without it (``M == 1`` only) a
+``[BLOCK_N, BLOCK_K]`` float32 FMA accumulator is reduced once at the end.
+
+No host syncs; the grid depends on ``N`` only. ``M`` is not specialised, so
+every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, nr_ptr,
+    M, N_OUT, K, up_off, eps,
+    stride_xm, stride_rm, stride_wn, stride_ym, stride_nrm,
+    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    DT = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    res_ok = m_ok & ((offs_m * 0 + pid) == 0)  # program 0 stores the new residual
+    n_ok = offs_n < N_OUT
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    r_rows = r_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
+    nr_rows = nr_ptr + offs_m[:, None] * stride_nrm + offs_k[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x_mask = m_ok[:, None]
+            w_mask = n_ok[:, None]
+        else:
+            k_ok = (k0 + offs_k) < K
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+        a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_rows + k0, mask=x_mask, other=0.0)
+            a = (a.to(tl.float32) + r.to(tl.float32)).to(DT)
+            if EVEN_K:
+                tl.store(nr_rows + k0, a, mask=res_ok[:, None])
+            else:
+                tl.store(nr_rows + k0, a, mask=res_ok[:, None] & k_ok[None, :])
+        if HAS_NORM:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, 1)
+            if EVEN_K:
+                g = tl.load(nw_ptr + k0 + offs_k).to(tl.float32)
+            else:
+                g = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (af * g[None, :]).to(DT)
+        w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
+        if ACT:
+            wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
+        if USE_DOT:
+            if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                if ACT:
+                    acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)),
+                                    input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+                if ACT:
+                    acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+                if ACT:
+                    acc_u += tl.dot(a, tl.trans(wu))
+        else:
+            af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
+            acc += w.to(tl.float32) * af1
+            if ACT:
+                acc_u += wu.to(tl.float32) * af1
+
+    if USE_DOT:
+        y = acc
+        y_u = acc_u
+    else:
+        y = tl.sum(acc, 1)[None, :]
+        y_u = tl.sum(acc_u, 1)[None, :]
+    if HAS_NORM:
+        rstd = tl.rsqrt(ss / K + eps)
+        y = y * rstd[:, None]
+        y_u = y_u * rstd[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACT:
+            y_u += tl.load(b_ptr + up_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT:
+        gate = y.to(DT).to(tl.float32)
+        up = y_u.to(DT).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(DT).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+MAX_M = 64  # above this the projections are no longer weight-read bound: cuBLAS
+
+
+def default_config(m: int, n_out: int, k: int, act: bool, norm: bool) -> dict:
+    """(USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for a shape; CPU ints only."""
+    block_m = max(16, triton.next_power_of_2(m))
+    if block_m <= 16:
+        return dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
+    if block_m <= 32:
+        return dict(use_dot=True, block_n=32, block_k=256, num_warps=4, num_stages=3)
+    return dict(use_dot=True, block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+
+def skinny_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    act: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns ``(y, new_residual)``; ``new_residual = x + residual`` when a residual is
+    given (it requires ``norm_weight``), else None. ``x [M, K]`` with ``M <= MAX_M``,
+    ``weight [N, K]`` (``[2I, K]`` for ``act="silu_and_mul"``, output ``[M, I]``).
+    ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    assert act in (None, "silu_and_mul")
+    assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
+    m, k = x.shape
+    assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n = weight.shape[0]
+    if act is not None:
+        assert n % 2 == 0
+    n_out = n // 2 if act is not None else n
+    y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    new_res = None
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        new_res = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y, new_res
+    cfg = dict(default_config(m, n_out, k, act is not None, norm_weight is not None))
+    cfg.update(config or {})
+    use_dot = cfg["use_dot"] or m > 1
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
+    block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    block_n = cfg["block_n"]
+    r = residual if residual is not None else x
+    nr = new_res if new_res is not None else x
+    _skinny_kernel[(triton.cdiv(n_out, block_n),)](
+        x, r, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, y, nr,
+        m, n_out, k, n_out, float(eps),
+        x.stride(0), r.stride(0), weight.stride(0), y.stride(0), nr.stride(0),
+        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        ACT=act is not None, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
+        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y, new_res
