@@ -218,8 +218,8 @@ REMOVED_OPTIONS: dict[str, str] = {
     "enable_prefix_cache": "use enable_prefix_caching",
     "prefix_caching_hash_algo": "use prefix_cache_hash = 'blake3' | 'sha256' | 'sha512'",
     "prefix_cache_hash_algo": "use prefix_cache_hash = 'blake3' | 'sha256' | 'sha512'",
-    "speculative_config": "use the flat options speculative_method, speculative_model, "
-    "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max",
+    "speculative_config": "use speculative_method with speculative_model, "
+    "num_speculative_tokens, prompt_lookup_min and prompt_lookup_max (flat options)",
     "num_lookahead_slots": "use num_speculative_tokens",
     "ngram_prompt_lookup_max": "use prompt_lookup_max",
     "ngram_prompt_lookup_min": "use prompt_lookup_min",
