@@ -36,7 +36,7 @@ class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     output_token_ids: list[int]  # confirmed outputs to recompute after preemption
     sampling: SamplingOptions
     block_ids: list[int]
-    num_computed_tokens: int = 0  # leading tokens whose KV is already cached (prefix cache hit)
+    num_cached_tokens: int = 0  # leading tokens whose KV is already cached (prefix cache hit; exact)
 
 
 class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

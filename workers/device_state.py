@@ -66,7 +66,7 @@ class DeviceState:
             raise RuntimeError(f"request {req.handle} has {len(tokens)} tokens > max_model_len")
         self.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
         # fill_ on a view launches a kernel; item assignment would copy a host scalar (a sync)
-        self.num_computed[row : row + 1].fill_(req.num_computed_tokens)
+        self.num_computed[row : row + 1].fill_(req.num_cached_tokens)
         self.prompt_len[row : row + 1].fill_(len(req.prompt_token_ids))
         self.num_blocks_cpu[row] = 0
         self.append_blocks(row, req.block_ids)
