@@ -304,7 +304,7 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
     from kernels import ops
 
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
-    conf_out["skinny_max_m_effective"] = ops.SKINNY_MAX_M
+    conf_out["skinny_max_m_effective"] = getattr(ops, "SKINNY_MAX_M", None)
     return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
             "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"]},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,

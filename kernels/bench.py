@@ -1,6 +1,7 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
     python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|attention]
+    python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
 inside the engine's decode graphs), rotating over enough copies of the weights
@@ -19,7 +20,7 @@ import torch
 L2_BYTES = 60 << 20
 
 
-def graph_time_us(fns, target_ms: float = 3.0) -> float:
+def graph_time_us(fns, target_ms: float = 2.0) -> float:
     """Median per-call time of a graph of calls cycling through ``fns``."""
     for f in fns:
         f()
@@ -59,14 +60,14 @@ GEMM_SHAPES = {  # name -> (N, K, variant), Llama-3.1-8B and Qwen3-0.6B decode p
     "06b_gate_up": (6144, 1024, "norm_act"), "06b_down": (1024, 3072, "plain"),
     "06b_lm_head": (151936, 1024, "logits"),
 }
-CONFIGS = {  # block_m -> candidate (use_dot, block_n, block_k, num_warps, num_stages)
-    1: [(True, 16, 256, 4, 4), (True, 16, 512, 4, 3), (True, 32, 256, 4, 4), (True, 16, 128, 4, 6),
-        (False, 8, 512, 4, 2), (False, 4, 1024, 4, 2), (False, 16, 256, 4, 2), (False, 8, 256, 2, 3)],
-    16: [(True, 16, 256, 4, 4), (True, 16, 512, 4, 3), (True, 32, 256, 4, 4), (True, 16, 128, 4, 6),
-         (True, 64, 128, 4, 4)],
-    32: [(True, 32, 256, 4, 3), (True, 16, 256, 4, 4), (True, 64, 128, 4, 4), (True, 32, 128, 4, 4)],
-    64: [(True, 64, 128, 4, 3), (True, 32, 256, 4, 3), (True, 64, 64, 4, 4), (True, 32, 128, 4, 4)],
+TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
+    1: [(False, 8, 512, 4, 2, False), (False, 4, 1024, 4, 2, False), (False, 8, 1024, 4, 2, False),
+        (False, 16, 512, 8, 2, False), (False, 8, 256, 2, 3, False), (False, 8, 512, 4, 2, True),
+        (False, 4, 1024, 4, 2, True), (False, 4, 512, 2, 2, True)],
+    16: [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 4, False), (True, 16, 256, 4, 4, False),
+         (True, 32, 128, 4, 5, False)],
 }
+KIND = {"plain": "plain", "norm": "norm", "norm_act": "norm_act", "logits": "plain_f32"}
 
 
 def _gemm_call_kwargs(variant, m, k, dtype, dev):
@@ -83,16 +84,17 @@ def _gemm_call_kwargs(variant, m, k, dtype, dev):
 
 def bench_gemm(ms: list[int]) -> list[dict]:
     from kernels import ops
-    from kernels.skinny_gemm import MAX_M, skinny_linear_triton
+    from kernels.skinny_gemm import skinny_linear_triton
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: smoke tests
+    dt = torch.bfloat16
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
         nbytes = n * k * 2
         copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         for m in ms:
-            if m > MAX_M:
+            if m > 16:  # M classes 1 and 2..16; larger batches stay on cuBLAS
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
             kw = _gemm_call_kwargs(variant, m, k, dt, dev)
@@ -105,10 +107,10 @@ def bench_gemm(ms: list[int]) -> list[dict]:
             row = {"shape": name, "n": n, "k": k, "m": m, "variant": variant,
                    "weight_bytes": nbytes, "baseline_us": base,
                    "baseline_tb_s": nbytes / base / 1e6, "configs": []}
-            block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
-            cands = list(CONFIGS[1] if m == 1 else CONFIGS[block_m])
-            for use_dot, bn, bk, nw, st in cands:
-                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
+            mc = 1 if m == 1 else 16
+            for use_dot, bn, bk, nw, st, pf in TUNE_CANDIDATES[mc]:
+                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st,
+                           prefetch=pf)
                 try:
                     us = graph_time_us([lambda w=w, cfg=cfg: skinny_linear_triton(x, w, config=cfg, **kw)
                                         for w in ws])
@@ -124,7 +126,8 @@ def bench_gemm(ms: list[int]) -> list[dict]:
             print(f"gemm {name:12s} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
                   + (f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
                      f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
-                     f"w={best['num_warps']} s={best['num_stages']} -> {row['speedup']:.2f}x"
+                     f"w={best['num_warps']} s={best['num_stages']} pf={best['prefetch']} "
+                     f"-> {row['speedup']:.2f}x"
                      if best else ", no config ran"), flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -186,12 +189,46 @@ def bench_attention() -> list[dict]:
     return rows
 
 
+def tune(path: str) -> dict:
+    """Measure M=1 and M=8 on the model shapes; write the per-shape choices that
+    ``kernels.skinny_gemm.select_config`` reads (None = the unfused path won)."""
+    import datetime
+    import sys
+
+    import triton
+
+    from kernels.skinny_gemm import tuning_key
+
+    rows = bench_gemm([1, 8])
+    entries, table = {}, []
+    for r in rows:
+        mc = 1 if r["m"] == 1 else 16
+        best = r["best"]
+        use = best is not None and best["us"] < r["baseline_us"]
+        cfg = {k: best[k] for k in ("use_dot", "block_n", "block_k", "num_warps", "num_stages",
+                                    "prefetch")} if use else None
+        entries[tuning_key(KIND[r["variant"]], mc, r["n"], r["k"])] = cfg
+        table.append((r["shape"], r["m"], r["baseline_us"], best["us"] if best else None, use))
+    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+           "triton": triton.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": " ".join(sys.argv), "entries": entries, "measurements": rows}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print("tuned:", ", ".join(f"{s} M={m}: {b:.1f}->{t:.1f}us {'skinny' if u else 'unfused'}"
+                              for s, m, b, t, u in table if t is not None), flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
     p.add_argument("--only", choices=("gemm", "attention"), default=None)
-    p.add_argument("--ms", default="1,4,16,32,64")
+    p.add_argument("--ms", default="1,4,16")
+    p.add_argument("--tune", metavar="JSON", default=None,
+                   help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
     a = p.parse_args(argv)
+    if a.tune:
+        return tune(a.tune)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
 

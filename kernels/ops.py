@@ -78,9 +78,15 @@ def rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_
                                                  k_norm_weight, eps)
 
 
-def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype)
+def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: bool, out_dtype):
+    """The skinny-GEMM config for this call, or None for the unfused path."""
+    if not (_use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+        return None
+    from kernels.skinny_gemm import kind_of, select_config
+
+    kind = kind_of(norm, act, out_dtype == torch.float32)
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1], kind)
 
 
 def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6,
@@ -88,14 +94,17 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch with the norm
-    and activation fused. Otherwise the same math unfused: the RMSNorm kernel, cuBLAS,
+    and activation fused, where ``kernels.skinny_gemm.select_config`` (measured defaults,
+    overridden per shape by ``kernels/skinny_tuning.json``) says it beats the unfused
+    path. Otherwise the same math unfused: the RMSNorm kernel, cuBLAS,
     the SiLU*mul kernel on CUDA; the references on the CPU (where this is exactly the
     previous unfused model code)."""
-    if uses_skinny(x, weight):
+    cfg = skinny_config(x, weight, norm_weight is not None, act is not None, out_dtype)
+    if cfg is not None:
         from kernels.skinny_gemm import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, bias, residual=residual, norm_weight=norm_weight,
-                                    eps=eps, act=act, out_dtype=out_dtype)
+                                    eps=eps, act=act, out_dtype=out_dtype, config=cfg)
     if not _use_triton(x):
         return reference.skinny_linear_reference(x, weight, bias, residual=residual,
                                                  norm_weight=norm_weight, eps=eps, act=act,

@@ -24,13 +24,26 @@ Fusions, each removing a launch per layer (and its round trip through HBM):
 ``USE_DOT`` picks the tensor-core path (``x`` padded to ``BLOCK_M >= 16`` rows,
 ``tl.dot`` on a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile, loads
 software-pipelined by ``num_stages``); without it (``M == 1`` only) a
-``[BLOCK_N, BLOCK_K]`` float32 FMA accumulator is reduced once at the end.
+``[BLOCK_N, BLOCK_K]`` float32 FMA accumulator is reduced once at the end
+(``PREFETCH`` double-buffers the W tile in registers). The sum of squares of
+the norm is also kept per lane and reduced once: a reduction inside the
+streaming loop costs barriers every iteration (measured: 2-10x slower).
+
+Which path and tile a call uses is a CPU decision by weight shape and M class
+(1, or 2..16): ``select_config`` reads ``kernels/skinny_tuning.json`` (written
+on the target GPU by ``python -m kernels.bench --tune``; each entry is the
+fastest candidate, or null where the unfused RMSNorm + cuBLAS + SiLU*mul path
+was faster), else ``DEFAULTS``.
 
 No host syncs; the grid depends on ``N`` only. ``M`` is not specialised, so
 every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -44,7 +57,7 @@ def _skinny_kernel(
     stride_xm, stride_rm, stride_wn, stride_ym, stride_nrm,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -64,7 +77,14 @@ def _skinny_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # sum(s^2) kept per lane and reduced once after the loop: a cross-thread
+    # reduction every iteration would put barriers in the streaming loop.
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:  # register double-buffering: the next W tile is in flight during the FMAs
+        w_nxt = tl.load(w_rows, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        if ACT:
+            wu_nxt = tl.load(w_rows + up_off * stride_wn, mask=n_ok[:, None] & (offs_k[None, :] < K),
+                             other=0.0)
 
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -74,6 +94,18 @@ def _skinny_kernel(
             k_ok = (k0 + offs_k) < K
             x_mask = m_ok[:, None] & k_ok[None, :]
             w_mask = n_ok[:, None] & k_ok[None, :]
+        if PREFETCH:
+            w = w_nxt
+            nxt_mask = n_ok[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
+            w_nxt = tl.load(w_rows + (k0 + BLOCK_K), mask=nxt_mask, other=0.0)
+            if ACT:
+                wu = wu_nxt
+                wu_nxt = tl.load(w_rows + up_off * stride_wn + (k0 + BLOCK_K), mask=nxt_mask,
+                                 other=0.0)
+        else:
+            w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
+            if ACT:
+                wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
         a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
         if HAS_RES:
             r = tl.load(r_rows + k0, mask=x_mask, other=0.0)
@@ -84,15 +116,12 @@ def _skinny_kernel(
                 tl.store(nr_rows + k0, a, mask=res_ok[:, None] & k_ok[None, :])
         if HAS_NORM:
             af = a.to(tl.float32)
-            ss += tl.sum(af * af, 1)
+            ss += af * af
             if EVEN_K:
                 g = tl.load(nw_ptr + k0 + offs_k).to(tl.float32)
             else:
                 g = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             a = (af * g[None, :]).to(DT)
-        w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
-        if ACT:
-            wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
         if USE_DOT:
             if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -120,7 +149,7 @@ def _skinny_kernel(
         y = tl.sum(acc, 1)[None, :]
         y_u = tl.sum(acc_u, 1)[None, :]
     if HAS_NORM:
-        rstd = tl.rsqrt(ss / K + eps)
+        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
         y = y * rstd[:, None]
         y_u = y_u * rstd[:, None]
     if HAS_BIAS:
@@ -135,17 +164,73 @@ def _skinny_kernel(
     tl.store(y_ptrs, y.to(DT).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-MAX_M = 64  # above this the projections are no longer weight-read bound: cuBLAS
+MAX_M = 64  # the kernel's limit (one M block); kernels.ops routes M <= SKINNY_MAX_M here
+
+# Per (kind, M class) defaults, measured on an H200 (notes/2026-12-02-h200-kernels.md);
+# None: the unfused path (RMSNorm kernel + cuBLAS + SiLU*mul kernel) is faster there.
+# kernels/skinny_tuning.json, written by ``python -m kernels.bench --tune``, overrides
+# them per weight shape.
+_F = dict(use_dot=False, prefetch=False)
+_D = dict(use_dot=True, prefetch=False)
+DEFAULTS: dict[tuple[str, int], dict | None] = {
+    ("plain", 1): dict(_F, block_n=8, block_k=512, num_warps=4, num_stages=2),
+    ("plain_f32", 1): dict(_F, block_n=8, block_k=256, num_warps=2, num_stages=3),
+    ("norm", 1): dict(_F, block_n=8, block_k=512, num_warps=4, num_stages=2),
+    ("norm_act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
+    ("act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
+    ("plain", 16): dict(_D, block_n=32, block_k=256, num_warps=4, num_stages=4),
+    ("plain_f32", 16): dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    ("norm", 16): None, ("norm_act", 16): None, ("act", 16): None,
+}
+TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
 
 
-def default_config(m: int, n_out: int, k: int, act: bool, norm: bool) -> dict:
-    """(USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for a shape; CPU ints only."""
-    block_m = max(16, triton.next_power_of_2(m))
-    if block_m <= 16:
-        return dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
-    if block_m <= 32:
-        return dict(use_dot=True, block_n=32, block_k=256, num_warps=4, num_stages=3)
-    return dict(use_dot=True, block_n=64, block_k=128, num_warps=4, num_stages=3)
+def kind_of(norm: bool, act: bool, out_f32: bool) -> str:
+    """Tuning kind of a call: 'plain', 'plain_f32' (logits), 'norm', 'act', 'norm_act'."""
+    parts = [p for p, on in (("norm", norm), ("act", act)) if on]
+    if parts:
+        return "_".join(parts)
+    return "plain_f32" if out_f32 else "plain"
+
+
+def m_class(m: int) -> int | None:
+    return 1 if m == 1 else 16 if m <= 16 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _tuning() -> dict[str, dict | None]:
+    try:
+        return json.loads(TUNING_FILE.read_text())["entries"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def tuning_key(kind: str, mc: int, n: int, k: int) -> str:
+    return f"{kind}|m{mc}|{n}x{k}"
+
+
+def select_config(m: int, n: int, k: int, kind: str) -> dict | None:
+    """The skinny config for this call, or None where the unfused path is faster
+    (CPU ints only: shapes and the batch size class)."""
+    mc = m_class(m)
+    if mc is None:
+        return None
+    table = _tuning()
+    key = tuning_key(kind, mc, n, k)
+    if key in table:
+        return table[key]
+    return DEFAULTS.get((kind, mc))
+
+
+def fallback_config(m: int) -> dict:
+    """A config for any M <= MAX_M (direct calls, tests) when no tuned one applies."""
+    if m == 1:
+        return dict(DEFAULTS[("plain", 1)])
+    if m <= 16:
+        return dict(DEFAULTS[("plain", 16)])
+    if m <= 32:
+        return dict(_D, block_n=32, block_k=256, num_warps=4, num_stages=3)
+    return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
 def skinny_linear_triton(
@@ -182,8 +267,10 @@ def skinny_linear_triton(
         new_res = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m == 0:
         return y, new_res
-    cfg = dict(default_config(m, n_out, k, act is not None, norm_weight is not None))
-    cfg.update(config or {})
+    if config is None:
+        kind = kind_of(norm_weight is not None, act is not None, out_dtype == torch.float32)
+        config = select_config(m, n, k, kind) or fallback_config(m)
+    cfg = dict(fallback_config(m), **config)
     use_dot = cfg["use_dot"] or m > 1
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
@@ -199,6 +286,7 @@ def skinny_linear_triton(
         ACT=act is not None, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+        PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y, new_res

@@ -398,14 +398,27 @@ def test_skinny_linear_dot(case, m, dtype):
         assert new_res is None
 
 
+@pytest.mark.parametrize("prefetch", [False, True])  # register double-buffered W tiles
 @pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out"])
 @pytest.mark.parametrize("block_k", [32, 64])  # K=96: 32 divides it (no K mask), 64 leaves a tail
-def test_skinny_linear_fma_batch_of_one(case, block_k):
+def test_skinny_linear_fma_batch_of_one(case, block_k, prefetch):
     x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)
-    cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1)
+    cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1,
+               prefetch=prefetch)
     y, _ = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
+
+
+def test_skinny_config_selection_uses_cpu_shapes_only():
+    assert sg.m_class(1) == 1 and sg.m_class(16) == 16 and sg.m_class(17) is None
+    assert sg.kind_of(True, True, True) == "norm_act" and sg.kind_of(False, False, True) == "plain_f32"
+    assert sg.select_config(32, 64, 64, "plain") is None  # large batches: cuBLAS
+    cfg = sg.select_config(1, 12345, 678, "plain")  # an untuned shape: the class default
+    assert cfg == sg.DEFAULTS[("plain", 1)]
+    x, w, kw = skinny_case(7, 40, 64, torch.float32, SKINNY_CASES["norm_residual"], seed=14)
+    y, _ = sg.skinny_linear_triton(x, w, **kw)  # no config: selection, then fallback
+    torch.testing.assert_close(y, ref.skinny_linear_reference(x, w, **kw)[0], **TOL[torch.float32])
 
 
 def test_skinny_linear_wrong_eps_and_padded_rows():

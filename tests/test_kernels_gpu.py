@@ -344,3 +344,48 @@ def test_skinny_linear_fp32_logits_and_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(out, xs.double() @ w.double().T) < 1e-2
+
+
+def _tune_candidates():
+    from kernels.bench import TUNE_CANDIDATES
+
+    return [(mc, c) for mc, cs in TUNE_CANDIDATES.items() for c in cs]
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act"])
+@pytest.mark.parametrize("cand", _tune_candidates(), ids=lambda c: f"m{c[0]}-{'-'.join(map(str, c[1]))}")
+def test_skinny_linear_every_tuning_candidate(cand, variant):
+    """Whatever ``kernels.bench --tune`` picks has been checked here (K=1000: masked tail)."""
+    from kernels.skinny_gemm import skinny_linear_triton
+
+    mc, (use_dot, bn, bk, nw, st, pf) = cand
+    cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st, prefetch=pf)
+    for m, k in ((1 if mc == 1 else 5, 1024), (1 if mc == 1 else 16, 1000)):
+        x, w, kw = skinny_inputs(m, 2 * 1040, k, variant)
+        with no_sync():
+            y, _ = skinny_linear_triton(x, w, config=cfg, **kw)
+        assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2
+
+
+def test_skinny_tuned_entries_on_their_shapes():
+    """Every entry of the shipped tuning table, on its own weight shape."""
+    import json
+
+    from kernels.skinny_gemm import TUNING_FILE, skinny_linear_triton
+
+    if not TUNING_FILE.exists():
+        pytest.skip("no kernels/skinny_tuning.json")
+    entries = json.loads(TUNING_FILE.read_text())["entries"]
+    variant = {"plain": "plain", "plain_f32": "plain", "norm": "norm_res", "norm_act": "norm_res_act"}
+    for key, cfg in entries.items():
+        if cfg is None:
+            continue
+        kind, mc, nk = key.split("|")
+        n, k = map(int, nk.split("x"))
+        m = 1 if mc == "m1" else 16
+        x, w, kw = skinny_inputs(m, n, k, variant[kind])
+        if kind == "plain_f32":
+            kw["out_dtype"] = torch.float32
+        with no_sync():
+            y, _ = skinny_linear_triton(x, w, config=cfg, **kw)
+        assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2, key
