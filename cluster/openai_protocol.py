@@ -72,6 +72,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     request_id: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM extra)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -164,7 +165,7 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "min_tokens": req.min_tokens, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output, "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens,
+        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens, "cache_salt": req.cache_salt,
     }
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens

@@ -25,6 +25,11 @@ class Request:
     steps still in flight; ``num_placeholders`` counts sampled tokens still in
     flight. Both are exact without speculative decoding; with it they become
     upper bounds, reconciled when a ``StepResult`` arrives.
+
+    Prefix caching: ``num_confirmed_kv`` counts leading tokens whose KV finished
+    steps (or a cache hit) wrote for the current placement ``kv_handle``;
+    ``block_hashes`` are the chained hashes of its full blocks of confirmed
+    tokens; the first ``num_committed_blocks`` of ``block_ids`` are cached.
     """
 
     request_id: str
@@ -45,6 +50,10 @@ class Request:
     num_placeholders: int = 0
     block_ids: list[int] = field(default_factory=list)
     handle: int = -1  # current placement on the workers; -1 = not placed
+    kv_handle: int = -1  # placement whose KV ``block_ids`` hold (outlives ``handle`` until freed)
+    num_confirmed_kv: int = 0
+    num_committed_blocks: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0

@@ -5,6 +5,11 @@ schedules from ``num_tokens_upper`` (confirmed tokens plus in-flight
 placeholders) and lets ``update_from_result`` reconcile. No request is ever
 dropped: when KV blocks run out, the most recently arrived running request is
 preempted (its blocks freed, recomputed later from its confirmed tokens).
+
+Prefix caching: a request being placed reuses the longest cached prefix of its
+confirmed tokens (whole blocks, never its last token) and schedules only the
+rest; ``confirm_step`` commits full blocks once every token in them is confirmed
+by a ``StepResult`` (token known, KV written by a finished step).
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ from metadata.wire import NewRequest, ScheduledRow, StepPlan
 class ScheduledStep:
     plan: StepPlan
     sampled: dict[int, Request] = field(default_factory=dict)  # handle -> request sampling this step
+    row_requests: list[Request] = field(default_factory=list)  # the request of each of plan.rows
 
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, num_blocks: int, max_model_len: int):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
+        c = cfg.cache
+        self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, c.prefix_cache_hash,
+                                   c.prefix_cache_retention_interval)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_handle: dict[int, Request] = {}
@@ -39,6 +47,7 @@ class Scheduler:
         self._pending_release: list[int] = []  # handles to release on the workers
         self._pending_preempt: list[int] = []
         self.num_preemptions = 0
+        self._deferred_free: list[Request] = []  # finished by this result: freed after its commit
         self.drafts = DraftPlanner(cfg, max_model_len)
 
     # ------------------------------------------------------------ intake
@@ -46,7 +55,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
-        """Finish (or abort) a request: free its blocks now, release its worker row next step."""
+        """Finish (or abort) a request: free its blocks, release its worker row next step.
+        A stop or length finish comes from the result being processed; with prefix caching
+        its blocks are freed by the ``confirm_step`` that follows, after committing them."""
         if req.finished:
             return
         req.status = RequestStatus.FINISHED
@@ -59,17 +70,31 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.blocks.free(req)
+        if self.blocks.caching and reason in ("stop", "length") and req.block_ids:
+            self._deferred_free.append(req)
+        else:
+            self._free(req)
         if req.handle >= 0:
             self._pending_release.append(req.handle)
             self.by_handle.pop(req.handle, None)
             req.handle = -1
 
     def has_unfinished(self) -> bool:
+        self._flush_deferred()
         return bool(self.waiting or self.running)
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.kv_handle = -1
+        req.num_confirmed_kv = 0
+
+    def _flush_deferred(self) -> None:
+        while self._deferred_free:
+            self._free(self._deferred_free.pop())
 
     # ---------------------------------------------------------- schedule
     def schedule(self) -> ScheduledStep:
+        self._flush_deferred()
         budget = self.cfg.scheduler.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         new_reqs: list[NewRequest] = []
@@ -107,16 +132,20 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a sample still in flight: wait for it
                 break
+            hit = self.blocks.lookup(req)
+            req.num_computed_tokens = len(hit) * self.blocks.block_size
             n = self._num_new_tokens(req, budget)
-            if n == 0:
-                break
             alloc = self.drafts.alloc_tokens(req, req.num_computed_tokens + n)
-            if not self.blocks.can_allocate(req, alloc):
+            # retained cached blocks are only evicted to avoid preemption or an idle engine
+            evict_retained = not self.running
+            if n == 0 or not self.blocks.can_admit(req, alloc, hit, evict_retained):
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.blocks.allocate(req, alloc)
+            self.blocks.admit(req, alloc, hit, evict_retained)
             req.status = RequestStatus.RUNNING
-            req.handle = next(self._handles)
+            req.handle = req.kv_handle = next(self._handles)
+            req.num_confirmed_kv = req.num_computed_tokens
             self.by_handle[req.handle] = req
             self.running.append(req)
             new_reqs.append(
@@ -126,6 +155,7 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids),
                     sampling=req.options,
                     block_ids=list(req.block_ids),
+                    num_cached_tokens=req.num_computed_tokens,
                 )
             )
             rows.append(self._row(req, n, [], step))
@@ -163,6 +193,7 @@ class Scheduler:
         """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted."""
         drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
         req.num_computed_tokens += n + k
+        step.row_requests.append(req)
         samples = req.num_computed_tokens >= req.num_tokens_upper
         if samples:
             req.num_placeholders += 1 + k
@@ -179,7 +210,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.free(req)
+        self._free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -191,7 +222,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def confirm_step(self, sched: ScheduledStep, kv_written: dict[int, int] | None = None) -> None:
-        """A step's result arrived (called by the engine after its tokens were appended).
-        ``kv_written`` maps a speculative row's handle to the tokens whose KV it really
-        wrote (1 + accepted drafts); other rows wrote ``num_scheduled_tokens``.
-        Placeholder: prefix caching commits the newly confirmed full blocks here."""
+        """A step's result arrived (called by the engine after its tokens were appended and
+        stops checked). ``kv_written`` maps a speculative row's handle to the tokens whose KV
+        it really wrote (1 + accepted drafts); other rows wrote ``num_scheduled_tokens``.
+        Commits every full block whose tokens are all confirmed; rows of a placement that
+        was preempted or freed since are ignored (their KV is gone with the placement)."""
+        if self.blocks.caching:
+            kv = kv_written or {}
+            for row, req in zip(sched.plan.rows, sched.row_requests):
+                if req.kv_handle != row.handle:
+                    continue
+                req.num_confirmed_kv += kv.get(row.handle, row.num_scheduled_tokens)
+                self.blocks.commit(req, min(req.num_confirmed_kv, req.num_known_tokens))
+        self._flush_deferred()
+
+    def prefix_cache_stats(self) -> dict:
+        """Token-level queries and hits of placed requests, hit rate, cached blocks, evictions."""
+        return self.blocks.stats()

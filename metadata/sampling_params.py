@@ -11,6 +11,7 @@ _OPT_INT_FIELDS = ("seed", "max_tokens", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+MAX_CACHE_SALT_LEN = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -35,6 +36,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    """Prefix-cache isolation: requests share cached KV blocks only with requests of the same salt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +107,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop", "a list of non-empty strings", self.stop)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
+        ):
+            raise bad("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_LEN} characters, or None",
+                      self.cache_salt if not isinstance(self.cache_salt, str) else f"<{len(self.cache_salt)} chars>")
 
     @property
     def greedy(self) -> bool:
