@@ -82,6 +82,17 @@ class _EngineCollector:
         yield counter("syncless:generation_tokens", "Tokens generated.", snap.get("generation_tokens", 0))
         yield counter("syncless:num_preemptions", "Preemptions (by recompute).", snap.get("num_preemptions", 0))
         yield counter("syncless:engine_steps", "Engine steps submitted.", snap.get("steps", 0))
+        pc = snap.get("prefix_cache") or {}  # Scheduler.prefix_cache_stats(), in tokens
+        yield counter("syncless:prefix_cache_queries", "Prefix cache queries: tokens of placed requests looked up.",
+                      pc.get("queries", 0))
+        yield counter("syncless:prefix_cache_hits", "Prefix cache hits: looked-up tokens found cached.",
+                      pc.get("hits", 0))
+        yield gauge("syncless:prefix_cache_hit_rate", "Prefix cache hits / queries since the engine started.",
+                    pc.get("hit_rate", 0.0))
+        yield gauge("syncless:prefix_cache_blocks", "KV blocks holding cached prefix content.",
+                    pc.get("num_cached_blocks", 0))
+        yield counter("syncless:prefix_cache_evictions", "Cached KV blocks evicted for new allocations.",
+                      pc.get("evictions", 0))
 
 
 class ServerMetrics:

@@ -398,3 +398,29 @@ def test_retention_interval(make_engine):
         engine.step()
     assert c.finished and c.finish_reason == "length"
     engine.scheduler.blocks.check_all_free()
+
+
+# ------------------------------------------------------- metrics and API
+def test_metrics_and_api_fields():
+    from cluster.metrics import ServerMetrics
+    from cluster.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_params,
+                                         completion_params, decode_request)
+    from metadata.sampling_params import SamplingParams, SamplingParamsError
+
+    m = ServerMetrics("m")
+    m.update_engine({"prefix_cache": BlockManager(4, 4, True).stats() | {"queries": 200, "hits": 50, "hit_rate": 0.25}})
+    text = m.render().decode()
+    for line in ('syncless:prefix_cache_queries_total{model_name="m"} 200.0',
+                 'syncless:prefix_cache_hits_total{model_name="m"} 50.0',
+                 'syncless:prefix_cache_hit_rate{model_name="m"} 0.25'):
+        assert line in text
+    body = b'{"prompt": "w5 w6", "cache_salt": "tenant-1"}'
+    assert completion_params(decode_request(body, CompletionRequest)).cache_salt == "tenant-1"
+    chat = b'{"messages": [{"role": "user", "content": "w5"}], "cache_salt": "t2"}'
+    assert chat_params(decode_request(chat, ChatCompletionRequest)).cache_salt == "t2"
+    assert completion_params(decode_request(b'{"prompt": "w5"}', CompletionRequest)).cache_salt is None
+    with pytest.raises(APIError, match="cache_salt"):
+        completion_params(decode_request(b'{"prompt": "w5", "cache_salt": ""}', CompletionRequest))
+    for bad in ("", "x" * 1025, 7):
+        with pytest.raises(SamplingParamsError, match="cache_salt"):
+            SamplingParams(cache_salt=bad)
