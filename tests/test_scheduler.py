@@ -174,6 +174,9 @@ def make_engine(fake_model_dir, monkeypatch):
     def make(**options):
         options.setdefault("device", "cpu")
         options.setdefault("load_format", "dummy")
+        # the fake worker asserts exclusive block ownership; shared cached blocks are
+        # covered by tests/test_prefix_cache.py, whose fake worker models sharing
+        options.setdefault("enable_prefix_caching", False)
         cfg = EngineConfig.from_options(model=str(fake_model_dir), **options)
         engine = engine_mod.EngineCore(cfg)
         engine.executor.worker.lookup = engine.scheduler.by_handle.get
