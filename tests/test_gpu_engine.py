@@ -12,18 +12,29 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 def _hf_greedy(model_dir, prompts, n, dtype=torch.bfloat16):
     """transformers' greedy continuations and, per prompt, its own logits at every
-    generated position (``output_logits``: the scores generate picked from)."""
+    generated position (``output_logits``: the raw scores generate picked from).
+
+    Our engine runs with ``ignore_eos=True``: it keeps going after EOS and may emit it.
+    ``min_new_tokens`` would instead *forbid* EOS in transformers (a logits processor), a
+    different argmax, and every position where EOS is the top token would look like a
+    divergence (run 2 on the H200: ours picked EOS, id 1, at prompt 4 token 8 in fp32, with
+    transformers' raw logits agreeing with us). So transformers generates with no EOS at
+    all: plain argmax over the whole vocabulary, like ours."""
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    m.generation_config.eos_token_id = None  # never stop, never suppress: n plain argmaxes
     outs, logits = [], []
     with torch.no_grad():
         for p in prompts:
-            g = m.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                           output_logits=True)
-            outs.append(g.sequences[0, len(p):].tolist())
-            logits.append([step[0].float() for step in g.logits])
+            g = m.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
+                           pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+            toks = g.sequences[0, len(p):].tolist()
+            steps = [step[0].float() for step in g.logits]
+            assert len(toks) == n and toks == [int(s.argmax()) for s in steps], (
+                "transformers' greedy tokens are not the argmax of its own logits")
+            outs.append(toks)
+            logits.append(steps)
     return outs, logits
 
 
