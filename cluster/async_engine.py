@@ -322,6 +322,7 @@ class AsyncEngine:
             "generation_tokens": core.stats.get("generation_tokens", 0),
             "prompt_tokens": self._prompt_tokens,
             "groups": len(core.groups),
+            "prefix_cache": sch.prefix_cache_stats(),
             "dead": core.dead,
         }
 

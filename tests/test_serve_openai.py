@@ -44,6 +44,24 @@ def test_models_health_metrics(server, openai_client, model_name):
         assert name in text
 
 
+def _metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def test_prefix_cache_hits_reach_metrics(server, openai_client, model_name):
+    """A repeated long prompt hits the prefix cache, and the live engine's counters reach /metrics."""
+    prompt = " ".join(f"w{i}" for i in range(300, 380))
+    before = _metric(server, "syncless:prefix_cache_hits_total")
+    for _ in range(2):  # sequential: the second is admitted after the first's blocks are confirmed
+        openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    server.wait_kv_free()
+    assert _metric(server, "syncless:prefix_cache_hits_total") > before
+    assert 0 < _metric(server, "syncless:prefix_cache_hit_rate") <= 1
+
+
 @pytest.mark.parametrize("prompt,kw", SEEDED, ids=["top_p", "top_k", "greedy", "penalties"])
 def test_completion_equals_offline(openai_client, offline, model_name, prompt, kw):
     (ref,) = offline.generate([prompt], SamplingParams(**kw))
