@@ -174,6 +174,15 @@ def plot(result: dict[str, Any], path) -> None:
     common.save_figure(fig, path)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out_path, png = common.output_paths(args, "prefix_cache")
@@ -203,10 +212,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for key in ("ttft", "probe_ttft"):
             if on[key] and off[key] and on[key]["mean_ms"] > 0:
                 result["ratio_on_over_off"][f"{key}_speedup"] = off[key]["mean_ms"] / on[key]["mean_ms"]
-        same = sum(a == b for a, b in zip(on["output_token_ids"], off["output_token_ids"]))
-        result["outputs_equal_fraction"] = same / len(on["output_token_ids"])
+        pairs = list(zip(on["output_token_ids"], off["output_token_ids"]))
+        same = sum(a == b for a, b in pairs)
+        result["outputs_equal_fraction"] = same / len(pairs)
+        # random-weight models have near-tied logits: in bf16 one flip ends a run of equal tokens,
+        # so the tokens agreeing before the first difference say more than whole-output equality
+        agree = [_common_prefix(a, b) for a, b in pairs]
+        result["outputs_agreeing_prefix_tokens_mean"] = sum(agree) / len(agree)
+        result["outputs_first_token_equal_fraction"] = sum(n > 0 for n in agree) / len(agree)
         print(f"caching on / off: output throughput {result['ratio_on_over_off']['output_tokens_per_second']:.2f}x, "
-              f"outputs equal for {same}/{len(on['output_token_ids'])} requests", flush=True)
+              f"outputs equal for {same}/{len(pairs)} requests, mean agreeing prefix "
+              f"{result['outputs_agreeing_prefix_tokens_mean']:.1f} of {args.output_len} tokens", flush=True)
     for r in runs.values():
         r.pop("output_token_ids")
     result["runs"] = runs
