@@ -9,7 +9,9 @@ CPU), then drives a ``workers.model_runner.ModelRunner`` directly with step
 plans (``metadata.wire`` structs). Each cell places ``batch`` requests whose
 device state claims ``context`` tokens of KV already computed (no prefill is
 run: the cache holds zeros, which costs attention exactly what real values
-cost), then times decode steps of one token per request. The roofline of a
+cost), then times decode steps of one token per request, pipelined as under async
+scheduling (step k+1 launched before step k's tokens are read; the serial time,
+each step waited for before the next, is reported too). The roofline of a
 step is (weight bytes + KV bytes read) / measured bandwidth; ``ratio`` is the
 measured step time over it (1.0 = at the roofline).
 
@@ -140,7 +142,8 @@ class Bench:
             torch.cuda.set_device(self.device)
         arch = load_arch(conf["model_dir"])
         self.arch = arch
-        steps = conf["warmup"] + conf["iters"] + (conf["profile_steps"] if conf.get("profile_cells") else 0)
+        # serial steps, then as many pipelined ones, then the profiled ones
+        steps = 2 * (conf["warmup"] + conf["iters"]) + (conf["profile_steps"] if conf.get("profile_cells") else 0)
         bs = conf["block_size"]
         max_ctx = max(conf["context_lens"])
         max_len = max_ctx + steps + 2
@@ -208,47 +211,73 @@ class Bench:
         st = runner.state
         rows = torch.tensor([st.row_of[h] for h in handles], device=st.num_computed.device)
         st.num_computed[rows] = ctx  # the rows' device state claims ctx tokens of KV
-        times = []
-        for k in range(conf["warmup"] + conf["iters"]):
-            plan = self._plan(rows=[ScheduledRow(handle=h, num_scheduled_tokens=1, seq_len_upper_bound=ctx + k + 1,
-                                                 new_block_ids=[], sample=True) for h in handles])
-            t = time.perf_counter()
-            res = runner.execute(plan)
-            dt = time.perf_counter() - t
-            if res.error or len(res.outputs) != batch:
-                raise RuntimeError(f"decode step failed at batch {batch}, context {ctx}: {res.error}")
-            if k >= conf["warmup"]:
-                times.append(dt)
+        n = conf["warmup"] + conf["iters"]
+        serial = self._serial_steps(handles, ctx, n)[conf["warmup"]:]
+        piped = self._pipelined_steps(handles, ctx + n, n)[conf["warmup"]:]
         profile = None
         if (batch, ctx) in conf.get("profile_cells", ()):
-            profile = self._profile(handles, ctx + conf["warmup"] + conf["iters"], conf["profile_steps"])
+            profile = self._profile(handles, ctx + 2 * n, conf["profile_steps"])
         runner.execute(self._plan(finished_handles=handles))
-        mean_seq = ctx + conf["warmup"] + (conf["iters"] - 1) / 2 + 1
+        mean_seq = ctx + n + (n - 1) / 2 + 1
         w_bytes = weight_bytes_per_step(runner.model, batch)
         kv_bytes = int(batch * mean_seq * self.kv_bytes_per_token)
         bw = conf["bandwidth_bytes_per_s"]
-        step_s = statistics.median(times)
+        step_s = statistics.median(piped)
         roof_s = (w_bytes + kv_bytes) / bw
-        return {**base, "step_ms_median": step_s * 1e3, "step_ms_mean": statistics.fmean(times) * 1e3,
-                "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+        return {**base, "step_ms_median": step_s * 1e3, "step_ms_mean": statistics.fmean(piped) * 1e3,
+                "step_ms_min": min(piped) * 1e3, "step_ms_max": max(piped) * 1e3,
+                "serial_step_ms_median": statistics.median(serial) * 1e3,
                 "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "roofline_ms": roof_s * 1e3,
-                "ratio": step_s / roof_s, "achieved_bandwidth_bytes_per_s": (w_bytes + kv_bytes) / step_s,
+                "ratio": step_s / roof_s, "serial_ratio": statistics.median(serial) / roof_s,
+                "achieved_bandwidth_bytes_per_s": (w_bytes + kv_bytes) / step_s,
                 "tokens_per_s": batch / step_s, **({"profile": profile} if profile else {})}
+
+    def _decode_plan(self, handles, seq_len: int):
+        from metadata.wire import ScheduledRow
+
+        return self._plan(rows=[ScheduledRow(handle=h, num_scheduled_tokens=1, seq_len_upper_bound=seq_len,
+                                             new_block_ids=[], sample=True) for h in handles])
+
+    def _check(self, res, handles) -> None:
+        if res.error or len(res.outputs) != len(handles):
+            raise RuntimeError(f"decode step failed at batch {len(handles)}: {res.error}")
+
+    def _serial_steps(self, handles, start_len: int, n: int) -> list[float]:
+        """Each step launched, then waited for: host preparation is not hidden."""
+        times = []
+        for k in range(n):
+            plan = self._decode_plan(handles, start_len + k + 1)
+            t = time.perf_counter()
+            self._check(self.runner.execute(plan), handles)
+            times.append(time.perf_counter() - t)
+        return times
+
+    def _pipelined_steps(self, handles, start_len: int, n: int) -> list[float]:
+        """As the engine runs under async scheduling: step k+1 is launched before step k's
+        tokens are read, so its host preparation overlaps step k on the device (the next
+        plan needs no token from the host: inputs are read from device state). The time
+        of a step is the interval between consecutive results."""
+        runner, times, pending = self.runner, [], None
+        last = time.perf_counter()
+        for k in range(n + 1):
+            nxt = runner.launch(self._decode_plan(handles, start_len + k + 1)) if k < n else None
+            if pending is not None:
+                self._check(runner.finish(pending), handles)
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+            pending = nxt
+        return times
 
     def _profile(self, handles, start_len: int, steps: int) -> dict[str, Any]:
         """Kernel time per decode step by kernel name (CUDA graph replays included)."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from metadata.wire import ScheduledRow
-
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             for k in range(steps):
-                plan = self._plan(rows=[ScheduledRow(handle=h, num_scheduled_tokens=1,
-                                                     seq_len_upper_bound=start_len + k + 1,
-                                                     new_block_ids=[], sample=True) for h in handles])
-                self.runner.execute(plan)
+                self.runner.execute(self._decode_plan(handles, start_len + k + 1))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         kernels = []
@@ -293,8 +322,9 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
         if "skipped" in cell:
             tqdm.write(f"batch {b:4d} context {c:6d}: skipped, {cell['skipped']}")
         else:
-            tqdm.write(f"batch {b:4d} context {c:6d}: step {cell['step_ms_median']:8.3f} ms, roofline "
-                       f"{cell['roofline_ms']:8.3f} ms, ratio {cell['ratio']:6.2f}")
+            tqdm.write(f"batch {b:4d} context {c:6d}: step {cell['step_ms_median']:8.3f} ms (serial "
+                       f"{cell['serial_step_ms_median']:8.3f}), roofline {cell['roofline_ms']:8.3f} ms, "
+                       f"ratio {cell['ratio']:6.2f} (serial {cell['serial_ratio']:5.2f})")
             prof = cell.get("profile")
             if prof:
                 tqdm.write(f"  profile: {prof['kernel_us_per_step']:.1f} us of kernels per step, "
