@@ -99,7 +99,6 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         new_reqs: list[NewRequest] = []
         step = ScheduledStep(plan=StepPlan(step_id=self._last_step_id + 1))
-        scheduled: set[int] = set()
         preempted_now = False
 
         i = 0
@@ -112,17 +111,18 @@ class Scheduler:
             k = self.drafts.num_drafts(req, budget) if self._decodes(req, n) else 0
             target = req.num_computed_tokens + n + k
             alloc = self.drafts.alloc_tokens(req, target) if k or self.drafts.kv_lookahead else target
-            while not self.blocks.can_allocate(req, alloc):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted_now = True
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break  # req preempted itself: nothing else left to preempt
-            new_blocks = self.blocks.allocate(req, alloc)
+            new_blocks: list[int] = []
+            if self.blocks.blocks_needed(req, alloc):  # most decode rows still have room in their block
+                while not self.blocks.can_allocate(req, alloc):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted_now = True
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    break  # req preempted itself: nothing else left to preempt
+                new_blocks = self.blocks.allocate(req, alloc)
             rows.append(self._row(req, n, new_blocks, step, k))
-            scheduled.add(id(req))
             budget -= n
             i += 1
 
