@@ -52,17 +52,26 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
     prompts = [r.prompt for r in requests]
     params = [SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
                              max_tokens=r.expected_output_len, seed=i) for i, r in enumerate(requests)]
+    before = dict(llm.engine.stats)
+    llm.engine.timeline.clear()
     t0_mono = time.monotonic()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    stats = {k: v - before.get(k, 0) for k, v in llm.engine.stats.items()}  # the timed run only
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     finish = sorted(
         (o.metrics.finished_time - t0_mono) for o in outputs if o.metrics and o.metrics.finished_time is not None
     )
-    return {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish,
-            "engine_stats": dict(llm.engine.stats)}
+    res = {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish,
+           "engine_stats": stats}
+    if llm.engine.timeline:  # measure_device_timeline: where the device's time went
+        busy = sum(t[1] for t in llm.engine.timeline)
+        idle = sum(t[2] for t in llm.engine.timeline if t[2] >= 0)
+        res["device_timeline"] = {"steps": len(llm.engine.timeline), "device_busy_s": busy,
+                                  "device_idle_s": idle, "busy_fraction_of_elapsed": busy / elapsed}
+    return res
 
 
 def measure_ceilings(device: str) -> dict[str, Any]:
@@ -141,6 +150,14 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
           f"{res['output_tokens_per_second']:.2f} output tokens/s")
     print(f"{label}Total num prompt tokens:  {res['total_num_prompt_tokens']}")
     print(f"{label}Total num output tokens:  {res['total_num_output_tokens']}", flush=True)
+    st, tl = res.get("engine_stats") or {}, res.get("device_timeline")
+    if "driver_wait_s" in st:
+        print(f"{label}Driver: schedule {st.get('driver_schedule_s', 0):.3f} s, process "
+              f"{st.get('driver_process_s', 0):.3f} s, waiting on workers {st['driver_wait_s']:.3f} s; "
+              f"worker launch (host) {st.get('worker_launch_s', 0):.3f} s over {st.get('steps', 0)} steps")
+    if tl:
+        print(f"{label}Device: busy {tl['device_busy_s']:.3f} s, idle between steps {tl['device_idle_s']:.3f} s "
+              f"({100 * tl['busy_fraction_of_elapsed']:.1f} % of elapsed busy)", flush=True)
 
 
 def plot(result: dict[str, Any], path) -> None:

@@ -175,13 +175,17 @@ class EngineCore:
         if not self.in_flight:
             return []
         sched, refs = self.in_flight.popleft()
+        t_wait = time.perf_counter()
         try:
             result = self.executor.collect(refs)
         except EngineDeadError as exc:
             return self._fail_all(str(exc))
         t0 = time.perf_counter()
         deltas = self._process(sched, result)
-        self.stats["driver_process_s"] = self.stats.get("driver_process_s", 0.0) + time.perf_counter() - t0
+        st = self.stats
+        st["driver_wait_s"] = st.get("driver_wait_s", 0.0) + t0 - t_wait  # blocked on the workers
+        st["driver_process_s"] = st.get("driver_process_s", 0.0) + time.perf_counter() - t0
+        st["worker_launch_s"] = st.get("worker_launch_s", 0.0) + result.host_launch_s
         if result.device_step_s >= 0:
             self.timeline.append((len(sched.plan.rows), result.device_step_s, result.device_idle_before_s))
         return deltas

@@ -81,7 +81,8 @@ class StepResult(msgspec.Struct, forbid_unknown_fields=True):
     outputs: list[SampledRow] = []
     error: str | None = None
     rank: int = 0
-    worker_time_s: float = 0.0
+    worker_time_s: float = 0.0  # launch start to result encoded, on the worker's clock
+    host_launch_s: float = 0.0  # worker CPU time spent preparing and enqueueing the step
     device_step_s: float = -1.0  # GPU time of this step (measure_device_timeline only)
     device_idle_before_s: float = -1.0  # GPU idle between the previous step's end and this one's start
 

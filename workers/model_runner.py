@@ -182,6 +182,7 @@ class ModelRunner:
             self.spec.propose(st, inp, s_rows, known, batch)
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device)
+        pending.launch_s = time.perf_counter() - t0
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
@@ -230,6 +231,7 @@ class PendingStep:
         self.handles, self.opts, self.so = handles or [], opts or [], so
         self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
         self.event = None
+        self.launch_s = 0.0  # host time of launch() (set for sampling steps)
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device) -> None:
@@ -279,6 +281,7 @@ class PendingStep:
                     lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
                 out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
         out.worker_time_s = time.perf_counter() - self.t0
+        out.host_launch_s = self.launch_s
         if self.timeline is not None:  # all three events have completed: no wait here
             start, end, prev_end = self.timeline
             out.device_step_s = start.elapsed_time(end) / 1e3
