@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also profile this cell's decode steps (torch.profiler): per-step kernel "
                         "time by kernel name, in the result and printed (repeatable)")
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples every row with its own seed")
     common.add_output_args(p, "decode_roofline")
     return p.parse_args(argv)
 
@@ -112,10 +114,12 @@ def weight_bytes_per_step(model, batch: int) -> int:
     return total
 
 
-def _greedy():
+def _sampling(temperature: float = 0.0, seed: int = 0):
+    """Greedy by default; a temperature samples with a per-row seed (the counter-hash path)."""
     from metadata.wire import SamplingOptions
 
-    return SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, repetition_penalty=1.0,
+    return SamplingOptions(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
+                           repetition_penalty=1.0,
                            presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, min_tokens_stop_ids=[],
                            num_logprobs=-1)
 
@@ -205,7 +209,8 @@ class Bench:
         prompt = [rng.randrange(3, self.arch.vocab_size) for _ in range(ctx + 1)]
         handles = list(range(self.next_handle, self.next_handle + batch))
         self.next_handle += batch
-        news = [NewRequest(handle=h, prompt_token_ids=prompt, output_token_ids=[], sampling=_greedy(),
+        temp = self.conf.get("temperature", 0.0)
+        news = [NewRequest(handle=h, prompt_token_ids=prompt, output_token_ids=[], sampling=_sampling(temp, h),
                            block_ids=list(range(i * per, (i + 1) * per))) for i, h in enumerate(handles)]
         runner.execute(self._plan(new_requests=news))  # places the rows; no forward
         st = runner.state
@@ -390,9 +395,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "gpu_memory_utilization": args.gpu_memory_utilization, "bandwidth_mib": args.bandwidth_mib,
             "bandwidth_iters": args.bandwidth_iters, "skinny_max_m": args.skinny_max_m,
             "profile_cells": [[int(v) for v in c.split(",")] for c in args.profile],
-            "profile_steps": args.profile_steps}
+            "profile_steps": args.profile_steps, "temperature": args.temperature}
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if not args.temperature >= 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     res = _run_placed(conf, args.placement)
     result = common.record("decode_roofline", args, config=conf, **res)
     common.write_json(out_path, result)
