@@ -118,3 +118,12 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
+
+
+def exponential_race(probs, seeds, positions):
+    """One seeded draw per row of ``probs`` (see ``kernels.sampling``)."""
+    if _use_triton(probs):
+        from kernels.sampling import exponential_race_triton
+
+        return exponential_race_triton(probs, seeds, positions)
+    return reference.exponential_race_reference(probs, seeds, positions)

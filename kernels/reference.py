@@ -176,3 +176,44 @@ def skinny_linear_reference(
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
+
+
+# ------------------------------------------------------------- sampling noise
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2^32).
+
+    The multipliers stay below 2^31 so products fit in int64 without overflow.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def noise_row_key(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's 32-bit hash key (int64 [rows]) of its (seed, position)."""
+    lo = seeds & _MASK32
+    hi = (seeds >> 32) & _MASK32
+    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
+    return _mix32(key ^ (positions.long() & _MASK32))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) of shape [rows, vocab], a pure function of (seed, position, token id)."""
+    key = noise_row_key(seeds, positions)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix32(key[:, None] ^ ids[None, :])
+    x = _mix32(x ^ (key[:, None] >> 7))
+    return ((x >> 8).double() + 0.5).float() / float(1 << 24)
+
+
+def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (unnormalised) ``probs`` keyed by (seed, position): argmax p / E
+    with E = -log U; ties go to the lowest token id."""
+    u = uniform_noise(seeds, positions, probs.shape[-1])
+    return (probs / (-torch.log(u))).argmax(dim=-1)

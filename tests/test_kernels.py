@@ -34,9 +34,10 @@ if INTERPRETED:
     from kernels import rms_norm as rms
     from kernels import rope_kv as rkv
     from kernels import rotary as rot
+    from kernels import sampling as smp
     from kernels import skinny_gemm as sg
 else:
-    triton = pa = kvw = rms = rot = act = rkv = sg = None  # only the child touches triton
+    triton = pa = kvw = rms = rot = act = rkv = sg = smp = None  # only the child touches triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +86,7 @@ def test_kernels_are_interpreted():
     assert isinstance(act._silu_and_mul_kernel, InterpretedFunction)
     assert isinstance(rkv._rope_kv_kernel, InterpretedFunction)
     assert isinstance(sg._skinny_kernel, InterpretedFunction)
+    assert isinstance(smp._race_partial_kernel, InterpretedFunction)
 
 
 # ----------------------------------------------------------------- paged attention
@@ -429,6 +431,38 @@ def test_skinny_linear_wrong_eps_and_padded_rows():
     # rows beyond M are neither read into the result nor written
     y, _ = sg.skinny_linear_triton(x[:2], w, **dict(kw, residual=kw["residual"][:2]))
     torch.testing.assert_close(y, y_exp[:2], **TOL[torch.float32])
+
+
+# ----------------------------------------------------------------- exponential race
+
+
+@pytest.mark.parametrize("rows,vocab,splits,block", [(5, 1000, None, 128), (3, 4099, 3, 256), (1, 777, 1, 64),
+                                                     (6, 300, 2, 64)])
+def test_exponential_race(rows, vocab, splits, block):
+    """Same draws as the torch reference (bit-identical noise), across vocab splits and ragged tiles."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    probs = torch.rand(rows, vocab, generator=g) ** 4
+    probs[0, vocab // 2:] = 0.0  # zero mass never wins against non-zero mass
+    seeds = torch.randint(0, 2**62, (rows,), generator=g)
+    pos = torch.randint(0, 5000, (rows,), generator=g)
+    got = smp.exponential_race_triton(probs, seeds, pos, block=block, num_splits=splits)
+    assert got.tolist() == ref.exponential_race_reference(probs, seeds, pos).tolist()
+    assert int(got[0]) < vocab // 2
+    other = smp.exponential_race_triton(probs, seeds + 1, pos, block=block, num_splits=splits)
+    assert other.tolist() != got.tolist()  # the seed matters
+
+
+def test_exponential_race_ties_and_strides():
+    probs = torch.zeros(3, 500)
+    probs[1, 123] = 1.0  # a single candidate
+    probs[2, 7] = probs[2, 400] = 0.5
+    wide = torch.rand(3, 640)
+    wide[:, :500] = probs  # a row-strided view of the same rows
+    seeds, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 9, 4])
+    for p in (probs, wide[:, :500]):
+        got = smp.exponential_race_triton(p, seeds, pos, block=64, num_splits=3)
+        assert got.tolist() == ref.exponential_race_reference(p, seeds, pos).tolist()
+        assert got[0] == 0 and got[1] == 123 and got[2] in (7, 400)  # all-zero row: lowest id, as argmax
 
 
 if not INTERPRETED:  # parent process: every test reports its interpreted child run

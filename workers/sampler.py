@@ -13,32 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+from kernels.ops import exponential_race
+from kernels.reference import uniform_noise
 
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2^32).
-
-    The multipliers stay below 2^31 so products fit in int64 without overflow.
-    """
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    x = x ^ (x >> 16)
-    return x
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) of shape [rows, vocab], a pure function of (seed, position, token id)."""
-    lo = seeds & _MASK32
-    hi = (seeds >> 32) & _MASK32
-    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
-    key = _mix32(key ^ (positions.long() & _MASK32))
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _mix32(key[:, None] ^ ids[None, :])
-    x = _mix32(x ^ (key[:, None] >> 7))
-    return ((x >> 8).double() + 0.5).float() / float(1 << 24)
+__all__ = ["exponential_race", "uniform_noise", "sample", "sampling_probs"]
 
 
 @dataclass
@@ -119,12 +97,6 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         thresh = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < thresh, 0.0)
     return probs
-
-
-def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One draw per row from (unnormalised) ``probs`` keyed by (seed, position): argmax p / E."""
-    u = uniform_noise(seeds, positions, probs.shape[-1])
-    return (probs / (-torch.log(u))).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
