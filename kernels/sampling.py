@@ -29,7 +29,8 @@ def _mix32(x):
     return x
 
 
-@triton.jit
+# Sizes are not specialised on, so one compile serves every batch and vocabulary.
+@triton.jit(do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"])
 def _race_partial_kernel(probs_ptr, key_ptr, best_ptr, idx_ptr, vocab, stride_p, per_split,
                          num_splits, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +58,10 @@ def _race_partial_kernel(probs_ptr, key_ptr, best_ptr, idx_ptr, vocab, stride_p,
     tl.store(idx_ptr + row * num_splits + split, best_i)
 
 
-@triton.jit
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS)
@@ -80,12 +84,14 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
     key = noise_row_key(seeds, positions)
     if num_splits is None:  # about four programs per SM over all rows, none tinier than one tile
         sms = torch.cuda.get_device_properties(probs.device).multi_processor_count if probs.is_cuda else 4
-        num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows)))
+        num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows), MAX_SPLITS))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
     num_splits = triton.cdiv(vocab, per_split)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
     _race_partial_kernel[(rows, num_splits)](probs, key, best, idx, vocab, probs.stride(0), per_split,
                                              num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=max(2, triton.next_power_of_2(num_splits)))
+    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS)
     return out

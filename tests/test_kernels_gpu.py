@@ -393,7 +393,12 @@ def test_skinny_tuned_entries_on_their_shapes():
 
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_exponential_race_matches_reference(rows):
-    """Seeded draws over a Qwen-sized vocabulary equal the torch reference's, without a host sync."""
+    """Seeded draws over a Qwen-sized vocabulary equal the torch reference's, without a host sync.
+
+    The noise is bit-identical; ``-log U`` may differ by an ulp between Triton's and torch's
+    ``log``, which can flip a row whose two best scores are that close. So: every row with a
+    clear winner (relative gap > 1e-4 in float64) must agree, and the kernel's pick must
+    always score within 1e-5 of the row's best."""
     from kernels.sampling import exponential_race_triton
 
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -403,4 +408,11 @@ def test_exponential_race_matches_reference(rows):
     pos = torch.randint(0, 40000, (rows,), device="cuda", generator=g)
     with no_sync():
         got = exponential_race_triton(probs, seeds, pos)
-    assert torch.equal(got, ref.exponential_race_reference(probs, seeds, pos))
+    want = ref.exponential_race_reference(probs, seeds, pos)
+    score = probs.double() / -torch.log(ref.uniform_noise(seeds, pos, vocab).double())
+    top2 = score.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0]
+    assert clear.float().mean() > 0.9  # the check below covers most rows
+    assert torch.equal(got[clear], want[clear])
+    picked = score.gather(1, got[:, None])[:, 0]
+    assert bool(((top2[:, 0] - picked) <= 1e-5 * top2[:, 0]).all())

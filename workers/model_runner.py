@@ -102,9 +102,10 @@ class ModelRunner:
         )
         with torch.inference_mode():
             h = self.model(ids, pos, meta, dummy)
-            self.model.compute_logits(h[-min(n, self.cfg.scheduler.max_num_seqs):])
+            logits = self.model.compute_logits(h[-min(n, self.cfg.scheduler.max_num_seqs):])
+            self._draw_once(logits)  # the sampler's temporaries count towards the peak
         torch.cuda.synchronize()
-        del dummy, h
+        del dummy, h, logits
         free, total = torch.cuda.mem_get_info(self.device)
         peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         used = total - free
@@ -115,6 +116,22 @@ class ModelRunner:
                 "raise gpu_memory_utilization or use a smaller model"
             )
         return budget
+
+    @staticmethod
+    def _draw_once(logits: torch.Tensor) -> torch.Tensor:
+        """One seeded draw per row (compiles the sampling kernels before serving starts)."""
+        from kernels.ops import exponential_race
+
+        rows = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return exponential_race(logits.float().softmax(dim=-1), rows, rows)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile what the first sampled step would otherwise compile mid-serving (Triton JIT)."""
+        if self.device.type == "cuda":
+            vocab = self.arch.vocab_size
+            self._draw_once(torch.zeros(self.cfg.scheduler.max_num_seqs, vocab, device=self.device))
+            self._draw_once(torch.zeros(1, vocab, device=self.device))
 
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
