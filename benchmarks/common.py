@@ -34,7 +34,13 @@ def _version(mod: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """HEAD of this checkout; ``SYNCLESS_COMMIT`` where the code is an export without ``.git``
+    (else git would answer for whatever repository encloses the export: a wrong commit)."""
+    if os.environ.get("SYNCLESS_COMMIT"):
+        return os.environ["SYNCLESS_COMMIT"]
     root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or None

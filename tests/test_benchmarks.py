@@ -432,3 +432,25 @@ def test_serve_jobs_against_real_cluster_serve(ray_head, tmp_path, cache_dir):
         log.close()
         if server.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL, None):
             print((tmp_path / "serve.log").read_text()[-3000:])
+
+
+def test_recorded_commit_is_this_checkout_or_named(monkeypatch, tmp_path):
+    """Results name the code that produced them: this checkout's HEAD, the commit given in
+    SYNCLESS_COMMIT, and nothing (never an enclosing repository's HEAD) for a bare export."""
+    from benchmarks import common
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv("SYNCLESS_COMMIT", raising=False)
+    if (root / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        assert common.versions()["syncless_commit"] == head
+    monkeypatch.setenv("SYNCLESS_COMMIT", "abc123")
+    assert common.versions()["syncless_commit"] == "abc123"
+    monkeypatch.delenv("SYNCLESS_COMMIT")
+    export = tmp_path / "repo" / "export"
+    shutil.copytree(root / "benchmarks", export / "benchmarks")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    code = "from benchmarks import common; print(common.versions()['syncless_commit'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=export, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(export)})
+    assert out.stdout.strip().splitlines()[-1] == "None", out.stderr
