@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.sampler import PenaltyBatch, SamplingBatch, sample, uniform_noise
+from kernels.reference import uniform_noise
+from workers.sampler import PenaltyBatch, SamplingBatch, sample
 
 V = 8
 N = 40000  # rows (independent seeds) per statistical check

@@ -7,7 +7,8 @@ import torch
 
 from cluster.spec_scheduling import ngram_lookup
 from workers.rejection_sampler import SpecRows, verify_drafts
-from workers.sampler import exponential_race, uniform_noise
+from kernels.ops import exponential_race
+from kernels.reference import uniform_noise
 from workers.spec_proposers import ngram_drafts
 
 V, K = 6, 3

@@ -127,11 +127,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile what the first sampled step would otherwise compile mid-serving (Triton JIT)."""
+        """Compile what the first sampled step would otherwise compile mid-serving (Triton JIT).
+        One row suffices: the sampling kernels are not specialised on sizes."""
         if self.device.type == "cuda":
-            vocab = self.arch.vocab_size
-            self._draw_once(torch.zeros(self.cfg.scheduler.max_num_seqs, vocab, device=self.device))
-            self._draw_once(torch.zeros(1, vocab, device=self.device))
+            self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
 
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
@@ -156,10 +155,15 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> "PendingStep":
         """Apply the plan and enqueue the step's device work; returns without waiting."""
         t0 = time.perf_counter()
+        pending = self._enqueue(plan, t0)
+        pending.launch_s = time.perf_counter() - t0
+        return pending
+
+    @torch.inference_mode()
+    def _enqueue(self, plan: StepPlan, t0: float) -> "PendingStep":
         st = self.state
         for h in plan.finished_handles:
             st.release(h)
@@ -199,7 +203,6 @@ class ModelRunner:
             self.spec.propose(st, inp, s_rows, known, batch)
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device)
-        pending.launch_s = time.perf_counter() - t0
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
@@ -248,7 +251,7 @@ class PendingStep:
         self.handles, self.opts, self.so = handles or [], opts or [], so
         self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
         self.event = None
-        self.launch_s = 0.0  # host time of launch() (set for sampling steps)
+        self.launch_s = 0.0  # host time of launch(), set when it returns
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device) -> None:

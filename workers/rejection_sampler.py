@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampler import exponential_race, sampling_probs, uniform_noise
+from kernels.ops import exponential_race
+from kernels.reference import uniform_noise
+from workers.sampler import sampling_probs
 
 # XOR-ed into a request seed to give each random stream its own key
 STREAM_ACCEPT = 0x5EC0_0001

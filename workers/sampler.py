@@ -14,9 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ops import exponential_race
-from kernels.reference import uniform_noise
-
-__all__ = ["exponential_race", "uniform_noise", "sample", "sampling_probs"]
 
 
 @dataclass

@@ -13,7 +13,8 @@ import torch
 
 from workers.device_state import DeviceState, to_device
 from workers.rejection_sampler import STREAM_DRAFT
-from workers.sampler import exponential_race, sampling_probs
+from kernels.ops import exponential_race
+from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window
 
 
