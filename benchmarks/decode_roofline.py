@@ -336,12 +336,13 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
                            f"{prof['kernels_per_step']:.0f} launches per step")
                 for r in prof["top"][:25]:
                     tqdm.write(f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}")
-    from kernels import ops
+    from kernels import ops, pdl
 
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
     conf_out["skinny_max_m_effective"] = getattr(ops, "SKINNY_MAX_M", None)
+    use_pdl = pdl.enabled(torch.empty(0, device=bench.device))
     return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
-            "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"]},
+            "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"], "pdl": use_pdl},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
             "kv_bytes_per_token": bench.kv_bytes_per_token, "model_load_s": bench.load_s,
             "engine_config": bench.cfg.to_dict(), "worker_hardware": common.hardware_info()}

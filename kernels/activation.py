@@ -13,10 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
+    wait_and_release(USE_PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -38,6 +43,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
         x2, out, inter, x2.stride(0), inter, BLOCK=block,
-        num_warps=max(1, min(8, block // 256)),
+        num_warps=max(1, min(8, block // 256)), **pdl.launch_kwargs(x2),
     )
     return out

@@ -50,6 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 LOG2E = 1.4426950408889634
 DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
 MAX_SPLITS = 64
@@ -90,6 +93,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -118,6 +122,10 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
+    # PDL: the lengths and the block table were written before this step's first layer
+    # (by kernels that have completed, see kernels.pdl); q and this step's KV slots were
+    # written by the kernel just before.
+    wait_and_release(USE_PDL)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -228,10 +236,11 @@ def _reduce_splits_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Merge the split partials of one token, BLOCK_H q heads; lse is in log2 units."""
     t = tl.program_id(0).to(tl.int64)
+    wait_and_release(USE_PDL)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if t >= tl.load(qsl_ptr + num_reqs):
         return  # padding token: no request wrote partials for it
@@ -399,7 +408,7 @@ def paged_attention_triton(
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
         FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),
     )
     if num_splits > 1 and sem is None:
         block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))
@@ -409,6 +418,6 @@ def paged_attention_triton(
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
             NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            num_warps=4, **pdl.launch_kwargs(q),
         )
     return out

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -20,9 +23,12 @@ def _rms_norm_kernel(
     num_rows, hidden, eps,
     stride_x, stride_r, stride_o, stride_nr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
+    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)  # weights: pre-wait
+    wait_and_release(USE_PDL)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -33,7 +39,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / hidden + eps)
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
              (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -71,6 +76,6 @@ def rms_norm_triton(
         num_rows, hidden, float(eps),
         x2.stride(0), r2.stride(0), hidden, hidden,
         HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch_kwargs(x2),
     )
     return out, new_res

@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _load_halves(ptr, t, stride_t, stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -66,9 +69,11 @@ def _rope_kv_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     DT = q_out_ptr.dtype.element_ty
+    wait_and_release(USE_PDL)  # positions and q/k/v come from this step's kernels
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
@@ -149,6 +154,6 @@ def rope_and_write_kv_triton(
         HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
         KV_BLOCK_SIZE=block_size, Q_NORM=q_norm_weight is not None,
         K_NORM=k_norm_weight is not None,
-        num_warps=4 if block_hq * block_half >= 2048 else 2,
+        num_warps=4 if block_hq * block_half >= 2048 else 2, **pdl.launch_kwargs(q),
     )
     return q_out

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 from kernels.reference import noise_row_key
 
 
@@ -32,9 +35,10 @@ def _mix32(x):
 # Sizes are not specialised on, so one compile serves every batch and vocabulary.
 @triton.jit(do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"])
 def _race_partial_kernel(probs_ptr, key_ptr, best_ptr, idx_ptr, vocab, stride_p, per_split,
-                         num_splits, BLOCK: tl.constexpr):
+                         num_splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    wait_and_release(USE_PDL)
     key = tl.load(key_ptr + row).to(tl.uint32)
     key7 = key >> 7
     lo = split * per_split
@@ -65,8 +69,10 @@ MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
+def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
+    wait_and_release(USE_PDL)
     s = tl.arange(0, SPLITS)
     mask = s < num_splits
     b = tl.load(best_ptr + row * num_splits + s, mask=mask, other=-2.0)
@@ -95,6 +101,8 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
     _race_partial_kernel[(rows, num_splits)](probs, key, best, idx, vocab, probs.stride(0), per_split,
-                                             num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS)
+                                             num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+                                             **pdl.launch_kwargs(probs))
+    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS,
+                                 **pdl.launch_kwargs(probs))
     return out

@@ -49,6 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
@@ -58,6 +61,7 @@ def _skinny_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -85,6 +89,9 @@ def _skinny_kernel(
         if ACT:
             wu_nxt = tl.load(w_rows + up_off * stride_wn, mask=n_ok[:, None] & (offs_k[None, :] < K),
                              other=0.0)
+    # PDL: the first weight tile (no kernel writes weights) is in flight before we wait
+    # for the kernel that produced x and the residual.
+    wait_and_release(USE_PDL)
 
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -287,6 +294,6 @@ def skinny_linear_triton(
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(x),
     )
     return y, new_res

@@ -1,0 +1,87 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode-path kernels.
+
+A decode step at small batch is a chain of ~200-300 short kernels; each pays a
+launch and a ramp (CTA scheduling, the first DRAM round trip) before it streams.
+With PDL a kernel launched with ``launch_pdl=True`` may start while the kernel
+before it in the stream is still running, and waits in ``gdc_wait`` (PTX
+``griddepcontrol.wait``) until that kernel has completed and its writes are
+visible. The protocol every kernel here follows:
+
+1. before ``gdc_wait``: index math and loads of data that no kernel of the
+   current step writes (weights, norm weights, the rotary table);
+2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch);
+3. everything else: activations, the KV cache, ``seq_lens``, every store.
+
+Triggering only *after* our own wait makes the chain transitive: when kernel
+N+1 starts, kernel N has passed its wait, so kernel N-1 and everything before
+it have completed. Nothing is stored before the wait, so there is no
+write-after-read hazard either. Kernels launched without the attribute
+(cuBLAS, torch ops, copies) neither trigger early nor start early, so mixing
+is safe. Inside a CUDA graph capture the dependency is recorded as a
+programmatic edge (CUDA 12.3+).
+
+Off by default where it cannot work: CPU tensors and the Triton interpreter,
+GPUs below compute capability 9, a Triton without ``gdc_wait``. ``SYNCLESS_PDL=0``
+turns it off (``=1`` forces the check to pass on a capable GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton.language as tl
+
+try:  # triton >= 3.3 exposes grid dependency control
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+
+    HAVE_GDC = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GDC = False
+
+_OFF = ("0", "false", "off", "no")
+
+
+def _env_allows() -> bool:
+    return os.environ.get("SYNCLESS_PDL", "1").strip().lower() not in _OFF
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return major >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels launched on ``t``'s device use PDL."""
+    if not (HAVE_GDC and t.is_cuda and _env_allows()):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capable(idx)
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """Extra launch arguments: the ``USE_PDL`` constexpr and, when on, ``launch_pdl``."""
+    if enabled(t):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+if HAVE_GDC:
+    import triton
+
+    @triton.jit
+    def wait_and_release(USE_PDL: tl.constexpr):
+        """Step 2 of the protocol: wait for the previous kernel, then let the next launch."""
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:  # pragma: no cover
+    import triton
+
+    @triton.jit
+    def wait_and_release(USE_PDL: tl.constexpr):
+        pass
