@@ -28,7 +28,10 @@ is empty writes a neutral partial (o = 0, lse = -inf). For decode batches the
 partials are merged in the same launch: each split bumps a per-(request, KV
 head) arrival counter (acq_rel atomic, after a CTA barrier), and the split that
 arrives last reads every partial back from L2, writes the merged output and
-re-arms the counter to 0 for the next launch or graph replay. That saves the
+re-arms the counter to 0 for the next launch or graph replay. There a row uses
+only as many splits as it has KV tiles (``NUM_SPLITS`` is sized from the bound,
+often ``max_model_len``): the surplus splits exit at once, and the merge reads
+only the used partials, all loads in flight together. That saves the
 reduce kernel's launch (~2.5 us a layer inside a graph at batch 1); the
 separate reduce kernel remains for forced splits of prefill-shaped batches and
 when no counter buffer can be had (first use inside a graph capture).
@@ -138,7 +141,18 @@ def _paged_attention_kernel(
     # and no block-table entry past the table is ever read.
     kv_end = tl.minimum(ctx_len + tl.minimum(q_len, (qblock + 1) * BLOCK_Q), kv_cap)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    if NUM_SPLITS > 1:
+    if FUSED_REDUCE:
+        # Splits actually used by this row: at most one per tile, all non-empty (the
+        # graph's NUM_SPLITS is sized for the length *bound*; a short row uses fewer,
+        # and the rest exit at once instead of writing neutral partials to merge).
+        per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, NUM_SPLITS))
+        used = tl.cdiv(num_tiles, per_split)
+        if split >= used:
+            return
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    elif NUM_SPLITS > 1:
+        used = NUM_SPLITS
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         tile_lo = split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
@@ -208,21 +222,25 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             sem = sem_ptr + pid * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if arrived == used - 1:
                 offs_s = tl.arange(0, SPLITS_P)
                 lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
-                                  mask=(offs_s[:, None] < NUM_SPLITS) & row_ok[None, :],
+                                  mask=(offs_s[:, None] < used) & row_ok[None, :],
                                   other=float("-inf"), cache_modifier=".cg")
                 m_all = tl.max(lse_all, 0)
                 m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
                 w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
                 o_mask = row_ok[:, None] & d_ok[None, :]
                 merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for sp in range(NUM_SPLITS):
-                    w_s = tl.exp2(tl.load(lse_ptr + sp * stride_ls + l_rows, mask=row_ok,
+                # Unrolled: the partials' loads are independent and all in flight at once
+                # (a rolled loop pays one L2 round trip per split); unused splits are masked.
+                for sp in tl.static_range(NUM_SPLITS):
+                    sp_ok = row_ok & ((offs_m * 0 + sp) < used)
+                    w_s = tl.exp2(tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok,
                                           other=float("-inf"), cache_modifier=".cg") - m_all)
                     part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
-                                   mask=o_mask, other=0.0, cache_modifier=".cg")
+                                   mask=sp_ok[:, None] & d_ok[None, :], other=0.0,
+                                   cache_modifier=".cg")
                     merged += w_s[:, None] * part
                 merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
                 f_rows = (q_start + tok).to(tl.int64) * stride_ft + qhead * stride_fh
