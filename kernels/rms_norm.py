@@ -17,7 +17,8 @@ from kernels import pdl
 from kernels.pdl import wait_and_release
 
 
-@triton.jit
+# Row counts vary step to step (eager prefill): not specialised, so no mid-serving compiles.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     num_rows, hidden, eps,
