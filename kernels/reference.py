@@ -203,17 +203,32 @@ def noise_row_key(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _mix32(key ^ (positions.long() & _MASK32))
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) of shape [rows, vocab], a pure function of (seed, position, token id)."""
+def uniform_noise64(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U in (0, 1), float64 [rows, vocab], a pure function of (seed, position, token id):
+    ``(k + 0.5) / 2^24`` for a 24-bit hash ``k``, exact in float64 (never 0 or 1)."""
     key = noise_row_key(seeds, positions)
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32(key[:, None] ^ ids[None, :])
     x = _mix32(x ^ (key[:, None] >> 7))
-    return ((x >> 8).double() + 0.5).float() / float(1 << 24)
+    return ((x >> 8).double() + 0.5) / float(1 << 24)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``uniform_noise64`` rounded to float32 (may round up to 1.0 for the top hash values)."""
+    return uniform_noise64(seeds, positions, vocab).float()
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E = -log U ~ Exp(1), taken in float64 from the exact U, then rounded to float32.
+
+    Strictly positive: a float32 U can round to 1.0, and ``-log 1.0`` is a signed zero
+    whose sign decides between a score of +inf and -inf (GPU code negating as ``0 - x``
+    and torch disagreed on exactly that). Near U = 1, where the winners are, the float64
+    log also keeps E's relative error at float32 rounding."""
+    return (-torch.log(uniform_noise64(seeds, positions, vocab))).float()
 
 
 def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One draw per row from (unnormalised) ``probs`` keyed by (seed, position): argmax p / E
     with E = -log U; ties go to the lowest token id."""
-    u = uniform_noise(seeds, positions, probs.shape[-1])
-    return (probs / (-torch.log(u))).argmax(dim=-1)
+    return (probs / exponential_noise(seeds, positions, probs.shape[-1])).argmax(dim=-1)

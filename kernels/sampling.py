@@ -51,10 +51,11 @@ def _race_partial_kernel(probs_ptr, key_ptr, best_ptr, idx_ptr, vocab, stride_p,
         p = tl.load(probs_ptr + row * stride_p + ids, mask=mask, other=0.0).to(tl.float32)
         x = _mix32(key ^ ids.to(tl.uint32))
         x = _mix32(x ^ key7)
-        u = (((x >> 8).to(tl.float64) + 0.5).to(tl.float32)) / 16777216.0
-        # -log U in float64: a float32 log with absolute error (as GPUs approximate it) is
-        # far off in relative terms as U -> 1, which is exactly where the winners are
-        e = (-tl.log(u.to(tl.float64))).to(tl.float32)
+        # U = (k + 0.5) / 2^24 exactly in float64 (never 1.0) and -log U in float64, as
+        # kernels.reference.exponential_noise: a float32 log with absolute error (as GPUs
+        # approximate it) is far off in relative terms as U -> 1, where the winners are
+        u = ((x >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)
+        e = (0.0 - tl.log(u)).to(tl.float32)
         score = tl.where(mask, tl.math.div_rn(p, e), -1.0)  # IEEE division, as torch's
         m = tl.max(score, axis=0)
         i = tl.min(tl.where(score == m, ids, 2147483647), axis=0)  # lowest id among the tile's best

@@ -465,6 +465,20 @@ def test_exponential_race_ties_and_strides():
         assert got[0] == 0 and got[1] == 123 and got[2] in (7, 400)  # all-zero row: lowest id, as argmax
 
 
+
+def test_exponential_race_u_that_rounds_to_one_in_float32():
+    """Seed 43, position 0: token 4283's 24-bit hash is 2^24 - 1, whose U rounds to 1.0 in
+    float32. The exact U is just below 1, so E is tiny and positive and the token wins a
+    uniform row; with E = -log(1.0f) = +-0 the sign of zero decided between +inf and -inf."""
+    seeds, pos = torch.tensor([43]), torch.tensor([0])
+    assert float(ref.uniform_noise(seeds, pos, 4300)[0, 4283]) == 1.0
+    e = ref.exponential_noise(seeds, pos, 4300)
+    assert bool((e > 0).all()) and int(e.argmin()) == 4283
+    probs = torch.full((1, 4300), 1.0 / 4300)
+    got = smp.exponential_race_triton(probs, seeds, pos, block=256, num_splits=4)
+    assert got.tolist() == ref.exponential_race_reference(probs, seeds, pos).tolist() == [4283]
+
+
 if not INTERPRETED:  # parent process: every test reports its interpreted child run
     for _name, _fn in list(globals().items()):
         if _name.startswith("test_") and callable(_fn):

@@ -410,10 +410,13 @@ def test_exponential_race_matches_reference(rows):
     with no_sync():
         got = exponential_race_triton(probs, seeds, pos)
     want = ref.exponential_race_reference(probs, seeds, pos)
-    score = probs.double() / -torch.log(ref.uniform_noise(seeds, pos, vocab).double())
+    score = probs.double() / -torch.log(ref.uniform_noise64(seeds, pos, vocab))
     top2 = score.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0]
     assert clear.float().mean() > 0.9  # the check below covers most rows
-    assert torch.equal(got[clear], want[clear])
     picked = score.gather(1, got[:, None])[:, 0]
-    assert bool(((top2[:, 0] - picked) <= 1e-5 * top2[:, 0]).all())
+    ref_picked = score.gather(1, want[:, None])[:, 0]
+    bad = ((top2[:, 0] - picked) > 1e-5 * top2[:, 0]).nonzero().flatten().tolist()
+    ref_bad = ((top2[:, 0] - ref_picked) > 1e-5 * top2[:, 0]).nonzero().flatten().tolist()
+    assert not bad and not ref_bad, f"kernel off the best on rows {bad}, reference on {ref_bad}"
+    assert torch.equal(got[clear], want[clear])

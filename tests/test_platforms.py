@@ -118,3 +118,15 @@ def test_cpu_actor_in_ray_sets_no_visibility(ray_local):
         ray.kill(a)
     assert info["platform"] == "cpu" and info["visibility"] == {} and info["collective"] == "gloo"
     assert info["attention"] == "torch-reference" and info["gpu_ids"] == []
+
+
+def test_pdl_never_applies_off_gpu(monkeypatch):
+    """Programmatic dependent launch is a Hopper feature: CPU tensors (and so the Triton
+    interpreter) always get the plain launch, whatever SYNCLESS_PDL says."""
+    import torch
+
+    from kernels import pdl
+
+    for value in ("1", "0"):
+        monkeypatch.setenv("SYNCLESS_PDL", value)
+        assert pdl.launch_kwargs(torch.zeros(1)) == {"USE_PDL": False}
