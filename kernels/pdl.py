@@ -35,6 +35,7 @@ import functools
 import os
 
 import torch
+import triton
 import triton.language as tl
 
 try:  # triton >= 3.3 exposes grid dependency control
@@ -75,7 +76,6 @@ def launch_kwargs(t: torch.Tensor) -> dict:
 
 
 if HAVE_GDC:
-    import triton
 
     @triton.jit
     def wait_and_release(USE_PDL: tl.constexpr):
@@ -84,7 +84,6 @@ if HAVE_GDC:
             gdc_wait()
             gdc_launch_dependents()
 else:  # pragma: no cover
-    import triton
 
     @triton.jit
     def wait_and_release(USE_PDL: tl.constexpr):
