@@ -120,6 +120,15 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
 
 
+def argmax(x):
+    """``x.argmax(dim=-1)`` of a 2-D ``x``: a split Triton reduction on CUDA, torch elsewhere."""
+    if _use_triton(x) and x.dim() == 2:
+        from kernels.argmax import argmax_triton
+
+        return argmax_triton(x)
+    return x.argmax(dim=-1)
+
+
 def exponential_race(probs, seeds, positions):
     """One seeded draw per row of ``probs`` (see ``kernels.sampling``)."""
     if _use_triton(probs):

@@ -75,6 +75,35 @@ def launch_kwargs(t: torch.Tensor) -> dict:
     return {"USE_PDL": False}
 
 
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Step 1's bulk form: one thread of the program asks the copy engine to stream
+    ``nbytes`` (a multiple of 16, ``ptr`` 16-byte aligned) from global memory into L2
+    (PTX ``cp.async.bulk.prefetch.L2``, sm_90+). A hint with no result: the program's
+    own loads of those bytes later hit L2 or the in-flight miss. Issued before
+    ``gdc_wait`` it streams a kernel's weights while the kernel before it still runs."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf; .reg .b32 tx; mov.u32 tx, %tid.x; setp.eq.u32 pf, tx, 0; "
+        "@pf cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _bulk_prefetch_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def bulk_prefetch_ok(t: torch.Tensor) -> bool:
+    """Whether ``prefetch_l2`` may be compiled for ``t``'s device (sm_90+, not the
+    interpreter). ``SYNCLESS_L2_PREFETCH=0`` turns it off for A/B runs."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get("SYNCLESS_L2_PREFETCH", "1").strip().lower() in _OFF:
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _bulk_prefetch_ok(idx)
+
+
 if HAVE_GDC:
 
     @triton.jit

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import wait_and_release
+from kernels.pdl import prefetch_l2, wait_and_release
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -61,10 +61,20 @@ def _skinny_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PREFETCH_L2: tl.constexpr = False, W_BYTES: tl.constexpr = 2, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
+    if PREFETCH_L2:
+        # This program's weight rows are one contiguous range (stride_wn == K, checked by
+        # the caller): all of it is requested at once, before the PDL wait, so HBM streams
+        # it while the previous kernel (attention, a norm) is still running.
+        rows = tl.minimum(BLOCK_N, N_OUT - pid * BLOCK_N)
+        nbytes = (rows * K * W_BYTES).to(tl.int32)
+        w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
+        prefetch_l2(w_first, nbytes)
+        if ACT:
+            prefetch_l2(w_first + up_off * stride_wn, nbytes)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -240,6 +250,17 @@ def fallback_config(m: int) -> dict:
     return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
+def _l2_prefetch(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """Bulk L2 prefetch of each program's weight rows: on with PDL (where it overlaps the
+    previous kernel), or when a config asks (``prefetch_l2``: tuning sweeps). Needs
+    contiguous rows of 16-byte multiples and an sm_90+ device."""
+    want = cfg.get("prefetch_l2")
+    if want is None:
+        want = pdl.enabled(x)
+    return bool(want) and weight.stride(0) == k and (k * weight.element_size()) % 16 == 0 \
+        and weight.data_ptr() % 16 == 0 and pdl.bulk_prefetch_ok(x)
+
+
 def skinny_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -294,6 +315,7 @@ def skinny_linear_triton(
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
+        PREFETCH_L2=_l2_prefetch(cfg, x, weight, k), W_BYTES=weight.element_size(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(x),
     )
     return y, new_res

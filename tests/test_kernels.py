@@ -1,30 +1,11 @@
-"""The Triton kernels under the interpreter (CPU), against ``kernels.reference``.
+"""The Triton kernels under the interpreter (CPU), against ``kernels.reference``
+(run in an interpreted child pytest: see ``tests/interpreted.py``)."""
 
-TRITON_INTERPRET must be set before *triton itself* is imported: triton's own
-``tl.max``/``tl.cdiv`` helpers are decorated at import time, and an interpreted
-kernel calling compiled helpers fails ("Cannot call @triton.jit'd outside of
-the scope of a kernel"). Setting it in the pytest process would also make
-every kernel imported later interpreted, including those of the GPU tests
-collected with ``-m gpu``. So this module runs itself in a child pytest with
-TRITON_INTERPRET=1 set from the start (once per session, all tests together),
-and each test of the parent process reports its own child outcome.
-"""
+import pytest
+import torch
 
-import os
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # true in the child
-
-import functools  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import xml.etree.ElementTree as ET  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kernels import reference as ref  # noqa: E402
+from kernels import reference as ref
+from tests.interpreted import INTERPRETED, delegate_all
 
 if INTERPRETED:
     import triton
@@ -38,42 +19,6 @@ if INTERPRETED:
     from kernels import skinny_gemm as sg
 else:
     triton = pa = kvw = rms = rot = act = rkv = sg = smp = None  # only the child touches triton
-
-
-@functools.lru_cache(maxsize=None)
-def _child_outcomes() -> dict:
-    """Run this file under the interpreter once; map test name -> None | failure text."""
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        xml_path = os.path.join(tmp, "junit.xml")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-m", "not gpu",
-             "-p", "no:cacheprovider", f"--junitxml={xml_path}"],
-            cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        if not os.path.exists(xml_path):
-            raise RuntimeError(f"interpreted child pytest did not run:\n{proc.stdout}\n{proc.stderr}")
-        outcomes = {}
-        for case in ET.parse(xml_path).iter("testcase"):
-            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-            outcomes[case.get("name")] = None if bad is None else (bad.text or bad.get("message"))
-        return outcomes
-
-
-def _delegate(fn):
-    """Same name, params and marks as ``fn``; asserts the child's outcome for it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        name = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0].split("::")[-1]
-        outcomes = _child_outcomes()
-        if name not in outcomes:
-            pytest.fail(f"{name} did not run in the interpreted child", pytrace=False)
-        if outcomes[name] is not None:
-            pytest.fail(f"under TRITON_INTERPRET=1:\n{outcomes[name]}", pytrace=False)
-
-    return wrapper
 
 
 def test_kernels_are_interpreted():
@@ -479,7 +424,4 @@ def test_exponential_race_u_that_rounds_to_one_in_float32():
     assert got.tolist() == ref.exponential_race_reference(probs, seeds, pos).tolist() == [4283]
 
 
-if not INTERPRETED:  # parent process: every test reports its interpreted child run
-    for _name, _fn in list(globals().items()):
-        if _name.startswith("test_") and callable(_fn):
-            globals()[_name] = _delegate(_fn)
+delegate_all(globals(), __file__)  # parent process: each test reports its child run

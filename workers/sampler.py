@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import exponential_race
+from kernels.ops import argmax, exponential_race
 
 
 @dataclass
@@ -103,7 +103,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_penalties(logits, batch.penalties)
     if batch.min_tokens_mask is not None:
         logits = logits.masked_fill(batch.min_tokens_mask, float("-inf"))
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
     else:
