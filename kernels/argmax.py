@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.pdl import wait_and_release
 
-BIG = 2147483647
+BIG = tl.constexpr(2147483647)  # "no index" (a jit global must be a constexpr)
 MAX_SPLITS = 64
 
 
