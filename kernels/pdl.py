@@ -31,8 +31,10 @@ without ``gdc_wait``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -58,9 +60,37 @@ def _capable(device_index: int) -> bool:
     return major >= 9
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def step_tokens(n: int):
+    """Declares the token count of the forward pass being launched (a CPU int): PDL
+    applies only to passes of at most ``SYNCLESS_PDL_MAX_TOKENS`` tokens, where the
+    kernels are short enough for the overlap to pay (0 or unset: no limit)."""
+    prev = getattr(_scope, "tokens", None)
+    _scope.tokens = n
+    try:
+        yield
+    finally:
+        _scope.tokens = prev
+
+
+def _token_limit_allows() -> bool:
+    limit = int(os.environ.get("SYNCLESS_PDL_MAX_TOKENS", "0") or 0)
+    tokens = getattr(_scope, "tokens", None)
+    return limit <= 0 or tokens is None or tokens <= limit
+
+
+def l2_prefetch_row_bytes() -> int:
+    """With PDL on, how many bytes of each weight row a skinny-GEMM program prefetches
+    into L2 before its wait (``SYNCLESS_L2_PREFETCH``: bytes; 0 off)."""
+    return int(os.environ.get("SYNCLESS_L2_PREFETCH", "0") or 0)
+
+
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device use PDL."""
-    if not (HAVE_GDC and t.is_cuda and _env_allows()):
+    if not (HAVE_GDC and t.is_cuda and _env_allows() and _token_limit_allows()):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
@@ -95,10 +125,8 @@ def _bulk_prefetch_ok(device_index: int) -> bool:
 
 def bulk_prefetch_ok(t: torch.Tensor) -> bool:
     """Whether ``prefetch_l2`` may be compiled for ``t``'s device (sm_90+, not the
-    interpreter). ``SYNCLESS_L2_PREFETCH=0`` turns it off for A/B runs."""
+    interpreter)."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    if os.environ.get("SYNCLESS_L2_PREFETCH", "1").strip().lower() in _OFF:
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _bulk_prefetch_ok(idx)

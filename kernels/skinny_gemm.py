@@ -61,20 +61,20 @@ def _skinny_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_L2: tl.constexpr = False, W_BYTES: tl.constexpr = 2, USE_PDL: tl.constexpr = False,
+    PREFETCH_L2: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
-    if PREFETCH_L2:
-        # This program's weight rows are one contiguous range (stride_wn == K, checked by
-        # the caller): all of it is requested at once, before the PDL wait, so HBM streams
-        # it while the previous kernel (attention, a norm) is still running.
-        rows = tl.minimum(BLOCK_N, N_OUT - pid * BLOCK_N)
-        nbytes = (rows * K * W_BYTES).to(tl.int32)
+    if PREFETCH_L2 > 0:
+        # The first PREFETCH_L2 bytes of each of this program's weight rows (the K-tiles
+        # it reads first) are requested at once, before the PDL wait, so HBM streams them
+        # while the previous kernel (attention, a norm) is still running.
         w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
-        prefetch_l2(w_first, nbytes)
-        if ACT:
-            prefetch_l2(w_first + up_off * stride_wn, nbytes)
+        for r in tl.static_range(BLOCK_N):
+            if pid * BLOCK_N + r < N_OUT:
+                prefetch_l2(w_first + r * stride_wn, PREFETCH_L2)
+                if ACT:
+                    prefetch_l2(w_first + (up_off + r) * stride_wn, PREFETCH_L2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -250,15 +250,19 @@ def fallback_config(m: int) -> dict:
     return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
-def _l2_prefetch(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
-    """Bulk L2 prefetch of each program's weight rows: on with PDL (where it overlaps the
-    previous kernel), or when a config asks (``prefetch_l2``: tuning sweeps). Needs
-    contiguous rows of 16-byte multiples and an sm_90+ device."""
+def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> int:
+    """Bytes of each weight row a program bulk-prefetches into L2 before its PDL wait (0:
+    none). A config's ``prefetch_l2`` (bytes, or True for whole rows) decides; else, with
+    PDL on, ``kernels.pdl.l2_prefetch_row_bytes``. Rounded down to 16 bytes; needs an
+    sm_90+ device and 16-byte aligned rows."""
     want = cfg.get("prefetch_l2")
     if want is None:
-        want = pdl.enabled(x)
-    return bool(want) and weight.stride(0) == k and (k * weight.element_size()) % 16 == 0 \
-        and weight.data_ptr() % 16 == 0 and pdl.bulk_prefetch_ok(x)
+        want = pdl.l2_prefetch_row_bytes() if pdl.enabled(x) else 0
+    row = k * weight.element_size()
+    nbytes = row if want is True else min(int(want), row)
+    nbytes -= nbytes % 16
+    ok = (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+    return nbytes if nbytes > 0 and ok and pdl.bulk_prefetch_ok(x) else 0
 
 
 def skinny_linear_triton(
@@ -315,7 +319,7 @@ def skinny_linear_triton(
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
-        PREFETCH_L2=_l2_prefetch(cfg, x, weight, k), W_BYTES=weight.element_size(),
+        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(x),
     )
     return y, new_res

@@ -18,9 +18,10 @@ roof() {  # label "VAR=value ..." decode_roofline-args...
 if [ "$what" = roofline ] || [ "$what" = all ]; then
   for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
     bs=${BATCHES:-1,8}; ctx=${CTXS:-512}
-    for mode in ${MODES:-off pdl pdl-nol2}; do
+    for mode in ${MODES:-off pdl pdl-l2-2048 pdl-l2-8192}; do
       case $mode in
-        off) e="SYNCLESS_PDL=0";; pdl) e="SYNCLESS_PDL=1";; pdl-nol2) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=0";;
+        off) e="SYNCLESS_PDL=0";; pdl) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=0";;
+        pdl-l2-*) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=${mode#pdl-l2-}";;
       esac
       roof "$shape-$mode" "$e" --shape "$shape" --batch-sizes "$bs" --context-lens "$ctx" \
         --profile "1,${ctx%%,*}" --profile-steps 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import ops, pdl
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch
@@ -139,12 +139,14 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[KVCache]):
-        h = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, meta, kv, self.cos_sin)
-        h, _ = self.norm(h, residual)
+        with pdl.step_tokens(input_ids.shape[0]):
+            h = self.embed_tokens(input_ids)
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                h, residual = layer(h, residual, positions, meta, kv, self.cos_sin)
+            h, _ = self.norm(h, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, out_dtype=torch.float32)
+        with pdl.step_tokens(hidden.shape[0]):
+            return self.lm_head(hidden, out_dtype=torch.float32)
