@@ -189,6 +189,56 @@ def bench_attention() -> list[dict]:
     return rows
 
 
+SMALL_ATTN_CASES = [  # decode cells of the roofline grid that miss (b, ctx, hq, hkv, graph bucket)
+    (1, 512, 16, 8, 1024), (1, 512, 32, 8, 1024), (8, 512, 16, 8, 1024), (8, 512, 32, 8, 1024),
+    (1, 4096, 16, 8, 4126), (8, 4096, 16, 8, 4126), (32, 512, 16, 8, 1024), (128, 512, 16, 8, 1024),
+]
+
+
+def bench_attention_sweep() -> list[dict]:
+    """Split count x tile x pipeline depth for the small-batch decode cells (graph replay)."""
+    from kernels.paged_attention import choose_num_splits, paged_attention_triton
+
+    dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
+    rows = []
+    for b, ctx, hq, hkv, bound in SMALL_ATTN_CASES:
+        per = -(-bound // bs)
+        kv_bytes = b * ctx * hkv * d * 2 * 2
+        copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
+        caches = [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+                   torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+                   torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))
+                  for _ in range(copies)]
+        q = torch.randn(b, hq, d, device=dev, dtype=dt)
+        seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
+        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        heur = choose_num_splits(b, hkv, 1, bound)
+        res = []
+        for splits in sorted({1, 2, 4, 8, 16, 32, heur}):
+            for bn, nw, st in ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2)):
+                cfg = dict(block_n=bn, num_warps=nw, num_stages=st)
+                try:
+                    us = graph_time_us([lambda c=c: paged_attention_triton(
+                        q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5, num_splits=splits,
+                        config=cfg) for c in caches])
+                except Exception as e:  # resources
+                    res.append({"splits": splits, **cfg, "error": repr(e)[:120]})
+                    continue
+                res.append({"splits": splits, **cfg, "us": us})
+        ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+        base = next(r["us"] for r in res if r.get("splits") == heur and r["block_n"] == 64
+                    and r["num_stages"] == 3 and "us" in r)
+        rows.append({"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound,
+                     "heuristic_splits": heur, "heuristic_us": base, "results": res})
+        print(f"attn-sweep b={b:3d} ctx={ctx:5d} hq={hq} bound={bound}: heuristic {heur} splits "
+              f"{base:.2f} us; best " + "; ".join(
+                  f"s{r['splits']} bn{r['block_n']} w{r['num_warps']} st{r['num_stages']} {r['us']:.2f}"
+                  for r in ok[:3]), flush=True)
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
 def tune(path: str) -> dict:
     """Measure M=1 and M=8 on the model shapes; write the per-shape choices that
     ``kernels.skinny_gemm.select_config`` reads (None = the unfused path won)."""
@@ -222,7 +272,7 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "attention"), default=None)
+    p.add_argument("--only", choices=("gemm", "attention", "attention-sweep"), default=None)
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--tune", metavar="JSON", default=None,
                    help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
@@ -237,6 +287,8 @@ def main(argv=None):
         res["gemm"] = bench_gemm([int(x) for x in a.ms.split(",")])
     if a.only in (None, "attention"):
         res["attention"] = bench_attention()
+    if a.only == "attention-sweep":
+        res["attention_sweep"] = bench_attention_sweep()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -70,11 +70,11 @@ def _skinny_kernel(
         # it reads first) are requested at once, before the PDL wait, so HBM streams them
         # while the previous kernel (attention, a norm) is still running.
         w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
-        for r in tl.static_range(BLOCK_N):
-            if pid * BLOCK_N + r < N_OUT:
-                prefetch_l2(w_first + r * stride_wn, PREFETCH_L2)
+        for pr in tl.static_range(BLOCK_N):
+            if pid * BLOCK_N + pr < N_OUT:
+                prefetch_l2(w_first + pr * stride_wn, PREFETCH_L2)
                 if ACT:
-                    prefetch_l2(w_first + (up_off + r) * stride_wn, PREFETCH_L2)
+                    prefetch_l2(w_first + (up_off + pr) * stride_wn, PREFETCH_L2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
