@@ -59,8 +59,16 @@ from kernels.pdl import wait_and_release
 LOG2E = 1.4426950408889634
 DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
 MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
-CTAS_PER_SM = 4  # split target: enough CTAs in flight to saturate HBM
+# Split sizing and decode tiles, from a graph-replay sweep on an H200
+# (``python -m kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
+# a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
+# tile's latency, so short bounds split down to one 128-token tile per split, long ones to
+# 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).
+MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
+SHORT_BOUND = 2048
+CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
+WIDE_TILE_MAX_CTAS = 64  # decode grids of at most this many (request, KV head) use 128-key tiles
 
 
 @triton.jit
@@ -334,7 +342,8 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
         return 1
     base = max(1, num_reqs * num_kv_heads)
     want = triton.cdiv(CTAS_PER_SM * num_sms, base)
-    cap = triton.cdiv(max(max_seq_len_upper_bound, 1), MIN_TOKENS_PER_SPLIT)
+    bound = max(max_seq_len_upper_bound, 1)
+    cap = triton.cdiv(bound, MIN_TOKENS_PER_SPLIT_SHORT if bound <= SHORT_BOUND else MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
 
 
@@ -379,8 +388,9 @@ def paged_attention_triton(
         block_q = triton.next_power_of_2(max(1, max_query_len))
         block_m = max(16, block_q * group_p)
         one_qblock, grid0 = True, num_reqs
-        block_n = 64 if block_d <= 128 else 32
-        num_warps, num_stages = 4, 3
+        # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip)
+        block_n = (128 if num_reqs * hkv <= WIDE_TILE_MAX_CTAS else 64) if block_d <= 128 else 32
+        num_warps, num_stages = 4, 2
     else:
         block_m = max(128 if block_d <= 128 else 64, group_p)
         block_q = block_m // group_p

@@ -165,8 +165,9 @@ def test_paged_attention_keys_capped_by_bound_and_table():
 
 def test_choose_num_splits_uses_only_cpu_bounds():
     assert pa.choose_num_splits(1, 8, 1, 100) == 1  # short: a split would be all overhead
-    assert pa.choose_num_splits(1, 8, 1, 32768) == pa.MAX_SPLITS
+    assert pa.choose_num_splits(1, 8, 1, 32768) == min(pa.MAX_SPLITS, -(-132 * pa.CTAS_PER_SM // 8))
     assert pa.choose_num_splits(1, 8, 1, 4096) == 4096 // pa.MIN_TOKENS_PER_SPLIT
+    assert pa.choose_num_splits(1, 8, 1, 1024) == 1024 // pa.MIN_TOKENS_PER_SPLIT_SHORT
     assert pa.choose_num_splits(256, 8, 1, 32768) == 1  # 2048 CTAs fill 132 SMs already
     assert pa.choose_num_splits(4, 8, 512, 32768) == 1  # prefill never splits
     s = pa.choose_num_splits(16, 8, 1, 8192, num_sms=132)
