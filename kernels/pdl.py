@@ -20,13 +20,17 @@ write-after-read hazard either. Kernels launched without the attribute
 is safe. Inside a CUDA graph capture the dependency is recorded as a
 programmatic edge (CUDA 12.3+).
 
-Opt-in: ``SYNCLESS_PDL=1``. Measured on an H200 (triton 3.6, CUDA graphs,
-2026-12-03): a chain of 200 tiny kernels costs 0.70 us a kernel with PDL against
-0.99 us without, and a Llama-3.1-8B batch-1 decode step went from 4.60 to 4.49 ms;
-but Qwen3-0.6B batch 1 and 8 got slower (1.19 -> 1.58 ms, 1.53 -> 2.16 ms), for
-reasons not yet found, so it stays off by default. It never applies to CPU
-tensors, the Triton interpreter, GPUs below compute capability 9, or a Triton
-without ``gdc_wait``.
+Opt-in: ``SYNCLESS_PDL=1``, optionally limited to forward passes of at most
+``SYNCLESS_PDL_MAX_TOKENS`` tokens. Measured on an H200 (triton 3.6, CUDA graphs):
+a chain of 200 tiny kernels costs 0.70 us a kernel with PDL against 0.99 us
+without; a Llama-3.1-8B batch-1 decode step is 3.6 % faster (4.66 -> 4.49 ms,
+2026-12-04) but batch 8 is 5 % slower, and Qwen3-0.6B small batches are
+host-bound, so their PDL numbers swing run to run (notes/2026-12-04-h200-results.md).
+``SYNCLESS_L2_PREFETCH=N`` (bytes, default 0) makes each skinny-GEMM program
+bulk-prefetch the first N bytes of its weight rows into L2 before its wait: no
+gain at 2 KB, a loss with whole rows on the 8B shape, so it stays off. PDL never
+applies to CPU tensors, the Triton interpreter, GPUs below compute capability 9,
+or a Triton without ``gdc_wait``.
 """
 
 from __future__ import annotations
@@ -76,8 +80,17 @@ def step_tokens(n: int):
         _scope.tokens = prev
 
 
+def _env_bytes_or_count(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
 def _token_limit_allows() -> bool:
-    limit = int(os.environ.get("SYNCLESS_PDL_MAX_TOKENS", "0") or 0)
+    limit = _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
     tokens = getattr(_scope, "tokens", None)
     return limit <= 0 or tokens is None or tokens <= limit
 
@@ -85,7 +98,7 @@ def _token_limit_allows() -> bool:
 def l2_prefetch_row_bytes() -> int:
     """With PDL on, how many bytes of each weight row a skinny-GEMM program prefetches
     into L2 before its wait (``SYNCLESS_L2_PREFETCH``: bytes; 0 off)."""
-    return int(os.environ.get("SYNCLESS_L2_PREFETCH", "0") or 0)
+    return _env_bytes_or_count("SYNCLESS_L2_PREFETCH")
 
 
 def enabled(t: torch.Tensor) -> bool:
