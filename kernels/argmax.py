@@ -18,9 +18,9 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import wait_and_release
+from kernels.sampling import MAX_SPLITS, vocab_splits
 
 BIG = tl.constexpr(2147483647)  # "no index" (a jit global must be a constexpr)
-MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["vocab", "stride_x", "per_split", "num_splits"])
@@ -78,13 +78,7 @@ def argmax_triton(x: torch.Tensor, block: int = 2048, num_splits: int | None = N
         raise ValueError("argmax of an empty row")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if num_splits is None:  # about four programs per SM over all rows, none tinier than a tile
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows), MAX_SPLITS))
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
-    num_splits = triton.cdiv(vocab, per_split)
+    per_split, num_splits = vocab_splits(x, block, num_splits)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
     nan = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)

@@ -144,22 +144,25 @@ ATTN_CONFIGS = [None, dict(block_n=64, num_warps=2, num_stages=3), dict(block_n=
                 dict(block_n=64, num_warps=4, num_stages=4)]
 
 
+def _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
+    """Paged K/V caches and block tables for ``b`` rows of ``bound`` tokens, enough copies
+    to rotate through more than L2; returns (KV bytes one call reads, the copies)."""
+    per = -(-bound // bs)
+    kv_bytes = b * ctx * hkv * d * 2 * 2
+    copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
+    return kv_bytes, [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+                       torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+                       torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))
+                      for _ in range(copies)]
+
+
 def bench_attention() -> list[dict]:
     from kernels.paged_attention import choose_num_splits, paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for b, ctx, hq, hkv, bound in ATTN_CASES:
-        per = -(-bound // bs)
-        kv_bytes = b * ctx * hkv * d * 2 * 2
-        copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
-        caches = []
-        for _ in range(copies):
-            nb = b * per
-            kc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dt)
-            vc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dt)
-            bt = torch.randperm(nb, device=dev, dtype=torch.int32).view(b, per)
-            caches.append((kc, vc, bt))
+        kv_bytes, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
@@ -202,13 +205,7 @@ def bench_attention_sweep() -> list[dict]:
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for b, ctx, hq, hkv, bound in SMALL_ATTN_CASES:
-        per = -(-bound // bs)
-        kv_bytes = b * ctx * hkv * d * 2 * 2
-        copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
-        caches = [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                   torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                   torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))
-                  for _ in range(copies)]
+        _, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)

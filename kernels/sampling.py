@@ -82,6 +82,20 @@ def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.const
     tl.store(out_ptr + row, tl.min(tl.where(b == m, i, 2147483647), axis=0).to(tl.int64))
 
 
+def vocab_splits(x: torch.Tensor, block: int, num_splits: int | None) -> tuple[int, int]:
+    """``(per_split, num_splits)`` for a row-wise reduction of ``x [rows, vocab]`` split over
+    the vocabulary: about four programs per SM over all rows, none tinier than one tile
+    (``num_splits`` overrides, 1..MAX_SPLITS); ``per_split`` is a multiple of ``block``."""
+    rows, vocab = x.shape
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows), MAX_SPLITS))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
+    return per_split, triton.cdiv(vocab, per_split)
+
+
 def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                             block: int = 2048, num_splits: int | None = None) -> torch.Tensor:
     """``argmax_j probs[r, j] / -log U(seed_r, pos_r, j)`` per row; int64 [rows]."""
@@ -92,13 +106,7 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
     if probs.stride(-1) != 1:
         probs = probs.contiguous()
     key = noise_row_key(seeds, positions)
-    if num_splits is None:  # about four programs per SM over all rows, none tinier than one tile
-        sms = torch.cuda.get_device_properties(probs.device).multi_processor_count if probs.is_cuda else 4
-        num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows), MAX_SPLITS))
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
-    num_splits = triton.cdiv(vocab, per_split)
+    per_split, num_splits = vocab_splits(probs, block, num_splits)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
     _race_partial_kernel[(rows, num_splits)](probs, key, best, idx, vocab, probs.stride(0), per_split,
