@@ -388,9 +388,12 @@ def paged_attention_triton(
         block_q = triton.next_power_of_2(max(1, max_query_len))
         block_m = max(16, block_q * group_p)
         one_qblock, grid0 = True, num_reqs
-        # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip)
-        block_n = (128 if num_reqs * hkv <= WIDE_TILE_MAX_CTAS else 64) if block_d <= 128 else 32
-        num_warps, num_stages = 4, 2
+        block_n = 64 if block_d <= 128 else 32
+        num_warps, num_stages = 4, 3
+        if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
+            # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip)
+            block_n = 128 if num_reqs * hkv <= WIDE_TILE_MAX_CTAS else 64
+            num_stages = 2
     else:
         block_m = max(128 if block_d <= 128 else 64, group_p)
         block_q = block_m // group_p

@@ -71,7 +71,8 @@ _scope = threading.local()
 def step_tokens(n: int):
     """Declares the token count of the forward pass being launched (a CPU int): PDL
     applies only to passes of at most ``SYNCLESS_PDL_MAX_TOKENS`` tokens, where the
-    kernels are short enough for the overlap to pay (0 or unset: no limit)."""
+    kernels are short enough for the overlap to pay (0 or unset: no limit). Kernels
+    launched outside a declared pass (the sampler's) follow ``SYNCLESS_PDL`` alone."""
     prev = getattr(_scope, "tokens", None)
     _scope.tokens = n
     try:

@@ -250,14 +250,15 @@ def fallback_config(m: int) -> dict:
     return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
-def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> int:
+def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
+                       use_pdl: bool) -> int:
     """Bytes of each weight row a program bulk-prefetches into L2 before its PDL wait (0:
     none). A config's ``prefetch_l2`` (bytes, or True for whole rows) decides; else, with
     PDL on, ``kernels.pdl.l2_prefetch_row_bytes``. Rounded down to 16 bytes; needs an
     sm_90+ device and 16-byte aligned rows."""
     want = cfg.get("prefetch_l2")
     if want is None:
-        want = pdl.l2_prefetch_row_bytes() if pdl.enabled(x) else 0
+        want = pdl.l2_prefetch_row_bytes() if use_pdl else 0
     row = k * weight.element_size()
     nbytes = row if want is True else min(int(want), row)
     nbytes -= nbytes % 16
@@ -309,6 +310,7 @@ def skinny_linear_triton(
     block_n = cfg["block_n"]
     r = residual if residual is not None else x
     nr = new_res if new_res is not None else x
+    launch = pdl.launch_kwargs(x)
     _skinny_kernel[(triton.cdiv(n_out, block_n),)](
         x, r, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, nr,
@@ -319,7 +321,7 @@ def skinny_linear_triton(
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
-        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(x),
+        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k, launch["USE_PDL"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, new_res

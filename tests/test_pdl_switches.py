@@ -29,14 +29,13 @@ def test_bad_switch_values_are_named(monkeypatch, var):
 
 def test_l2_prefetch_sizing(monkeypatch):
     x, w = torch.zeros(1, 1000), torch.zeros(64, 1000)  # rows of 4000 bytes
-    assert _l2_prefetch_bytes({"prefetch_l2": 2048}, x, w, 1000) == 0  # CPU: never
+    assert _l2_prefetch_bytes({"prefetch_l2": 2048}, x, w, 1000, False) == 0  # CPU: never
     monkeypatch.setattr(pdl, "bulk_prefetch_ok", lambda t: True)
-    assert _l2_prefetch_bytes({"prefetch_l2": 2050}, x, w, 1000) == 2048  # 16-byte multiple
-    assert _l2_prefetch_bytes({"prefetch_l2": True}, x, w, 1000) == 4000  # whole rows
-    assert _l2_prefetch_bytes({"prefetch_l2": 10**6}, x, w, 1000) == 4000  # capped at a row
+    assert _l2_prefetch_bytes({"prefetch_l2": 2050}, x, w, 1000, False) == 2048  # 16-byte multiple
+    assert _l2_prefetch_bytes({"prefetch_l2": True}, x, w, 1000, False) == 4000  # whole rows
+    assert _l2_prefetch_bytes({"prefetch_l2": 10**6}, x, w, 1000, False) == 4000  # capped at a row
     odd = torch.zeros(64, 1001)[:, :1000]  # rows 4004 bytes apart: not 16-byte aligned
-    assert _l2_prefetch_bytes({"prefetch_l2": True}, x, odd, 1000) == 0
+    assert _l2_prefetch_bytes({"prefetch_l2": True}, x, odd, 1000, False) == 0
     monkeypatch.setenv("SYNCLESS_L2_PREFETCH", "4096")
-    assert _l2_prefetch_bytes({}, x, w, 1000) == 0  # the env only applies with PDL on
-    monkeypatch.setattr(pdl, "enabled", lambda t: True)
-    assert _l2_prefetch_bytes({}, x, w, 1000) == 4000
+    assert _l2_prefetch_bytes({}, x, w, 1000, False) == 0  # the env only applies with PDL on
+    assert _l2_prefetch_bytes({}, x, w, 1000, True) == 4000
