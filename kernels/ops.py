@@ -120,6 +120,19 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
 
 
+def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
+                   block_size: int):
+    """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
+    one Triton launch on CUDA instead of about twenty torch launches."""
+    if _use_triton(token_req):
+        from kernels.input_prep import prepare_inputs_triton
+
+        return prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
+                                     block_table, block_size)
+    return reference.prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
+                                              token_ids, block_table, block_size)
+
+
 def argmax(x):
     """``x.argmax(dim=-1)`` of a 2-D ``x``: a split Triton reduction on CUDA, torch elsewhere."""
     if _use_triton(x) and x.dim() == 2:

@@ -232,3 +232,23 @@ def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positio
     """One draw per row from (unnormalised) ``probs`` keyed by (seed, position): argmax p / E
     with E = -log U; ties go to the lowest token id."""
     return (probs / exponential_noise(seeds, positions, probs.shape[-1])).argmax(dim=-1)
+
+
+def prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
+                             block_table, block_size: int):
+    """A step's device-derived inputs. Token ``t`` belongs to request ``token_req[t]`` at
+    ``offsets[t]`` within its window, which starts at position ``starts[r]`` (device);
+    its input id comes from ``token_ids[rows[r]]``, its KV slot from ``block_table[r]``
+    (-1 at or past ``capacity[r]``: never written). Every request has >= 1 token.
+    Returns positions, input_ids, seq_lens (int32), slot_mapping, query_start_loc (int32)."""
+    n_blk = block_table.shape[1]
+    starts = starts.long()
+    positions = starts[token_req] + offsets
+    input_ids = token_ids[rows[token_req], positions.clamp(max=token_ids.shape[1] - 1)]
+    seq_lens = (starts + q_lens).int()
+    page = (positions // block_size).clamp(max=n_blk - 1)
+    blk = block_table[token_req, page].long()
+    slot_mapping = torch.where(positions < capacity[token_req], blk * block_size + positions % block_size, -1)
+    qsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32, device=q_lens.device)
+    qsl[1:] = q_lens.cumsum(0).int()
+    return positions, input_ids, seq_lens, slot_mapping, qsl

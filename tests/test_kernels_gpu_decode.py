@@ -1,6 +1,7 @@
 """Decode-path kernels added for batch-1 latency, on CUDA (``-m gpu``): the split Triton
-argmax against ``torch.argmax`` and the skinny GEMM with its bulk L2 prefetch of each
-program's weight rows, eagerly and inside a CUDA graph. Every call runs under
+argmax against ``torch.argmax``, the skinny GEMM with its bulk L2 prefetch of each
+program's weight rows (eagerly and inside a CUDA graph) and the one-launch step-input
+preparation against its torch reference. Every call runs under
 ``torch.cuda.set_sync_debug_mode("error")``. Imports fine on a CPU-only machine."""
 
 import pytest
@@ -63,3 +64,16 @@ def test_skinny_linear_l2_prefetch_in_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference_fp64(xs, w, kw)[0]) < 1e-2
+
+
+@pytest.mark.parametrize("q_lens,short", [([1], False), ([1] * 64, False), ([3, 1, 17, 5], True)])
+def test_prepare_inputs_matches_reference(q_lens, short):
+    from kernels import reference as ref
+    from kernels.input_prep import prepare_inputs_triton
+    from tests.test_kernels_input_prep import make_case
+
+    case = [t.cuda() if torch.is_tensor(t) else t for t in make_case(q_lens, short_capacity=short)]
+    with no_sync():
+        got = prepare_inputs_triton(*case)
+    for g_, w in zip(got, ref.prepare_inputs_reference(*case)):
+        assert g_.dtype == w.dtype and torch.equal(g_, w)

@@ -15,7 +15,7 @@ from workers.device_state import DeviceState
 from workers.distributed import TPGroup
 from workers.models.loader import load_model
 from workers.sampler import sample
-from workers.sampling_inputs import build_sampling_batch
+from workers.sampling_inputs import build_sampling_batch, has_penalties
 from workers.step_inputs import build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -187,8 +187,11 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
             return PendingStep(plan.step_id, self.tp.rank, t0)
-        s_rows = inp.rows[inp.sample_rows]
-        s_pos = seq_lens.long()[inp.sample_rows]  # the position the (bonus) token takes
+        if inp.sample_rows_cpu == list(range(len(inp.rows_cpu))):  # every row samples (decode)
+            s_rows, s_pos = inp.rows, seq_lens.long()
+        else:
+            s_rows = inp.rows[inp.sample_rows]
+            s_pos = seq_lens.long()[inp.sample_rows]  # the position the (bonus) token takes
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
         so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch)
         if inp.max_drafts:
@@ -197,7 +200,8 @@ class ModelRunner:
             st.num_computed[s_rows] = (first_pos + n_acc).int()  # p + 1 + accepted
         else:
             tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
-        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc)
+        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc,
+                            count=any(has_penalties(o) for o in inp.opts))
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
             known = first_pos + (n_acc if n_acc is not None else 0) + 1
             self.spec.propose(st, inp, s_rows, known, batch)
@@ -209,20 +213,24 @@ class ModelRunner:
         return pending
 
     @staticmethod
-    def _commit_tokens(st, s_rows, first_pos, tokens, n_acc) -> None:
+    def _commit_tokens(st, s_rows, first_pos, tokens, n_acc, count: bool = True) -> None:
         """The sampled tokens feed the next step on the device, without visiting the host.
         Slots past a row's accepted count hold rejected drafts: written beyond its known
-        length (harmless) and not counted for penalties."""
+        length (harmless) and not counted for penalties. ``count=False`` (no row of the
+        step has a penalty, a host-known fact) skips the output-token counts: only
+        penalties read them, and a row's penalties never change."""
         width = tokens.shape[1]
         if width == 1:
             st.token_ids[s_rows, first_pos] = tokens[:, 0]
-            st.output_counts[s_rows, tokens[:, 0]] += 1
+            if count:
+                st.output_counts[s_rows, tokens[:, 0]] += 1
             return
         slot = torch.arange(width, device=tokens.device)[None, :]
         pos = (first_pos[:, None] + slot).clamp(max=st.token_ids.shape[1] - 1)
         rows2 = s_rows[:, None].expand(-1, width)
         st.token_ids[rows2, pos] = tokens
-        st.output_counts.index_put_((rows2, tokens), (slot <= n_acc[:, None]).int(), accumulate=True)
+        if count:
+            st.output_counts.index_put_((rows2, tokens), (slot <= n_acc[:, None]).int(), accumulate=True)
 
     def _record_event(self):
         if not (self.cfg.measure_device_timeline and self.device.type == "cuda"):
@@ -256,14 +264,12 @@ class PendingStep:
 
     def start_copy(self, device: torch.device) -> None:
         so = self.so
-        tensors = [self.tokens.double().flatten()]
-        if self.n_acc is not None:
-            tensors.append(self.n_acc.double())
-        if so.sampled_logprob is not None:
-            tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
-            if so.top_ids is not None:
-                tensors += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
-        packed = torch.cat(tensors)
+        if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
+            tensors = [self.tokens.flatten()]
+            packed = tensors[0]
+        else:
+            tensors = self._packed_parts()
+            packed = torch.cat(tensors)
         self.sizes = [t.numel() for t in tensors]
         if device.type == "cpu":
             self.host_packed = packed
@@ -272,6 +278,18 @@ class PendingStep:
         self.host_packed.copy_(packed, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
+
+    def _packed_parts(self) -> list[torch.Tensor]:
+        """Tokens, accepted counts and logprobs as float64 (exact for ids below 2^53), one copy."""
+        so = self.so
+        tensors = [self.tokens.double().flatten()]
+        if self.n_acc is not None:
+            tensors.append(self.n_acc.double())
+        if so.sampled_logprob is not None:
+            tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
+            if so.top_ids is not None:
+                tensors += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
+        return tensors
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

@@ -9,6 +9,12 @@ from workers.device_state import DeviceState, to_device
 from workers.sampler import PenaltyBatch, SamplingBatch
 
 
+def has_penalties(o: SamplingOptions) -> bool:
+    """Whether a request's sampling reads its output-token counts (repetition, presence or
+    frequency penalty); rows without them never need the counts kept."""
+    return o.repetition_penalty != 1.0 or bool(o.presence_penalty) or bool(o.frequency_penalty)
+
+
 def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: torch.Tensor,
                          s_pos: torch.Tensor) -> SamplingBatch:
     dev = st.device
@@ -20,7 +26,7 @@ def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: t
     temperature, top_p, min_p, rep, pres, freq = floats
     top_k, seeds, min_tokens = ints
     penalties = None
-    if any(o.repetition_penalty != 1.0 or o.presence_penalty or o.frequency_penalty for o in opts):
+    if any(has_penalties(o) for o in opts):
         penalties = PenaltyBatch(repetition=rep, presence=pres, frequency=freq,
                                  output_counts=st.output_counts[s_rows], prompt_mask=st.prompt_mask[s_rows])
     mask = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops, reference
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
 from workers.device_state import DeviceState, to_device
@@ -61,14 +62,15 @@ def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_len
     if block_table is None:
         n_blk = (max_ub + bs - 1) // bs
         block_table = to_device(st.block_table_cpu[rows_cpu, :n_blk], dev)
-    n_blk = block_table.shape[1]
-    positions = starts.long()[token_req] + offsets
-    input_ids = st.token_ids[rows[token_req], positions.clamp(max=st.token_ids.shape[1] - 1)]
-    seq_lens = (starts.long() + q_lens_d).int()
-    blk = block_table.reshape(-1)[token_req * n_blk + (positions // bs).clamp(max=n_blk - 1)].long()
-    slot_mapping = torch.where(positions < capacity[token_req], blk * bs + positions % bs, -1)
+    if min(q_lens) >= 1:  # one launch on CUDA (kernels.input_prep)
+        positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
+            starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs)
+    else:  # a request without query tokens: the reference's math, which allows it
+        positions, input_ids, seq_lens, slot_mapping, _ = reference.prepare_inputs_reference(
+            starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs)
+        qsl_d = qsl.int()
     meta = AttentionMetadata(
-        query_start_loc=qsl.int(), query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
+        query_start_loc=qsl_d, query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
         slot_mapping=slot_mapping, positions=positions, num_reqs=n_reqs, num_actual_tokens=n_tokens,
         max_query_len=int(q_lens_cpu.max()), max_seq_len_upper_bound=max_ub,

@@ -1,0 +1,77 @@
+"""Triton step-input preparation: one launch for what a step derives on the device.
+
+A step's host part knows only schedule-time values (rows, query lengths, each
+token's request and offset in it, block capacities, block tables); the exact
+starts live on the device (``num_computed``). From them every token needs its
+position, input id and KV slot, every request its ``seq_len`` and query start.
+In torch that is about twenty small element-wise and gather launches, each a
+host launch of several microseconds: at batch 1 the decode step's host work, not
+the GPU, set the pace (notes/2026-12-04-h200-results.md). Here one program per
+``BLOCK`` tokens does all of it. The plain-torch twin is
+``kernels.reference.prepare_inputs_reference`` (the CPU path and this kernel's
+oracle); both require every request to have at least one query token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_blk", "stride_tok", "stride_bt", "max_pos"])
+def _prepare_inputs_kernel(
+    starts_ptr, rows_ptr, token_req_ptr, offsets_ptr, q_lens_ptr, capacity_ptr,
+    token_ids_ptr, block_table_ptr,
+    positions_ptr, input_ids_ptr, seq_lens_ptr, slots_ptr, qsl_ptr,
+    n_tokens, n_reqs, n_blk, stride_tok, stride_bt, max_pos,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < n_tokens
+    wait_and_release(USE_PDL)
+    r = tl.load(token_req_ptr + t, mask=ok, other=0)
+    off = tl.load(offsets_ptr + t, mask=ok, other=0)
+    pos = tl.load(starts_ptr + r, mask=ok, other=0).to(tl.int64) + off
+    row = tl.load(rows_ptr + r, mask=ok, other=0)
+    ids = tl.load(token_ids_ptr + row * stride_tok + tl.minimum(pos, max_pos), mask=ok, other=0)
+    page = tl.minimum(pos // KV_BLOCK_SIZE, n_blk - 1)
+    blk = tl.load(block_table_ptr + r * stride_bt + page, mask=ok, other=0).to(tl.int64)
+    cap = tl.load(capacity_ptr + r, mask=ok, other=0)
+    slot = tl.where(pos < cap, blk * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE, -1)
+    tl.store(positions_ptr + t, pos, mask=ok)
+    tl.store(input_ids_ptr + t, ids, mask=ok)
+    tl.store(slots_ptr + t, slot, mask=ok)
+    q_len = tl.load(q_lens_ptr + r, mask=ok, other=1)
+    # the request's last token knows its KV length, its first token its query start
+    tl.store(seq_lens_ptr + r, (pos + 1).to(tl.int32), mask=ok & (off == q_len - 1))
+    tl.store(qsl_ptr + r, t.to(tl.int32), mask=ok & (off == 0))
+    tl.store(qsl_ptr + n_reqs + t * 0, (t + 1).to(tl.int32), mask=ok & (t == n_tokens - 1))
+
+
+def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
+                          block_size: int, block: int = 256):
+    """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
+    slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference."""
+    n_tokens, n_reqs = token_req.shape[0], rows.shape[0]
+    dev = token_req.device
+    positions = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+    input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+    slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+    seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
+    qsl = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
+    if n_tokens == 0:
+        qsl.zero_()
+        return positions, input_ids, seq_lens, slots, qsl
+    assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
+    _prepare_inputs_kernel[(triton.cdiv(n_tokens, block),)](
+        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
+        positions, input_ids, seq_lens, slots, qsl,
+        n_tokens, n_reqs, block_table.shape[1], token_ids.stride(0), block_table.stride(0),
+        token_ids.shape[1] - 1, KV_BLOCK_SIZE=block_size, BLOCK=block, num_warps=4,
+        **pdl.launch_kwargs(token_req),
+    )
+    return positions, input_ids, seq_lens, slots, qsl

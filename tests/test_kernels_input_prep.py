@@ -1,0 +1,65 @@
+"""The Triton step-input preparation (``kernels.input_prep``) under the interpreter against
+``kernels.reference.prepare_inputs_reference`` (run in an interpreted child pytest: see
+``tests/interpreted.py``)."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from tests.interpreted import INTERPRETED, delegate_all
+
+if INTERPRETED:
+    from kernels import input_prep as ip
+else:
+    ip = None  # only the child touches triton
+
+
+def make_case(q_lens, bs=4, seed=0, width_slack=3, short_capacity=False):
+    """Random device state: starts, a token table, a block table that is a column slice of
+    a wider one (row stride > width), capacities (optionally short: slots must be -1)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(q_lens)
+    max_rows, max_len = n + 5, 64
+    rows = torch.randperm(max_rows, generator=g)[:n]
+    starts = torch.randint(0, 40, (n,), generator=g, dtype=torch.int32)
+    token_ids = torch.randint(0, 1000, (max_rows, max_len + 1), generator=g)
+    q = torch.tensor(q_lens)
+    token_req = torch.repeat_interleave(torch.arange(n), q)
+    qsl = torch.zeros(n + 1, dtype=torch.int64)
+    qsl[1:] = q.cumsum(0)
+    offsets = torch.arange(int(qsl[-1])) - qsl[:-1][token_req]
+    n_blk = (int((starts.long() + q).max()) + bs - 1) // bs
+    wide = torch.randperm(n * (n_blk + width_slack) + 7, generator=g)[: n * (n_blk + width_slack)]
+    block_table = wide.view(n, n_blk + width_slack).to(torch.int32)[:, :n_blk]
+    capacity = (starts.long() + q) if not short_capacity else (starts.long() + q - 2).clamp(min=0)
+    return (starts, rows, token_req, offsets, q, capacity, token_ids, block_table, bs)
+
+
+@pytest.mark.parametrize("q_lens,block,short", [([1], 256, False), ([1] * 7, 4, False),
+                                                ([3, 1, 17, 5], 8, False), ([2, 9, 1], 256, True)])
+def test_prepare_inputs_matches_reference(q_lens, block, short):
+    case = make_case(q_lens, seed=len(q_lens), short_capacity=short)
+    got = ip.prepare_inputs_triton(*case, block=block)
+    want = ref.prepare_inputs_reference(*case)
+    names = ("positions", "input_ids", "seq_lens", "slot_mapping", "query_start_loc")
+    for name, g_, w in zip(names, got, want):
+        assert g_.dtype == w.dtype, name
+        assert torch.equal(g_, w), f"{name}: {g_.tolist()} != {w.tolist()}"
+    if short:
+        assert (got[3] == -1).any()  # positions at or past capacity write no KV
+
+
+def test_prepare_inputs_positions_past_the_token_table():
+    """Lookahead positions past the table's width read its last column (clamped), as the
+    reference does, instead of another row's tokens."""
+    starts, rows, token_req, offsets, q, cap, token_ids, bt, bs = make_case([3, 2], seed=3)
+    starts = torch.tensor([token_ids.shape[1] - 2, 5], dtype=torch.int32)
+    n_blk = (int((starts.long() + q).max()) + bs - 1) // bs
+    bt = torch.arange(2 * n_blk, dtype=torch.int32).view(2, n_blk)
+    case = (starts, rows, token_req, offsets, q, starts.long() + q, token_ids, bt, bs)
+    got = ip.prepare_inputs_triton(*case, block=4)
+    for g_, w in zip(got, ref.prepare_inputs_reference(*case)):
+        assert torch.equal(g_, w)
+
+
+delegate_all(globals(), __file__)  # parent process: each test reports its child run
