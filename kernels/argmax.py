@@ -82,10 +82,11 @@ def argmax_triton(x: torch.Tensor, block: int = 2048, num_splits: int | None = N
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
     nan = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
+    launch = pdl.launch_kwargs(x)  # one PDL decision for both launches
     _argmax_partial_kernel[(rows, num_splits)](x, best, idx, nan, vocab, x.stride(0), per_split,
                                                num_splits, BLOCK=block,
                                                num_warps=8 if block >= 2048 else 4,
-                                               **pdl.launch_kwargs(x))
+                                               **launch)
     _argmax_reduce_kernel[(rows,)](best, idx, nan, out, num_splits, SPLITS=MAX_SPLITS,
-                                   **pdl.launch_kwargs(x))
+                                   **launch)
     return out

@@ -121,10 +121,12 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
 
 
 def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                   block_size: int):
+                   block_size: int, every_request_has_tokens: bool = True):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
-    one Triton launch on CUDA instead of about twenty torch launches."""
-    if _use_triton(token_req):
+    one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
+    each request's ``seq_len`` and query start from its tokens, so a request without query
+    tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference."""
+    if _use_triton(token_req) and every_request_has_tokens:
         from kernels.input_prep import prepare_inputs_triton
 
         return prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids,

@@ -239,7 +239,7 @@ def prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
     """A step's device-derived inputs. Token ``t`` belongs to request ``token_req[t]`` at
     ``offsets[t]`` within its window, which starts at position ``starts[r]`` (device);
     its input id comes from ``token_ids[rows[r]]``, its KV slot from ``block_table[r]``
-    (-1 at or past ``capacity[r]``: never written). Every request has >= 1 token.
+    (-1 at or past ``capacity[r]``: never written). A request may have no tokens.
     Returns positions, input_ids, seq_lens (int32), slot_mapping, query_start_loc (int32)."""
     n_blk = block_table.shape[1]
     starts = starts.long()

@@ -109,9 +109,10 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
     per_split, num_splits = vocab_splits(probs, block, num_splits)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
+    launch = pdl.launch_kwargs(probs)  # one PDL decision for both launches
     _race_partial_kernel[(rows, num_splits)](probs, key, best, idx, vocab, probs.stride(0), per_split,
                                              num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-                                             **pdl.launch_kwargs(probs))
+                                             **launch)
     _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS,
-                                 **pdl.launch_kwargs(probs))
+                                 **launch)
     return out

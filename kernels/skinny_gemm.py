@@ -259,6 +259,8 @@ def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
     want = cfg.get("prefetch_l2")
     if want is None:
         want = pdl.l2_prefetch_row_bytes() if use_pdl else 0
+    if not want:  # the default: no size or alignment checks on the launch path
+        return 0
     row = k * weight.element_size()
     nbytes = row if want is True else min(int(want), row)
     nbytes -= nbytes % 16

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops, reference
+from kernels import ops
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
 from workers.device_state import DeviceState, to_device
@@ -50,25 +50,21 @@ def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_len
     max_ub = max(ubs)
     token_req_cpu = torch.repeat_interleave(torch.arange(n_reqs), q_lens_cpu)
     offsets_cpu = torch.arange(n_tokens) - qsl_cpu[:-1][token_req_cpu]
-    parts = [q_lens_cpu, qsl_cpu, token_req_cpu, offsets_cpu]
+    parts = [q_lens_cpu, token_req_cpu, offsets_cpu]
     if capacity is None:
         parts.append(torch.tensor([st.num_blocks_cpu[r] * bs for r in rows_cpu], dtype=torch.int64))
     extra = packed_extra or []
     packed = to_device(torch.cat(parts + extra), dev)
     split = list(torch.split(packed, [p.numel() for p in parts + extra]))
-    q_lens_d, qsl, token_req, offsets = split[:4]
+    q_lens_d, token_req, offsets = split[:3]
     if capacity is None:
-        capacity = split[4]
+        capacity = split[3]
     if block_table is None:
         n_blk = (max_ub + bs - 1) // bs
         block_table = to_device(st.block_table_cpu[rows_cpu, :n_blk], dev)
-    if min(q_lens) >= 1:  # one launch on CUDA (kernels.input_prep)
-        positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
-            starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs)
-    else:  # a request without query tokens: the reference's math, which allows it
-        positions, input_ids, seq_lens, slot_mapping, _ = reference.prepare_inputs_reference(
-            starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs)
-        qsl_d = qsl.int()
+    positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
+        starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs,
+        every_request_has_tokens=min(q_lens) >= 1)
     meta = AttentionMetadata(
         query_start_loc=qsl_d, query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
