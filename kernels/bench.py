@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|attention]
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|attention]
     python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
@@ -269,7 +269,10 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "attention", "attention-sweep"), default=None)
+    p.add_argument("--only", choices=("gemm", "gemv", "attention", "attention-sweep"),
+                   default=None)
+    p.add_argument("--tuning-out", metavar="JSON", default=None,
+                   help="with --only gemv: write the tuning table with the batch-1 winners")
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--tune", metavar="JSON", default=None,
                    help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
@@ -284,6 +287,12 @@ def main(argv=None):
         res["gemm"] = bench_gemm([int(x) for x in a.ms.split(",")])
     if a.only in (None, "attention"):
         res["attention"] = bench_attention()
+    if a.only == "gemv":
+        from kernels.bench_gemv import bench_gemv, write_tuning
+
+        res["gemv"] = bench_gemv()
+        if a.tuning_out:
+            write_tuning(res["gemv"], a.tuning_out)
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
     if a.out:

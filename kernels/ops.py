@@ -93,13 +93,19 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
            act: str | None = None, out_dtype=None):
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
 
-    Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch with the norm
-    and activation fused, where ``kernels.skinny_gemm.select_config`` (measured defaults,
+    Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
+    persistent GEMV of ``kernels.gemv`` where its config says ``"kernel": "gemv"``) with
+    the norm and activation fused, where ``kernels.skinny_gemm.select_config`` (measured defaults,
     overridden per shape by ``kernels/skinny_tuning.json``) says it beats the unfused
     path. Otherwise the same math unfused: the RMSNorm kernel, cuBLAS,
     the SiLU*mul kernel on CUDA; the references on the CPU (where this is exactly the
     previous unfused model code)."""
     cfg = skinny_config(x, weight, norm_weight is not None, act is not None, out_dtype)
+    if cfg is not None and cfg.get("kernel") == "gemv" and x.shape[0] == 1:
+        from kernels.gemv import gemv_triton
+
+        return gemv_triton(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps,
+                           act=act, out_dtype=out_dtype, config=cfg)
     if cfg is not None:
         from kernels.skinny_gemm import skinny_linear_triton
 

@@ -31,9 +31,10 @@ streaming loop costs barriers every iteration (measured: 2-10x slower).
 
 Which path and tile a call uses is a CPU decision by weight shape and M class
 (1, or 2..16): ``select_config`` reads ``kernels/skinny_tuning.json`` (written
-on the target GPU by ``python -m kernels.bench --tune``; each entry is the
-fastest candidate, or null where the unfused RMSNorm + cuBLAS + SiLU*mul path
-was faster), else ``DEFAULTS``.
+on the target GPU by ``python -m kernels.bench --tune``, or the file named by
+``SYNCLESS_SKINNY_TUNING``; each entry is the fastest candidate, or null where
+the unfused RMSNorm + cuBLAS + SiLU*mul path was faster; a batch-1 entry with
+``"kernel": "gemv"`` routes to ``kernels.gemv``), else ``DEFAULTS``.
 
 No host syncs; the grid depends on ``N`` only. ``M`` is not specialised, so
 every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -200,6 +202,7 @@ DEFAULTS: dict[tuple[str, int], dict | None] = {
     ("norm", 16): None, ("norm_act", 16): None, ("act", 16): None,
 }
 TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
+TUNING_ENV = "SYNCLESS_SKINNY_TUNING"  # another tuning file (a benchmark's fresh table)
 
 
 def kind_of(norm: bool, act: bool, out_f32: bool) -> str:
@@ -214,11 +217,19 @@ def m_class(m: int) -> int | None:
     return 1 if m == 1 else 16 if m <= 16 else None
 
 
-@functools.lru_cache(maxsize=1)
 def _tuning() -> dict[str, dict | None]:
+    return _load_tuning(os.environ.get(TUNING_ENV, "").strip() or str(TUNING_FILE))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tuning(path: str) -> dict[str, dict | None]:
+    """The entries of a tuning file. The packaged file may be absent (an empty table: the
+    defaults); a file named by ``SYNCLESS_SKINNY_TUNING`` must load."""
     try:
-        return json.loads(TUNING_FILE.read_text())["entries"]
-    except (OSError, ValueError, KeyError):
+        return json.loads(Path(path).read_text())["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        if path != str(TUNING_FILE):
+            raise ValueError(f"{TUNING_ENV}={path}: not a skinny-GEMM tuning file ({e!r})") from e
         return {}
 
 

@@ -43,6 +43,17 @@ def test_skinny_gemm_compiles(variant):
     _compile(_skinny_kernel, {**SKINNY, **variant}, {}, floats=("eps",))
 
 
+@pytest.mark.parametrize("variant", [
+    dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True),  # gate|up
+    dict(HAS_NORM=False, HAS_RES=False, HAS_BIAS=True, ACT=False, USE_PDL=False),
+])
+def test_persistent_gemv_compiles(variant):
+    from kernels.gemv import _gemv_kernel
+
+    _compile(_gemv_kernel, dict(variant, BLOCK_N=4, BLOCK_K=1024), {"y_ptr": "*fp32"},
+             floats=("eps",))
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_paged_attention_compiles(decode):
     from kernels.paged_attention import _paged_attention_kernel
