@@ -18,10 +18,17 @@ import torch
 
 from kernels.bench import GEMM_SHAPES, KIND, L2_BYTES, _gemm_call_kwargs, graph_time_us
 
-# (block_n, block_k, num_warps, ctas_per_sm)
-GEMV_CANDIDATES = [(4, 1024, 4, 2), (4, 1024, 4, 4), (4, 1024, 8, 4), (8, 1024, 8, 2),
-                   (8, 512, 4, 4), (2, 2048, 8, 4), (4, 2048, 8, 2), (8, 512, 8, 4),
-                   (2, 1024, 4, 8), (16, 512, 8, 2)]
+# (block_n, block_k, num_warps, ctas_per_sm, pre_l2 bytes). One CTA an SM leaves room for
+# the next kernel's CTAs to launch early under PDL and load their first tiles.
+GEMV_CANDIDATES = [(8, 1024, 8, 2, 0), (4, 1024, 8, 4, 0), (2, 2048, 8, 4, 0), (16, 512, 8, 2, 0),
+                   (8, 1024, 8, 1, 0), (4, 1024, 8, 1, 0), (16, 512, 8, 1, 0), (4, 2048, 8, 1, 0),
+                   (8, 1024, 4, 1, 0), (8, 1024, 8, 1, 8192), (4, 1024, 8, 1, 16384),
+                   (16, 512, 8, 1, 4096)]
+# skinny tensor-core path at batch 1 (x padded to 16 rows; W streamed by the software
+# pipeline): (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
+SKINNY_DOT_CANDIDATES = [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 5, False),
+                         (True, 16, 512, 4, 3, False), (True, 32, 512, 8, 3, False)]
+GEMV_KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "pre_l2")
 
 
 def _with_pdl(on: bool, fn):
@@ -68,60 +75,82 @@ def bench_gemv() -> list[dict]:
 
         row = {"shape": name, "n": n, "k": k, "variant": variant, "weight_bytes": nbytes,
                "baseline_us": base, "skinny_config": skinny_cfg, "skinny_us": skinny(False),
-               "skinny_pdl_us": skinny(True), "gemv": []}
-        for bn, bk, nw, cps in GEMV_CANDIDATES:
-            cfg = dict(block_n=bn, block_k=bk, num_warps=nw, ctas_per_sm=cps)
+               "skinny_pdl_us": skinny(True), "gemv": [], "skinny_dot": []}
+        for cand in SKINNY_DOT_CANDIDATES:
+            cfg = dict(zip(("use_dot", "block_n", "block_k", "num_warps", "num_stages",
+                            "prefetch"), cand))
             try:
-                us = graph_time_us([lambda w=w, cfg=cfg: gemv_triton(x, w, config=cfg, **kw)
-                                    for w in ws])
+                us = {mode: _with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
+                    [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]))
+                      for mode in ("off", "pdl")}
+            except Exception as e:  # resources
+                row["skinny_dot"].append({**cfg, "error": repr(e)[:200]})
+                continue
+            row["skinny_dot"].append({**cfg, "us": us["off"], "pdl_us": us["pdl"]})
+        for cand in GEMV_CANDIDATES:
+            cfg = dict(zip(GEMV_KEYS, cand))
+            modes = ("pdl",) if cfg["pre_l2"] else ("off", "pdl")
+            try:
+                us = {mode: _with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
+                    [lambda w=w: gemv_triton(x, w, config=cfg, **kw) for w in ws]))
+                      for mode in modes}
             except Exception as e:  # resources
                 row["gemv"].append({**cfg, "error": repr(e)[:200]})
                 continue
-            row["gemv"].append({**cfg, "us": us, "tb_s": nbytes / us / 1e6})
-        ok = sorted((c for c in row["gemv"] if "us" in c), key=lambda c: c["us"])
-        best = ok[0] if ok else None
-        if best is not None:
-            cfg = {key: best[key] for key in ("block_n", "block_k", "num_warps", "ctas_per_sm")}
-            best["pdl_us"] = _with_pdl(True, lambda: graph_time_us(
-                [lambda w=w: gemv_triton(x, w, config=cfg, **kw) for w in ws]))
-        row["gemv_best"] = best
+            row["gemv"].append({**cfg, "us": us.get("off", float("inf")), "pdl_us": us["pdl"]})
+        ok = [c for c in row["gemv"] if "pdl_us" in c]
+        best = min(ok, key=lambda c: c["us"]) if ok else None
+        best_pdl = min(ok, key=lambda c: c["pdl_us"]) if ok else None
+        dots = [c for c in row["skinny_dot"] if "us" in c]
+        row["gemv_best"], row["gemv_best_pdl"] = best, best_pdl
+        row["skinny_dot_best"] = min(dots, key=lambda c: c["us"]) if dots else None
         rows.append(row)
         tb = lambda us: nbytes / us / 1e6  # noqa: E731
-        print(f"gemv {name:12s}: unfused {base:7.2f} us ({tb(base):.2f} TB/s), skinny "
-              f"{row['skinny_us']:7.2f} (pdl {row['skinny_pdl_us']:7.2f}), gemv best "
-              + (f"{best['us']:7.2f} ({tb(best['us']):.2f} TB/s, pdl {best['pdl_us']:7.2f}) "
-                 f"bn{best['block_n']} bk{best['block_k']} w{best['num_warps']} "
-                 f"cps{best['ctas_per_sm']}" if best else "none ran"), flush=True)
+        d = row["skinny_dot_best"]
+        print(f"gemv {name:12s}: unfused {base:6.2f} us ({tb(base):.2f} TB/s) | skinny "
+              f"{row['skinny_us']:6.2f} pdl {row['skinny_pdl_us']:6.2f} | dot "
+              + (f"{d['us']:6.2f} pdl {d['pdl_us']:6.2f} bn{d['block_n']}" if d else "-")
+              + (f" | gemv {best['us']:6.2f} ({tb(best['us']):.2f}) "
+                 + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best])
+                 + f" | gemv-pdl {best_pdl['pdl_us']:6.2f} ({tb(best_pdl['pdl_us']):.2f}) "
+                 + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best_pdl])
+                 if best else " | gemv none ran"), flush=True)
         del ws
         torch.cuda.empty_cache()
     return rows
 
 
-def tuning_from(rows: list[dict], base_table: dict) -> dict:
+def tuning_from(rows: list[dict], base_table: dict, pdl_on: bool = False) -> dict:
     """The packaged tuning table with each batch-1 entry set to the fastest of unfused
-    (null), the skinny config, and the best persistent GEMV config (PDL off)."""
+    (null), the skinny config, the skinny tensor-core candidates and the persistent GEMV
+    candidates, timed with PDL off (or on: ``pdl_on``; the unfused path has no PDL)."""
     from kernels.skinny_gemm import tuning_key
 
+    t = "pdl_us" if pdl_on else "us"
     entries = dict(base_table.get("entries", {}))
     for r in rows:
         key = tuning_key(KIND[r["variant"]], 1, r["n"], r["k"])
-        options = [(r["baseline_us"], None), (r["skinny_us"], r["skinny_config"])]
-        if r["gemv_best"] is not None:
-            g = r["gemv_best"]
-            options.append((g["us"], {"kernel": "gemv", **{key_: g[key_] for key_ in (
-                "block_n", "block_k", "num_warps", "ctas_per_sm")}}))
+        options = [(r["baseline_us"], None),
+                   (r["skinny_pdl_us"] if pdl_on else r["skinny_us"], r["skinny_config"])]
+        options += [(c[t], {k_: c[k_] for k_ in ("use_dot", "block_n", "block_k", "num_warps",
+                                                 "num_stages", "prefetch")})
+                    for c in r.get("skinny_dot", []) if t in c]
+        options += [(c[t], {"kernel": "gemv", **{k_: c[k_] for k_ in GEMV_KEYS}})
+                    for c in r.get("gemv", []) if t in c]
         entries[key] = min(options, key=lambda o: o[0])[1]
     return dict(base_table, entries=entries)
 
 
 def write_tuning(rows: list[dict], path: str) -> None:
+    """``path`` (PDL off) and ``path`` with ``-pdl`` before ``.json`` (PDL on)."""
     from kernels.skinny_gemm import TUNING_FILE
 
     try:
         base = json.loads(TUNING_FILE.read_text())
     except (OSError, ValueError):
         base = {"entries": {}}
-    out = tuning_from(rows, base)
-    out["gemv_measurements"] = rows
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    for pdl_on, p in ((False, path), (True, path.replace(".json", "") + "-pdl.json")):
+        out = tuning_from(rows, base, pdl_on)
+        out["gemv_measurements"] = rows
+        with open(p, "w") as f:
+            json.dump(out, f, indent=1)

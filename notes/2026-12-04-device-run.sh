@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Stop 16 device runs (H200): GPU tests of the new decode kernels, then decode-roofline cells
 # with PDL off / PDL on + bulk L2 prefetch / PDL on without it. Usage: bash THIS [tests|roofline|all]
+# TUNING / TUNING_PDL: a skinny tuning table (kernels.bench --only gemv --tuning-out) for the
+# off / pdl modes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}  # pass it: the device copy's git HEAD is stale
@@ -20,7 +22,8 @@ if [ "$what" = roofline ] || [ "$what" = all ]; then
     bs=${BATCHES:-1,8}; ctx=${CTXS:-512}
     for mode in ${MODES:-off pdl pdl-l2-2048 pdl-l2-8192}; do
       case $mode in
-        off) e="SYNCLESS_PDL=0";; pdl) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=0";;
+        off) e="SYNCLESS_PDL=0 ${TUNING:+SYNCLESS_SKINNY_TUNING=$TUNING}";;
+        pdl) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=0 ${TUNING_PDL:+SYNCLESS_SKINNY_TUNING=$TUNING_PDL}";;
         pdl-l2-*) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=${mode#pdl-l2-}";;
       esac
       roof "$shape-$mode" "$e" --shape "$shape" --batch-sizes "$bs" --context-lens "$ctx" \

@@ -44,7 +44,7 @@ def test_skinny_gemm_compiles(variant):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True),  # gate|up
+    dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True, PRE_L2=8192),
     dict(HAS_NORM=False, HAS_RES=False, HAS_BIAS=True, ACT=False, USE_PDL=False),
 ])
 def test_persistent_gemv_compiles(variant):
