@@ -269,10 +269,10 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "attention", "attention-sweep"),
+    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
-                   help="with --only gemv: write the tuning table with the batch-1 winners")
+                   help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--tune", metavar="JSON", default=None,
                    help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
@@ -293,6 +293,12 @@ def main(argv=None):
         res["gemv"] = bench_gemv()
         if a.tuning_out:
             write_tuning(res["gemv"], a.tuning_out)
+    if a.only == "mlp-block":
+        from kernels.bench_mlp_block import bench_mlp_block, write_tuning as write_mlp_tuning
+
+        res["mlp_block"] = bench_mlp_block()
+        if a.tuning_out:
+            write_mlp_tuning(res["mlp_block"], a.tuning_out)
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
     if a.out:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import reference
@@ -157,3 +159,33 @@ def exponential_race(probs, seeds, positions):
 
         return exponential_race_triton(probs, seeds, positions)
     return reference.exponential_race_reference(probs, seeds, positions)
+
+
+def fused_mlp_enabled() -> bool:
+    """``SYNCLESS_FUSED_MLP`` (default on): the one-launch batch-1 MLP block."""
+    raw = os.environ.get("SYNCLESS_FUSED_MLP", "1").strip().lower()
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"SYNCLESS_FUSED_MLP must be 0 or 1, got {raw!r}")
+
+
+def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down):
+    """``down(silu_and_mul(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
+    (tensor parallelism 1, no biases). A batch of one 16-bit row on CUDA: one launch
+    (``kernels.mlp_block``); otherwise the three ``linear`` calls it fuses."""
+    if (_use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1
+            and attn.dtype in (torch.bfloat16, torch.float16)
+            and all(w.dtype == attn.dtype and w.stride(-1) == 1 for w in (wo, w_gate_up, w_down))
+            and fused_mlp_enabled()):
+        from kernels.mlp_block import mlp_block_ready, mlp_block_triton, select_config
+
+        cfg = select_config(wo.shape[0], wo.shape[1], w_down.shape[1])
+        if cfg is not None and mlp_block_ready(attn):
+            return mlp_block_triton(attn, wo, residual, norm_weight, eps, w_gate_up, w_down,
+                                    config=cfg)
+    o, _ = linear(attn, wo)
+    act, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
+                          act="silu_and_mul")
+    return linear(act, w_down)[0], new_res

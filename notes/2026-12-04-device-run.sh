@@ -2,7 +2,7 @@
 # Stop 16 device runs (H200): GPU tests of the new decode kernels, then decode-roofline cells
 # with PDL off / PDL on + bulk L2 prefetch / PDL on without it. Usage: bash THIS [tests|roofline|all]
 # TUNING / TUNING_PDL: a skinny tuning table (kernels.bench --only gemv --tuning-out) for the
-# off / pdl modes.
+# off / pdl modes. A mode with -nomlp appended runs SYNCLESS_FUSED_MLP=0.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}  # pass it: the device copy's git HEAD is stale
@@ -21,11 +21,13 @@ if [ "$what" = roofline ] || [ "$what" = all ]; then
   for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
     bs=${BATCHES:-1,8}; ctx=${CTXS:-512}
     for mode in ${MODES:-off pdl pdl-l2-2048 pdl-l2-8192}; do
-      case $mode in
+      base=${mode%-nomlp}; mlp=1; [ "$base" != "$mode" ] && mlp=0  # MODE-nomlp: 3-launch MLP
+      case $base in
         off) e="SYNCLESS_PDL=0 ${TUNING:+SYNCLESS_SKINNY_TUNING=$TUNING}";;
         pdl) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=0 ${TUNING_PDL:+SYNCLESS_SKINNY_TUNING=$TUNING_PDL}";;
         pdl-l2-*) e="SYNCLESS_PDL=1 SYNCLESS_L2_PREFETCH=${mode#pdl-l2-}";;
       esac
+      e="$e SYNCLESS_FUSED_MLP=$mlp"
       roof "$shape-$mode" "$e" --shape "$shape" --batch-sizes "$bs" --context-lens "$ctx" \
         --profile "1,${ctx%%,*}" --profile-steps 2
     done

@@ -108,15 +108,17 @@ def _prompts():
 
 
 @cuda
-@pytest.mark.parametrize("eager,dtype", [(True, "bfloat16"), (False, "bfloat16"), (False, "float32")],
-                         ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs"])
-def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype):
+@pytest.mark.parametrize("eager,dtype,max_seqs", [
+    (True, "bfloat16", 16), (False, "bfloat16", 16), (False, "float32", 16),
+    (False, "bfloat16", 1),  # every decode step at batch 1: the one-launch MLP block
+], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1"])
+def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs):
     from cluster import LLM, SamplingParams
 
     prompts = _prompts()
     expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
     llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
+              kv_cache_memory_bytes=256 << 20, max_num_seqs=max_seqs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))

@@ -92,3 +92,12 @@ def test_input_prep_and_rope_kv_compile():
     _compile(_rope_kv_kernel, dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, KV_BLOCK_SIZE=16,
                                    Q_NORM=True, K_NORM=True, USE_PDL=True),
              {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}, floats=("eps",))
+
+
+@pytest.mark.parametrize("use_pdl", [True, False])
+def test_mlp_block_compiles(use_pdl):
+    """The grid barrier's spin loop on scalar atomics, the phase helpers, PDL wait/release."""
+    from kernels.mlp_block import _mlp_block_kernel
+
+    _compile(_mlp_block_kernel, dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=use_pdl),
+             {"bar_ptr": "*i32"}, floats=("eps",))

@@ -68,6 +68,10 @@ class Attention(nn.Module):
     def attend(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
         """Everything after the QKV projection: [q/k norm] + rotary + KV write (one fused
         launch on CUDA), paged attention, the output projection."""
+        return self.o_proj(self.attend_core(qkv, positions, meta, kv, cos_sin))
+
+    def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
+        """``attend`` without the output projection: the attention output ``[T, Hq * D]``."""
         t = qkv.shape[0]
         nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
@@ -84,7 +88,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
             meta.query_start_loc_cpu, meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
         )
-        return self.o_proj(o.reshape(t, nq))
+        return o.reshape(t, nq)
 
 
 class MLP(nn.Module):
@@ -106,13 +110,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, tp, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        # o_proj -> norm -> gate|up -> down may run as one block (no all-reduce between)
+        self.whole_mlp_block = tp.size == 1 and not arch.mlp_bias
 
     def forward(self, h, residual, positions, meta, kv, cos_sin):
         """Pre-norm block. Each RMSNorm (with the residual add) is fused into the projection
         that follows it, and SiLU*mul into gate|up; at decode sizes on CUDA that makes six
-        launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down."""
+        launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down;
+        at batch 1 (tp 1) the last three are one (``ops.mlp_block``)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
+        if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
+            ln = self.post_attention_layernorm
+            return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin),
+                                 attn.o_proj.weight, residual, ln.weight, ln.eps,
+                                 mlp.gate_up_proj.weight, mlp.down_proj.weight)
         h = attn.attend(qkv, positions, meta, kv, cos_sin)
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
                                                       act="silu_and_mul")
