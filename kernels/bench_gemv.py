@@ -23,7 +23,8 @@ from kernels.bench import GEMM_SHAPES, KIND, L2_BYTES, _gemm_call_kwargs, graph_
 GEMV_CANDIDATES = [(8, 1024, 8, 2, 0), (4, 1024, 8, 4, 0), (2, 2048, 8, 4, 0), (16, 512, 8, 2, 0),
                    (8, 1024, 8, 1, 0), (4, 1024, 8, 1, 0), (16, 512, 8, 1, 0), (4, 2048, 8, 1, 0),
                    (8, 1024, 4, 1, 0), (8, 1024, 8, 1, 8192), (4, 1024, 8, 1, 16384),
-                   (16, 512, 8, 1, 4096)]
+                   (16, 512, 8, 1, 4096), (16, 1024, 16, 1, 0), (8, 2048, 16, 1, 0),
+                   (16, 1024, 8, 1, 0), (16, 1024, 16, 2, 0)]
 # skinny tensor-core path at batch 1 (x padded to 16 rows; W streamed by the software
 # pipeline): (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
 SKINNY_DOT_CANDIDATES = [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 5, False),
