@@ -1,5 +1,11 @@
 """Batch-1 decode: o_proj -> (+residual) RMSNorm -> gate|up -> SiLU*mul -> down in ONE launch.
 
+Status (H200, 2026-12-04): correct (GPU tests, greedy vs transformers) but slower than the
+three launches it replaces, so off unless ``SYNCLESS_FUSED_MLP=1``: configs spread
+112-214 us on the 8B shape against 101.5 unfused, by bytes in flight per SM. The next
+step is deeper weight prefetch (more than one tile ahead, or cp.async/TMA into shared
+memory) inside the phases, not the phase structure.
+
 At batch 1 each of a layer's GEMVs loses a fixed ~4-5 us to its kernel boundary
 (launch gap, the first DRAM round trip, the drain of the last loads; measured on the
 H200 with ``kernels.bench --only gemv``), whatever the tiling. This kernel runs the
@@ -179,9 +185,11 @@ def _mlp_block_kernel(
         tl.atomic_xchg(bar_ptr + 1, 0)
 
 
-# Measured default (H200); a tuning-table entry "mlp_block|m1|HxAxI" (kernels.bench --only
-# mlp-block --tuning-out) overrides it per shape, null meaning the unfused path is faster.
-DEFAULT_CONFIG = dict(block_n=4, block_k=1024, num_warps=8, ctas_per_sm=2)
+# The fastest measured on the H200 for the Llama-3.1-8B shape (111.9 us; the three unfused
+# launches take 101.5, so ops.mlp_block keeps this off by default). A tuning-table entry
+# "mlp_block|m1|HxAxI" (kernels.bench --only mlp-block --tuning-out) overrides it per
+# shape, null meaning the unfused path is faster.
+DEFAULT_CONFIG = dict(block_n=16, block_k=512, num_warps=8, ctas_per_sm=2)
 
 _BARRIERS: dict[tuple[str, int], torch.Tensor] = {}
 

@@ -162,8 +162,11 @@ def exponential_race(probs, seeds, positions):
 
 
 def fused_mlp_enabled() -> bool:
-    """``SYNCLESS_FUSED_MLP`` (default on): the one-launch batch-1 MLP block."""
-    raw = os.environ.get("SYNCLESS_FUSED_MLP", "1").strip().lower()
+    """``SYNCLESS_FUSED_MLP`` (default off): the one-launch batch-1 MLP block. Off because
+    it measured slower than the three launches it replaces on the H200 (8B shape 111.9 vs
+    101.5 us, 0.6B 16.5 vs 15.5 us: its register-double-buffered streaming keeps too few
+    bytes in flight per SM; notes/2026-12-04b-h200-results.md)."""
+    raw = os.environ.get("SYNCLESS_FUSED_MLP", "0").strip().lower()
     if raw in ("1", "true", "on", "yes"):
         return True
     if raw in ("0", "false", "off", "no"):

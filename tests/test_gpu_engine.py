@@ -110,7 +110,7 @@ def _prompts():
 @cuda
 @pytest.mark.parametrize("eager,dtype,max_seqs", [
     (True, "bfloat16", 16), (False, "bfloat16", 16), (False, "float32", 16),
-    (False, "bfloat16", 1),  # every decode step at batch 1: the one-launch MLP block
+    (False, "bfloat16", 1),  # every decode step at batch 1: the persistent GEMV entries
 ], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1"])
 def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs):
     from cluster import LLM, SamplingParams
