@@ -20,11 +20,11 @@ from kernels.bench import L2_BYTES, graph_time_us
 from kernels.bench_gemv import _with_pdl
 
 SHAPES = {"8b": (4096, 4096, 14336), "06b": (1024, 2048, 3072)}  # (H, A = Hq * D, I)
-# (block_n, block_k, num_warps, ctas_per_sm)
-CANDIDATES = [(8, 1024, 8, 2), (16, 1024, 16, 1), (8, 2048, 16, 1), (16, 1024, 8, 1),
-              (8, 2048, 8, 1), (16, 512, 8, 2), (8, 1024, 16, 1), (32, 512, 16, 1),
-              (4, 2048, 16, 1), (16, 1024, 16, 2)]
-KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm")
+# (block_n, block_k, num_warps, ctas_per_sm, depth: register tiles in flight ahead)
+CANDIDATES = [(8, 1024, 8, 2, 1), (16, 512, 8, 2, 1), (32, 512, 16, 1, 1), (16, 1024, 16, 2, 1),
+              (16, 1024, 16, 1, 1), (8, 1024, 8, 2, 2), (16, 512, 8, 2, 2), (8, 1024, 16, 1, 2),
+              (16, 512, 16, 1, 2), (4, 1024, 8, 2, 2), (8, 512, 8, 2, 2), (8, 2048, 16, 1, 2)]
+KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "depth")
 
 
 def _unfused(on: bool, fn):

@@ -3,8 +3,8 @@
 Status (H200, 2026-12-04): correct (GPU tests, greedy vs transformers) but slower than the
 three launches it replaces, so off unless ``SYNCLESS_FUSED_MLP=1``: configs spread
 112-214 us on the 8B shape against 101.5 unfused, by bytes in flight per SM. The next
-step is deeper weight prefetch (more than one tile ahead, or cp.async/TMA into shared
-memory) inside the phases, not the phase structure.
+step is deeper weight prefetch inside the phases: ``depth=2`` (two register tiles ahead,
+not yet measured on the GPU) or cp.async/TMA into shared memory.
 
 At batch 1 each of a layer's GEMVs loses a fixed ~4-5 us to its kernel boundary
 (launch gap, the first DRAM round trip, the drain of the last loads; measured on the
@@ -15,7 +15,8 @@ Before each barrier a program already loads its first weight tile of the next ph
 (weights are never written during a step), so DRAM keeps streaming while the
 barrier settles; the boundary costs a barrier, not a ramp.
 
-Phases, each a flat walk over (row block, K chunk) with the next tile in flight:
+Phases, each a flat walk over (row block, K chunk) with the next tile (``depth`` 2: the
+next two) in flight:
 
 1. ``o = attn @ Wo^T`` (rounded to the dtype, into a scratch vector).
 2. barrier; every program recomputes ``rstd`` of ``s = o + residual`` (program 0
@@ -87,20 +88,38 @@ def _steps(N, K, pid, P, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _phase(w_first, w_ptr, stride_wn, N, K, a_ptr, b_ptr, g_ptr, y_ptr, rstd, pid, P,
-           MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _first_tiles(w_ptr, stride_wn, N, K, pid, P, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DEPTH: tl.constexpr):
+    """A phase's first DEPTH weight tiles (the second is the first again when DEPTH == 1)."""
+    total = _steps(N, K, pid, P, BLOCK_N, BLOCK_K)
+    w_a = _tile(w_ptr, stride_wn, N, K, 0, total, pid, P, BLOCK_N, BLOCK_K)
+    if DEPTH == 2:
+        w_b = _tile(w_ptr, stride_wn, N, K, 1, total, pid, P, BLOCK_N, BLOCK_K)
+    else:
+        w_b = w_a
+    return w_a, w_b
+
+
+@triton.jit
+def _phase(w_a, w_b, w_ptr, stride_wn, N, K, a_ptr, b_ptr, g_ptr, y_ptr, rstd, pid, P,
+           MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           DEPTH: tl.constexpr):
     """``y[n] = rstd * sum_k W[n, k] * a[k]`` over this program's row blocks, where ``a`` is
     MODE 0: ``a_ptr`` (scratch, .cg); MODE 1: ``((a + b) * g)`` rounded (the norm's input);
-    MODE 2: ``silu(a[k]) * a[k + b_off]`` rounded, ``b_ptr`` pointing at the up half."""
+    MODE 2: ``silu(a[k]) * a[k + b_off]`` rounded, ``b_ptr`` pointing at the up half.
+    DEPTH weight tiles are in flight ahead of the one being multiplied (1 or 2)."""
     DT = w_ptr.dtype.element_ty
     KT = tl.cdiv(K, BLOCK_K)
     total = _steps(N, K, pid, P, BLOCK_N, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    w_nxt = w_first
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(0, total):
-        w = w_nxt
-        w_nxt = _tile(w_ptr, stride_wn, N, K, i + 1, total, pid, P, BLOCK_N, BLOCK_K)
+        w = w_a
+        if DEPTH == 2:
+            w_a = w_b
+            w_b = _tile(w_ptr, stride_wn, N, K, i + 2, total, pid, P, BLOCK_N, BLOCK_K)
+        else:
+            w_a = _tile(w_ptr, stride_wn, N, K, i + 1, total, pid, P, BLOCK_N, BLOCK_K)
         kc = i % KT
         ks = kc * BLOCK_K + offs_k
         k_ok = ks < K
@@ -137,6 +156,7 @@ def _mlp_block_kernel(
     attn_ptr, wo_ptr, res_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, nres_ptr, o_ptr, gu_ptr,
     bar_ptr, H, A, I, eps, stride_wo, stride_wgu, stride_wd,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -144,13 +164,11 @@ def _mlp_block_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     # phase 1: o = attn @ Wo^T ([H], K = A)
-    w0 = _tile(wo_ptr, stride_wo, H, A, 0, _steps(H, A, pid, P, BLOCK_N, BLOCK_K), pid, P,
-               BLOCK_N, BLOCK_K)
+    w0a, w0b = _first_tiles(wo_ptr, stride_wo, H, A, pid, P, BLOCK_N, BLOCK_K, DEPTH)
     _wait(USE_PDL)
-    _phase(w0, wo_ptr, stride_wo, H, A, attn_ptr, attn_ptr, attn_ptr, o_ptr, 1.0, pid, P,
-           0, BLOCK_N, BLOCK_K)
-    w1 = _tile(wgu_ptr, stride_wgu, 2 * I, H, 0, _steps(2 * I, H, pid, P, BLOCK_N, BLOCK_K),
-               pid, P, BLOCK_N, BLOCK_K)
+    _phase(w0a, w0b, wo_ptr, stride_wo, H, A, attn_ptr, attn_ptr, attn_ptr, o_ptr, 1.0, pid, P,
+           0, BLOCK_N, BLOCK_K, DEPTH)
+    w1a, w1b = _first_tiles(wgu_ptr, stride_wgu, 2 * I, H, pid, P, BLOCK_N, BLOCK_K, DEPTH)
     _grid_barrier(bar_ptr, P)
 
     # phase 2: s = o + residual, rstd, gu = norm(s) @ Wgu^T ([2I], K = H)
@@ -166,16 +184,15 @@ def _mlp_block_kernel(
         sf = s.to(tl.float32)
         ss += sf * sf
     rstd = tl.rsqrt(tl.sum(ss, 0) / H + eps)
-    _phase(w1, wgu_ptr, stride_wgu, 2 * I, H, o_ptr, res_ptr, nw_ptr, gu_ptr, rstd, pid, P,
-           1, BLOCK_N, BLOCK_K)
-    w2 = _tile(wd_ptr, stride_wd, H, I, 0, _steps(H, I, pid, P, BLOCK_N, BLOCK_K), pid, P,
-               BLOCK_N, BLOCK_K)
+    _phase(w1a, w1b, wgu_ptr, stride_wgu, 2 * I, H, o_ptr, res_ptr, nw_ptr, gu_ptr, rstd, pid,
+           P, 1, BLOCK_N, BLOCK_K, DEPTH)
+    w2a, w2b = _first_tiles(wd_ptr, stride_wd, H, I, pid, P, BLOCK_N, BLOCK_K, DEPTH)
     _grid_barrier(bar_ptr, 2 * P)
     _release(USE_PDL)  # every program is resident now: a dependent may take free slots
 
     # phase 3: h = (silu(gate) * up) @ Wd^T ([H], K = I)
-    _phase(w2, wd_ptr, stride_wd, H, I, gu_ptr, gu_ptr + I, gu_ptr, out_ptr, 1.0, pid, P,
-           2, BLOCK_N, BLOCK_K)
+    _phase(w2a, w2b, wd_ptr, stride_wd, H, I, gu_ptr, gu_ptr + I, gu_ptr, out_ptr, 1.0, pid, P,
+           2, BLOCK_N, BLOCK_K, DEPTH)
 
     # re-arm: the last program out resets the counter (all have passed both barriers)
     tl.debug_barrier()
@@ -296,8 +313,11 @@ def mlp_block_triton(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_d
     o = torch.empty(h_dim, dtype=attn.dtype, device=dev)
     gu = torch.empty(2 * inter, dtype=attn.dtype, device=dev)
     block_k = min(cfg["block_k"], triton.next_power_of_2(max(16, min(h_dim, a_dim, inter))))
-    consts = dict(BLOCK_N=cfg["block_n"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
-                  num_stages=1, **pdl.launch_kwargs(attn))
+    depth = int(cfg.get("depth", 1))
+    if depth not in (1, 2):
+        raise ValueError(f"mlp block prefetch depth must be 1 or 2, got {depth}")
+    consts = dict(BLOCK_N=cfg["block_n"], BLOCK_K=block_k, DEPTH=depth,
+                  num_warps=cfg["num_warps"], num_stages=1, **pdl.launch_kwargs(attn))
     args = (attn, wo, residual, norm_weight, w_gate_up, w_down, out, new_res, o, gu, bar,
             h_dim, a_dim, inter, float(eps), wo.stride(0), w_gate_up.stride(0),
             w_down.stride(0))

@@ -94,10 +94,10 @@ def test_input_prep_and_rope_kv_compile():
              {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}, floats=("eps",))
 
 
-@pytest.mark.parametrize("use_pdl", [True, False])
-def test_mlp_block_compiles(use_pdl):
+@pytest.mark.parametrize("use_pdl,depth", [(True, 1), (False, 2)])
+def test_mlp_block_compiles(use_pdl, depth):
     """The grid barrier's spin loop on scalar atomics, the phase helpers, PDL wait/release."""
     from kernels.mlp_block import _mlp_block_kernel
 
-    _compile(_mlp_block_kernel, dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=use_pdl),
+    _compile(_mlp_block_kernel, dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=use_pdl, DEPTH=depth),
              {"bar_ptr": "*i32"}, floats=("eps",))

@@ -34,25 +34,26 @@ def unfused(attn, wo, res, nw, eps, wgu, wd):
     return ref.skinny_linear_reference(act, wd)[0], new_res
 
 
+@pytest.mark.parametrize("depth", [1, 2])  # weight tiles in flight ahead of the multiply
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,a,inter,block_n,block_k", [
     (32, 64, 48, 4, 32),   # K chunks exact (64/32, 32/32), a ragged chunk in the down phase (48)
     (24, 40, 20, 8, 16),   # ragged K tails everywhere, a ragged row block (24 over 8: exact; 40 gate|up rows: 5)
     (20, 32, 36, 16, 64),  # one wide chunk, ragged row blocks in every phase
 ])
-def test_mlp_block_matches_unfused(dtype, h, a, inter, block_n, block_k):
+def test_mlp_block_matches_unfused(dtype, h, a, inter, block_n, block_k, depth):
     attn, wo, res, nw, wgu, wd = block_case(h, a, inter, dtype, seed=h * a + inter)
     eps = 1e-5
     bar = mb._barrier(attn.device)
+    cfg = dict(block_n=block_n, block_k=block_k, num_warps=2, depth=depth)
     out, new_res = mb.mlp_block_triton(attn, wo, res, nw, eps, wgu, wd, max_programs=1,
-                                       config=dict(block_n=block_n, block_k=block_k, num_warps=2))
+                                       config=cfg)
     exp, exp_res = unfused(attn, wo, res, nw, eps, wgu, wd)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out, exp, **tol)
     torch.testing.assert_close(new_res, exp_res, **tol)
     assert bar.tolist() == [0, 0]  # re-armed for the next launch
-    out2, _ = mb.mlp_block_triton(attn, wo, res, nw, eps, wgu, wd, max_programs=1,
-                                  config=dict(block_n=block_n, block_k=block_k, num_warps=2))
+    out2, _ = mb.mlp_block_triton(attn, wo, res, nw, eps, wgu, wd, max_programs=1, config=cfg)
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
 
 
@@ -62,6 +63,9 @@ def test_mlp_block_rejects_shapes_that_do_not_chain():
         mb.mlp_block_triton(attn, wo, res, nw, 1e-6, wgu[:-1], wd, max_programs=1)
     with pytest.raises(ValueError, match="do not chain"):
         mb.mlp_block_triton(torch.cat([attn, attn]), wo, res, nw, 1e-6, wgu, wd, max_programs=1)
+    with pytest.raises(ValueError, match="depth"):
+        mb.mlp_block_triton(attn, wo, res, nw, 1e-6, wgu, wd, max_programs=1,
+                            config=dict(depth=3))
 
 
 delegate_all(globals(), __file__)
