@@ -32,16 +32,21 @@ SKINNY_DOT_CANDIDATES = [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 5, Fal
 GEMV_KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "pre_l2")
 
 
-def _with_pdl(on: bool, fn):
-    old = os.environ.get("SYNCLESS_PDL")
-    os.environ["SYNCLESS_PDL"] = "1" if on else "0"
+def _with_env(name: str, value: str, fn):
+    """``fn()`` with environment variable ``name`` set to ``value`` (restored after)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn()
     finally:
         if old is None:
-            os.environ.pop("SYNCLESS_PDL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["SYNCLESS_PDL"] = old
+            os.environ[name] = old
+
+
+def _with_pdl(on: bool, fn):
+    return _with_env("SYNCLESS_PDL", "1" if on else "0", fn)
 
 
 def bench_gemv() -> list[dict]:

@@ -17,7 +17,7 @@ import os
 import torch
 
 from kernels.bench import L2_BYTES, graph_time_us
-from kernels.bench_gemv import _with_pdl
+from kernels.bench_gemv import _with_env, _with_pdl
 
 SHAPES = {"8b": (4096, 4096, 14336), "06b": (1024, 2048, 3072)}  # (H, A = Hq * D, I)
 # (block_n, block_k, num_warps, ctas_per_sm, depth: register tiles in flight ahead)
@@ -28,15 +28,7 @@ KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "depth")
 
 
 def _unfused(on: bool, fn):
-    old = os.environ.get("SYNCLESS_FUSED_MLP")
-    os.environ["SYNCLESS_FUSED_MLP"] = "0" if on else "1"
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("SYNCLESS_FUSED_MLP", None)
-        else:
-            os.environ["SYNCLESS_FUSED_MLP"] = old
+    return _with_env("SYNCLESS_FUSED_MLP", "0" if on else "1", fn)
 
 
 def bench_mlp_block() -> list[dict]:

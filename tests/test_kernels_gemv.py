@@ -7,33 +7,19 @@ import torch
 
 from kernels import reference as ref
 from tests.interpreted import INTERPRETED, delegate_all
+from tests.test_kernels import SKINNY_CASES, skinny_case
 
 if INTERPRETED:
     from kernels import gemv
 else:
     gemv = None  # only the child touches triton
 
-CASES = {  # name -> kwargs of the GEMV (besides x, weight)
-    "plain": {}, "bias": {"bias": True}, "norm": {"norm": True},
-    "norm_residual": {"norm": True, "residual": True},
-    "norm_residual_act": {"norm": True, "residual": True, "act": "silu_and_mul"},
-    "act_bias_fp32_out": {"bias": True, "act": "silu_and_mul", "out_dtype": torch.float32},
-}
+# the skinny GEMM's cases and inputs: the GEMV has the same contract at M = 1
+CASES = SKINNY_CASES
 
 
 def make_case(n, k, dtype, spec, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-    kw = {"act": spec.get("act"), "out_dtype": spec.get("out_dtype")}
-    if spec.get("bias"):
-        kw["bias"] = torch.randn(n, generator=g).to(dtype)
-    if spec.get("norm"):
-        kw["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-        kw["eps"] = 1e-5
-    if spec.get("residual"):
-        kw["residual"] = torch.randn(1, k, generator=g).to(dtype)
-    return x, w, kw
+    return skinny_case(1, n, k, dtype, spec, seed=seed)
 
 
 @pytest.mark.parametrize("case", list(CASES))
