@@ -229,6 +229,8 @@ class Bench:
         bw = conf["bandwidth_bytes_per_s"]
         step_s = statistics.median(piped)
         roof_s = (w_bytes + kv_bytes) / bw
+        if profile:
+            profile.update(device_split(profile["kernel_us_per_step"], step_s * 1e3, roof_s * 1e3))
         return {**base, "step_ms_median": step_s * 1e3, "step_ms_mean": statistics.fmean(piped) * 1e3,
                 "step_ms_min": min(piped) * 1e3, "step_ms_max": max(piped) * 1e3,
                 "serial_step_ms_median": statistics.median(serial) * 1e3,
@@ -302,6 +304,17 @@ class Bench:
                 "top": kernels[:40]}
 
 
+def device_split(kernel_us: float, step_ms: float, roofline_ms: float) -> dict[str, float]:
+    """What a profiled cell's step is made of: ``kernel_ratio`` = kernel time per step over
+    the roofline (the ratio with a host that never made the device wait) and
+    ``device_idle_fraction`` = the share of the (pipelined) step the device spent waiting.
+    Empty without device kernels (a CPU run), where the split means nothing."""
+    if kernel_us <= 0 or step_ms <= 0 or roofline_ms <= 0:
+        return {}
+    return {"kernel_ratio": kernel_us / 1e3 / roofline_ms,
+            "device_idle_fraction": max(0.0, 1.0 - kernel_us / 1e3 / step_ms)}
+
+
 def measure(conf: dict[str, Any]) -> dict[str, Any]:
     """Everything that touches the device (runs in a Ray task or in-process)."""
     from tqdm.auto import tqdm
@@ -333,7 +346,10 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
             prof = cell.get("profile")
             if prof:
                 tqdm.write(f"  profile: {prof['kernel_us_per_step']:.1f} us of kernels per step, "
-                           f"{prof['kernels_per_step']:.0f} launches per step")
+                           f"{prof['kernels_per_step']:.0f} launches per step"
+                           + (f", kernel ratio {prof['kernel_ratio']:.2f}, device idle "
+                              f"{100 * prof['device_idle_fraction']:.0f} % of the step"
+                              if "kernel_ratio" in prof else ""))
                 for r in prof["top"][:25]:
                     tqdm.write(f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}")
     from kernels import ops, pdl

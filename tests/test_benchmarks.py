@@ -288,7 +288,7 @@ def test_decode_roofline_job(ray_head, tmp_path):
     out = tmp_path / "roofline.json"
     submit(ray_head, "benchmarks.decode_roofline", "--shape", "tiny", "--batch-sizes", "1,4", "--context-lens",
            "32,128", "--warmup", "1", "--iters", "3", "--bandwidth-mib", "32", "--cuda-graphs", "off",
-           "--output", str(out), "--plot")
+           "--profile", "1,32", "--profile-steps", "1", "--output", str(out), "--plot")
     res = load(out)
     check_record(res, "decode_roofline")
     assert res["bandwidth"]["bandwidth_bytes_per_s"] > 1e8
@@ -302,7 +302,21 @@ def test_decode_roofline_job(ray_head, tmp_path):
     # KV read grows with batch x context; weights are read once per step
     assert cells[(4, 128)]["kv_bytes"] > cells[(1, 128)]["kv_bytes"] > cells[(1, 32)]["kv_bytes"]
     assert cells[(1, 32)]["weight_bytes"] == cells[(1, 128)]["weight_bytes"]
+    prof = cells[(1, 32)]["profile"]  # CPU: no device kernels, so no host/device split
+    assert prof["steps"] == 1 and "kernel_ratio" not in prof and "profile" not in cells[(4, 32)]
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_decode_roofline_device_split():
+    from benchmarks.decode_roofline import device_split
+
+    # stop 16's Qwen3-0.6B b1 cell: 998 us of kernels in a 1.573 ms step, roofline 0.2946 ms
+    split = device_split(998.0, 1.573, 0.2946)
+    assert split["kernel_ratio"] == pytest.approx(998e-3 / 0.2946)
+    assert split["device_idle_fraction"] == pytest.approx(1 - 998 / 1573)
+    # kernels longer than the pipelined step (overlap across steps): never negative idle
+    assert device_split(1200.0, 1.0, 0.5)["device_idle_fraction"] == 0.0
+    assert device_split(0.0, 1.0, 0.5) == {}  # a CPU run: no device kernels
 
 
 # ------------------------------------------------------------------- serving
