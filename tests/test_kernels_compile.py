@@ -16,15 +16,19 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
              floats: tuple[str, ...] = ()):
-    sig = {}
-    for name in fn.arg_names:
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ptrs.get(name, default_ptr)
         else:
             sig[name] = "fp32" if name in floats else "i32"
-    compiled = triton.compile(ASTSource(fn, sig, const), target=HOPPER)
+        if name.endswith("_ptr") or name.startswith("stride"):
+            # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
+            # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER)
     assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin"
     return compiled
 
