@@ -20,11 +20,18 @@ from kernels.bench import L2_BYTES, graph_time_us
 from kernels.bench_gemv import _with_env, _with_pdl
 
 SHAPES = {"8b": (4096, 4096, 14336), "06b": (1024, 2048, 3072)}  # (H, A = Hq * D, I)
-# (block_n, block_k, num_warps, ctas_per_sm, depth: register tiles in flight ahead)
-CANDIDATES = [(8, 1024, 8, 2, 1), (16, 512, 8, 2, 1), (32, 512, 16, 1, 1), (16, 1024, 16, 2, 1),
-              (16, 1024, 16, 1, 1), (8, 1024, 8, 2, 2), (16, 512, 8, 2, 2), (8, 1024, 16, 1, 2),
-              (16, 512, 16, 1, 2), (4, 1024, 8, 2, 2), (8, 512, 8, 2, 2), (8, 2048, 16, 1, 2)]
-KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "depth")
+# FMA form: (block_n, block_k, num_warps, ctas_per_sm, depth: register tiles ahead)
+_FMA = [(8, 1024, 8, 2, 1), (16, 512, 8, 2, 1), (32, 512, 16, 1, 1), (16, 1024, 16, 2, 1),
+        (8, 1024, 8, 2, 2), (16, 512, 8, 2, 2), (16, 512, 16, 1, 2), (8, 2048, 16, 1, 2)]
+# tensor-core form (cp.async pipeline): (block_n, block_k, num_warps, ctas_per_sm, stages, pre_l2)
+_DOT = [(64, 128, 4, 2, 3, 0), (64, 128, 4, 2, 4, 0), (32, 256, 4, 2, 4, 0), (64, 256, 8, 1, 3, 0),
+        (32, 512, 8, 1, 3, 0), (64, 128, 4, 2, 4, 1024), (32, 256, 4, 2, 4, 1024)]
+CANDIDATES = ([dict(zip(("block_n", "block_k", "num_warps", "ctas_per_sm", "depth"), c))
+               for c in _FMA]
+              + [dict(zip(("block_n", "block_k", "num_warps", "ctas_per_sm", "num_stages",
+                           "pre_l2"), c), use_dot=True) for c in _DOT])
+KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "depth", "use_dot", "num_stages",
+        "pre_l2")
 
 
 def _unfused(on: bool, fn):
@@ -55,7 +62,7 @@ def bench_mlp_block() -> list[dict]:
                "unfused_us": unfused_us(False), "unfused_pdl_us": unfused_us(True),
                "fused": []}
         for cand in CANDIDATES:
-            cfg = dict(zip(KEYS, cand))
+            cfg = dict(cand)
             try:
                 us = {m: _with_pdl(m == "pdl", lambda cfg=cfg: graph_time_us(
                     [lambda w=w: mlp_block_triton(attn, w[0], res, nw, 1e-5, w[1], w[2],
@@ -73,8 +80,8 @@ def bench_mlp_block() -> list[dict]:
         b, bp = row["best"], row["best_pdl"]
         print(f"mlp-block {name}: unfused {row['unfused_us']:7.2f} us ({tb(row['unfused_us']):.2f} "
               f"TB/s) pdl {row['unfused_pdl_us']:7.2f} | fused "
-              + (f"{b['us']:7.2f} ({tb(b['us']):.2f}) {[b[k] for k in KEYS]} | fused-pdl "
-                 f"{bp['pdl_us']:7.2f} ({tb(bp['pdl_us']):.2f}) {[bp[k] for k in KEYS]}"
+              + (f"{b['us']:7.2f} ({tb(b['us']):.2f}) {[b.get(k) for k in KEYS]} | fused-pdl "
+                 f"{bp['pdl_us']:7.2f} ({tb(bp['pdl_us']):.2f}) {[bp.get(k) for k in KEYS]}"
                  if b else "none ran"), flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -99,6 +106,6 @@ def write_tuning(rows: list[dict], path: str) -> None:
             best = min(ok, key=lambda c: c[t]) if ok else None
             use = best is not None and best[t] < r[u]
             entries[tuning_key(r["h"], r["a"], r["inter"])] = (
-                {k: best[k] for k in KEYS} if use else None)
+                {k: best[k] for k in KEYS if k in best} if use else None)
         with open(p, "w") as f:
             json.dump(dict(base, entries=entries, mlp_block_measurements=rows), f, indent=1)

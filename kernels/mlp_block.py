@@ -3,8 +3,13 @@
 Status (H200, 2026-12-04): correct (GPU tests, greedy vs transformers) but slower than the
 three launches it replaces, so off unless ``SYNCLESS_FUSED_MLP=1``: configs spread
 112-214 us on the 8B shape against 101.5 unfused, by bytes in flight per SM. The next
-step is deeper weight prefetch inside the phases: ``depth=2`` (two register tiles ahead,
-not yet measured on the GPU) or cp.async/TMA into shared memory.
+step is deeper weight streaming inside the phases, both in and swept by ``kernels.bench
+--only mlp-block`` but not yet measured on the GPU: ``depth=2`` (two register tiles ahead)
+and ``use_dot`` (the activation as row 0 of a 16-row tensor-core operand, so the compiler
+streams weight tiles through ``num_stages`` cp.async stages in shared memory: Triton
+pipelines only loads that feed a dot, and only with sizes it can prove are multiples of 16,
+which the JIT does for these shapes; ``pre_l2`` bytes of each first-block row are
+bulk-prefetched into L2 before each barrier instead of the register preload).
 
 At batch 1 each of a layer's GEMVs loses a fixed ~4-5 us to its kernel boundary
 (launch gap, the first DRAM round trip, the drain of the last loads; measured on the
@@ -45,6 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.pdl import prefetch_l2
 
 if pdl.HAVE_GDC:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -89,37 +95,60 @@ def _steps(N, K, pid, P, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _first_tiles(w_ptr, stride_wn, N, K, pid, P, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DEPTH: tl.constexpr):
-    """A phase's first DEPTH weight tiles (the second is the first again when DEPTH == 1)."""
-    total = _steps(N, K, pid, P, BLOCK_N, BLOCK_K)
-    w_a = _tile(w_ptr, stride_wn, N, K, 0, total, pid, P, BLOCK_N, BLOCK_K)
-    if DEPTH == 2:
-        w_b = _tile(w_ptr, stride_wn, N, K, 1, total, pid, P, BLOCK_N, BLOCK_K)
+                 DEPTH: tl.constexpr, USE_DOT: tl.constexpr, PRE_L2: tl.constexpr):
+    """Before a barrier: a phase's first DEPTH weight tiles into registers (the second is
+    the first again when DEPTH == 1); with USE_DOT (the compiler's pipeline loads them in
+    the loop) the first PRE_L2 bytes of each first-block row are bulk-prefetched into L2."""
+    if USE_DOT:
+        if PRE_L2 > 0:
+            for pr in tl.static_range(BLOCK_N):
+                if pid * BLOCK_N + pr < N:
+                    prefetch_l2(w_ptr + (pid * BLOCK_N + pr).to(tl.int64) * stride_wn, PRE_L2)
+        w_a = 0.0
+        w_b = 0.0
     else:
-        w_b = w_a
+        total = _steps(N, K, pid, P, BLOCK_N, BLOCK_K)
+        w_a = _tile(w_ptr, stride_wn, N, K, 0, total, pid, P, BLOCK_N, BLOCK_K)
+        if DEPTH == 2:
+            w_b = _tile(w_ptr, stride_wn, N, K, 1, total, pid, P, BLOCK_N, BLOCK_K)
+        else:
+            w_b = w_a
     return w_a, w_b
 
 
 @triton.jit
 def _phase(w_a, w_b, w_ptr, stride_wn, N, K, a_ptr, b_ptr, g_ptr, y_ptr, rstd, pid, P,
            MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           DEPTH: tl.constexpr):
+           DEPTH: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+           UPCAST: tl.constexpr):
     """``y[n] = rstd * sum_k W[n, k] * a[k]`` over this program's row blocks, where ``a`` is
     MODE 0: ``a_ptr`` (scratch, .cg); MODE 1: ``((a + b) * g)`` rounded (the norm's input);
     MODE 2: ``silu(a[k]) * a[k + b_off]`` rounded, ``b_ptr`` pointing at the up half.
-    DEPTH weight tiles are in flight ahead of the one being multiplied (1 or 2)."""
+
+    FMA form: DEPTH weight tiles are in flight in registers ahead of the one being
+    multiplied (1 or 2). USE_DOT form: ``a`` is row 0 of a 16-row tensor-core operand and
+    the weight tile is loaded in the loop, so the compiler streams it through shared
+    memory with ``num_stages`` cp.async stages in flight (only dot operands get that
+    pipeline; FMA loads never do)."""
     DT = w_ptr.dtype.element_ty
     KT = tl.cdiv(K, BLOCK_K)
     total = _steps(N, K, pid, P, BLOCK_N, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    offs_m = tl.arange(0, 16)
+    if USE_DOT:
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(0, total):
-        w = w_a
-        if DEPTH == 2:
-            w_a = w_b
-            w_b = _tile(w_ptr, stride_wn, N, K, i + 2, total, pid, P, BLOCK_N, BLOCK_K)
+        if USE_DOT:
+            w = _tile(w_ptr, stride_wn, N, K, i, total, pid, P, BLOCK_N, BLOCK_K)
         else:
-            w_a = _tile(w_ptr, stride_wn, N, K, i + 1, total, pid, P, BLOCK_N, BLOCK_K)
+            w = w_a
+            if DEPTH == 2:
+                w_a = w_b
+                w_b = _tile(w_ptr, stride_wn, N, K, i + 2, total, pid, P, BLOCK_N, BLOCK_K)
+            else:
+                w_a = _tile(w_ptr, stride_wn, N, K, i + 1, total, pid, P, BLOCK_N, BLOCK_K)
         kc = i % KT
         ks = kc * BLOCK_K + offs_k
         k_ok = ks < K
@@ -132,12 +161,27 @@ def _phase(w_a, w_b, w_ptr, stride_wn, N, K, a_ptr, b_ptr, g_ptr, y_ptr, rstd, p
             up = tl.load(b_ptr + ks, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             gate = a.to(tl.float32)
             a = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        if USE_DOT:
+            a2 = tl.where(offs_m[:, None] == 0, a.to(DT)[None, :],
+                          tl.zeros([16, BLOCK_K], dtype=DT))
+            if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
+                acc += tl.dot(a2.to(tl.float32), tl.trans(w.to(tl.float32)),
+                              input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a2, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a2, tl.trans(w))
+        else:
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if kc == KT - 1:
             rows = (pid + (i // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = tl.sum(acc, 1) * rstd
+            if USE_DOT:
+                y = tl.sum(acc, 0) * rstd  # rows 1..15 of the operand are zero
+                acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            else:
+                y = tl.sum(acc, 1) * rstd
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             tl.store(y_ptr + rows, y.to(DT), mask=rows < N)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 @triton.jit
@@ -156,7 +200,8 @@ def _mlp_block_kernel(
     attn_ptr, wo_ptr, res_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, nres_ptr, o_ptr, gu_ptr,
     bar_ptr, H, A, I, eps, stride_wo, stride_wgu, stride_wd,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 1,
+    DEPTH: tl.constexpr = 1, USE_DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+    UPCAST: tl.constexpr = False, PRE_L2: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -164,11 +209,13 @@ def _mlp_block_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     # phase 1: o = attn @ Wo^T ([H], K = A)
-    w0a, w0b = _first_tiles(wo_ptr, stride_wo, H, A, pid, P, BLOCK_N, BLOCK_K, DEPTH)
+    w0a, w0b = _first_tiles(wo_ptr, stride_wo, H, A, pid, P, BLOCK_N, BLOCK_K, DEPTH,
+                              USE_DOT, PRE_L2)
     _wait(USE_PDL)
     _phase(w0a, w0b, wo_ptr, stride_wo, H, A, attn_ptr, attn_ptr, attn_ptr, o_ptr, 1.0, pid, P,
-           0, BLOCK_N, BLOCK_K, DEPTH)
-    w1a, w1b = _first_tiles(wgu_ptr, stride_wgu, 2 * I, H, pid, P, BLOCK_N, BLOCK_K, DEPTH)
+           0, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
+    w1a, w1b = _first_tiles(wgu_ptr, stride_wgu, 2 * I, H, pid, P, BLOCK_N, BLOCK_K, DEPTH,
+                              USE_DOT, PRE_L2)
     _grid_barrier(bar_ptr, P)
 
     # phase 2: s = o + residual, rstd, gu = norm(s) @ Wgu^T ([2I], K = H)
@@ -185,14 +232,15 @@ def _mlp_block_kernel(
         ss += sf * sf
     rstd = tl.rsqrt(tl.sum(ss, 0) / H + eps)
     _phase(w1a, w1b, wgu_ptr, stride_wgu, 2 * I, H, o_ptr, res_ptr, nw_ptr, gu_ptr, rstd, pid,
-           P, 1, BLOCK_N, BLOCK_K, DEPTH)
-    w2a, w2b = _first_tiles(wd_ptr, stride_wd, H, I, pid, P, BLOCK_N, BLOCK_K, DEPTH)
+           P, 1, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
+    w2a, w2b = _first_tiles(wd_ptr, stride_wd, H, I, pid, P, BLOCK_N, BLOCK_K, DEPTH,
+                              USE_DOT, PRE_L2)
     _grid_barrier(bar_ptr, 2 * P)
     _release(USE_PDL)  # every program is resident now: a dependent may take free slots
 
     # phase 3: h = (silu(gate) * up) @ Wd^T ([H], K = I)
     _phase(w2a, w2b, wd_ptr, stride_wd, H, I, gu_ptr, gu_ptr + I, gu_ptr, out_ptr, 1.0, pid, P,
-           2, BLOCK_N, BLOCK_K, DEPTH)
+           2, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
 
     # re-arm: the last program out resets the counter (all have passed both barriers)
     tl.debug_barrier()
@@ -281,6 +329,19 @@ def _grid_programs(args: tuple, consts: dict, cfg: dict, device: torch.device) -
     return _GRIDS[key]
 
 
+def _pre_l2_bytes(cfg: dict, x: torch.Tensor, weights, block_k: int) -> int:
+    """Bytes of each first-block row a dot-form phase bulk-prefetches into L2 before its
+    barrier (``pre_l2``; 0 off): 16-byte multiples, aligned rows, sm_90+, not interpreted."""
+    want = int(cfg.get("pre_l2", 0))
+    if want <= 0 or not pdl.bulk_prefetch_ok(x):
+        return 0
+    for w in weights:
+        if (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+            return 0
+    nbytes = min(want, min(w.shape[1] for w in weights) * x.element_size())
+    return nbytes - nbytes % 16
+
+
 def mlp_block_ready(x: torch.Tensor) -> bool:
     """Whether ``mlp_block_triton`` can launch for ``x`` now (the barrier counters exist,
     or may be allocated because no graph is being captured)."""
@@ -316,8 +377,18 @@ def mlp_block_triton(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_d
     depth = int(cfg.get("depth", 1))
     if depth not in (1, 2):
         raise ValueError(f"mlp block prefetch depth must be 1 or 2, got {depth}")
-    consts = dict(BLOCK_N=cfg["block_n"], BLOCK_K=block_k, DEPTH=depth,
-                  num_warps=cfg["num_warps"], num_stages=1, **pdl.launch_kwargs(attn))
+    use_dot = bool(cfg.get("use_dot", False))
+    block_n = cfg["block_n"]
+    if use_dot and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"the tensor-core mlp block needs block_n a power of 2 >= 16, got {block_n}")
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth, USE_DOT=use_dot,
+                  IEEE=attn.dtype == torch.float32,
+                  UPCAST=(not attn.is_cuda) and attn.dtype == torch.bfloat16,
+                  PRE_L2=_pre_l2_bytes(cfg, attn, (wo, w_gate_up, w_down), block_k) if use_dot
+                  else 0,
+                  num_warps=cfg["num_warps"],
+                  num_stages=int(cfg.get("num_stages", 3 if use_dot else 1)),
+                  **pdl.launch_kwargs(attn))
     args = (attn, wo, residual, norm_weight, w_gate_up, w_down, out, new_res, o, gu, bar,
             h_dim, a_dim, inter, float(eps), wo.stride(0), w_gate_up.stride(0),
             w_down.stride(0))

@@ -15,7 +15,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
-             floats: tuple[str, ...] = ()):
+             floats: tuple[str, ...] = (), aligned_ints: tuple[str, ...] = ()):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -24,7 +24,7 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
             sig[name] = ptrs.get(name, default_ptr)
         else:
             sig[name] = "fp32" if name in floats else "i32"
-        if name.endswith("_ptr") or name.startswith("stride"):
+        if name.endswith("_ptr") or name.startswith("stride") or name in aligned_ints:
             # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
             # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -98,10 +98,18 @@ def test_input_prep_and_rope_kv_compile():
              {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}, floats=("eps",))
 
 
-@pytest.mark.parametrize("use_pdl,depth", [(True, 1), (False, 2)])
-def test_mlp_block_compiles(use_pdl, depth):
-    """The grid barrier's spin loop on scalar atomics, the phase helpers, PDL wait/release."""
+@pytest.mark.parametrize("variant", [
+    dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=True, DEPTH=1, USE_DOT=False, PRE_L2=0),
+    dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=False, DEPTH=2, USE_DOT=False, PRE_L2=0),
+    dict(BLOCK_N=64, BLOCK_K=128, USE_PDL=True, DEPTH=1, USE_DOT=True, PRE_L2=256),
+])
+def test_mlp_block_compiles(variant):
+    """The grid barrier's spin loop on scalar atomics, the phase helpers, PDL wait/release;
+    the tensor-core form streams its weight tiles through cp.async stages."""
     from kernels.mlp_block import _mlp_block_kernel
 
-    _compile(_mlp_block_kernel, dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=use_pdl, DEPTH=depth),
-             {"bar_ptr": "*i32"}, floats=("eps",))
+    compiled = _compile(_mlp_block_kernel, dict(variant, IEEE=False, UPCAST=False),
+                        {"bar_ptr": "*i32"}, floats=("eps",), aligned_ints=("H", "A", "I"))
+    ptx = compiled.asm["ptx"]
+    if variant.get("USE_DOT"):  # model sizes are multiples of 16, as the JIT specialises them
+        assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0, "tiles not pipelined"

@@ -144,7 +144,9 @@ def _mlp_fp64(attn, wo, res, nw, eps, wgu, wd):
 
 @pytest.mark.parametrize("cfg", [None, dict(block_n=8, block_k=512, num_warps=4, ctas_per_sm=3),
                                  dict(block_n=2, block_k=2048, num_warps=8, ctas_per_sm=2),
-                                 dict(block_n=8, block_k=1024, num_warps=8, ctas_per_sm=2, depth=2)])
+                                 dict(block_n=8, block_k=1024, num_warps=8, ctas_per_sm=2, depth=2),
+                                 dict(block_n=64, block_k=128, num_warps=4, ctas_per_sm=2,
+                                      use_dot=True, num_stages=4, pre_l2=1024)])
 @pytest.mark.parametrize("h,a,inter", [(4096, 4096, 14336), (1024, 2048, 3072), (1000, 1536, 999)])
 def test_mlp_block_matches_fp64(h, a, inter, cfg):
     """All programs resident, two grid barriers, ragged rows/chunks; twice (re-armed counter)."""

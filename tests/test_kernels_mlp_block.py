@@ -34,7 +34,7 @@ def unfused(attn, wo, res, nw, eps, wgu, wd):
     return ref.skinny_linear_reference(act, wd)[0], new_res
 
 
-@pytest.mark.parametrize("depth", [1, 2])  # weight tiles in flight ahead of the multiply
+@pytest.mark.parametrize("depth", [1, 2, "dot"])  # register tiles ahead, or tensor-core form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,a,inter,block_n,block_k", [
     (32, 64, 48, 4, 32),   # K chunks exact (64/32, 32/32), a ragged chunk in the down phase (48)
@@ -45,7 +45,11 @@ def test_mlp_block_matches_unfused(dtype, h, a, inter, block_n, block_k, depth):
     attn, wo, res, nw, wgu, wd = block_case(h, a, inter, dtype, seed=h * a + inter)
     eps = 1e-5
     bar = mb._barrier(attn.device)
-    cfg = dict(block_n=block_n, block_k=block_k, num_warps=2, depth=depth)
+    if depth == "dot":
+        cfg = dict(block_n=max(16, block_n), block_k=block_k, num_warps=2, use_dot=True,
+                   num_stages=2)
+    else:
+        cfg = dict(block_n=block_n, block_k=block_k, num_warps=2, depth=depth)
     out, new_res = mb.mlp_block_triton(attn, wo, res, nw, eps, wgu, wd, max_programs=1,
                                        config=cfg)
     exp, exp_res = unfused(attn, wo, res, nw, eps, wgu, wd)
@@ -63,6 +67,9 @@ def test_mlp_block_rejects_shapes_that_do_not_chain():
         mb.mlp_block_triton(attn, wo, res, nw, 1e-6, wgu[:-1], wd, max_programs=1)
     with pytest.raises(ValueError, match="do not chain"):
         mb.mlp_block_triton(torch.cat([attn, attn]), wo, res, nw, 1e-6, wgu, wd, max_programs=1)
+    with pytest.raises(ValueError, match="power of 2"):
+        mb.mlp_block_triton(attn, wo, res, nw, 1e-6, wgu, wd, max_programs=1,
+                            config=dict(use_dot=True, block_n=8))
     with pytest.raises(ValueError, match="depth"):
         mb.mlp_block_triton(attn, wo, res, nw, 1e-6, wgu, wd, max_programs=1,
                             config=dict(depth=3))
