@@ -21,6 +21,7 @@ import ray
 from metadata.config import EngineConfig
 from metadata.wire import StepPlan, StepResult, decode_result, encode
 from placement.placement_groups import Layout, Placement, place_workers
+from kernels.switches import kernel_env_vars
 from placement.platforms import actor_env_vars
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class RayExecutor:
         self.placement = place_workers(self.layout, self.device_kind, timeout)
         try:
             env = {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   **actor_env_vars(self.device_kind)}
+                   **actor_env_vars(self.device_kind), **kernel_env_vars()}
             gpu = self.device_kind != "cpu"
             cls = ray.remote(WorkerActor)
             cfg_bytes = msgspec.msgpack.encode(self.cfg)

@@ -37,12 +37,15 @@ program to leave, so launches and graph replays need no memset. Under PDL the fi
 weight tile is loaded before the wait, and dependents are released only after the last
 barrier (when every program is resident: an early dependent must not take the SM
 a program of ours still needs). Tensor parallelism would put an all-reduce between
-phases 1 and 2, so the model uses this only at ``tp == 1``.
+phases 1 and 2, so the model uses this only at ``tp == 1``. One barrier counter pair per
+device: launches on one stream at a time (the engine's model stream), never concurrently
+from two streams or processes sharing the SMs (MPS), which could also starve residency.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -299,9 +302,11 @@ def resident_per_sm(n_regs: int, num_warps: int, shared: int, device_index: int)
     threads = getattr(props, "max_threads_per_multi_processor", 2048)
     smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     per_warp = -(-max(n_regs, 1) // 8) * 8 * 32
-    fits = min(regs // (per_warp * num_warps), threads // (32 * num_warps), 32)
-    if shared:
-        fits = min(fits, smem // shared)
+    # conservative: a block's warps as if spread over whole 4-warp sub-partition sets, and
+    # the 1 KB of shared memory the driver reserves per block
+    warp_slots = -(-num_warps // 4) * 4
+    fits = min(regs // (per_warp * warp_slots), threads // (32 * num_warps), 32)
+    fits = min(fits, smem // (shared + 1024))
     return max(fits, 0)
 
 
@@ -310,9 +315,13 @@ _GRIDS: dict[tuple, int] = {}
 
 def _grid_programs(args: tuple, consts: dict, cfg: dict, device: torch.device) -> int:
     """Programs for this config on this device: ``ctas_per_sm`` per SM, capped by what
-    the compiled kernel can keep resident (compiled once per config, without launching)."""
+    the compiled kernel can keep resident (compiled once per specialisation, without
+    launching). The key holds what Triton specialises on (dtype, sizes and strides, whose
+    16-divisibility changes the compiled kernel and its registers), not only the config."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, tuple(sorted(consts.items())), cfg["ctas_per_sm"])
+    spec = tuple((a.dtype, tuple(a.shape)) if torch.is_tensor(a) else a
+                 for a in args if not isinstance(a, float))
+    key = (idx, tuple(sorted(consts.items())), cfg["ctas_per_sm"], spec)
     if key not in _GRIDS:
         try:
             compiled = _mlp_block_kernel.warmup(*args, grid=(1,), **consts)
@@ -392,7 +401,12 @@ def mlp_block_triton(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_d
     args = (attn, wo, residual, norm_weight, w_gate_up, w_down, out, new_res, o, gu, bar,
             h_dim, a_dim, inter, float(eps), wo.stride(0), w_gate_up.stride(0),
             w_down.stride(0))
-    if max_programs is None:
-        max_programs = _grid_programs(args, consts, cfg, dev) if attn.is_cuda else 1
-    _mlp_block_kernel[(max(1, max_programs),)](*args, **consts)
+    if not attn.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        programs = 1  # the interpreter runs programs one after another: one passes barriers
+    else:
+        resident = _grid_programs(args, consts, cfg, dev)
+        programs = resident if max_programs is None else min(max_programs, resident)
+    if max_programs is not None:
+        programs = min(programs, max_programs)
+    _mlp_block_kernel[(max(1, programs),)](*args, **consts)
     return out, new_res

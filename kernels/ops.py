@@ -165,7 +165,9 @@ def fused_mlp_enabled() -> bool:
     """``SYNCLESS_FUSED_MLP`` (default off): the one-launch batch-1 MLP block. Off because
     it measured slower than the three launches it replaces on the H200 (8B shape 111.9 vs
     101.5 us, 0.6B 16.5 vs 15.5 us: its register-double-buffered streaming keeps too few
-    bytes in flight per SM; notes/2026-12-04b-h200-results.md)."""
+    bytes in flight per SM; notes/2026-12-04b-h200-results.md). On, the numerics follow the
+    skinny GEMM's (the normalised input rounded before the ``rstd`` scale), not the
+    RMSNorm + cuBLAS path the 8B shape otherwise takes."""
     raw = os.environ.get("SYNCLESS_FUSED_MLP", "0").strip().lower()
     if raw in ("1", "true", "on", "yes"):
         return True
@@ -178,10 +180,9 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down):
     """``down(silu_and_mul(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
     (tensor parallelism 1, no biases). A batch of one 16-bit row on CUDA: one launch
     (``kernels.mlp_block``); otherwise the three ``linear`` calls it fuses."""
-    if (_use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1
+    if (_use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1 and fused_mlp_enabled()
             and attn.dtype in (torch.bfloat16, torch.float16)
-            and all(w.dtype == attn.dtype and w.stride(-1) == 1 for w in (wo, w_gate_up, w_down))
-            and fused_mlp_enabled()):
+            and all(w.dtype == attn.dtype and w.stride(-1) == 1 for w in (wo, w_gate_up, w_down))):
         from kernels.mlp_block import mlp_block_ready, mlp_block_triton, select_config
 
         cfg = select_config(wo.shape[0], wo.shape[1], w_down.shape[1])

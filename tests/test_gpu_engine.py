@@ -111,10 +111,16 @@ def _prompts():
 @pytest.mark.parametrize("eager,dtype,max_seqs", [
     (True, "bfloat16", 16), (False, "bfloat16", 16), (False, "float32", 16),
     (False, "bfloat16", 1),  # every decode step at batch 1: the persistent GEMV entries
-], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1"])
-def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs):
+    (False, "bfloat16", -1),  # the same with the one-launch MLP block (SYNCLESS_FUSED_MLP=1)
+], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1",
+        "bf16-cuda-graphs-batch1-fused-mlp"])
+def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs,
+                                         monkeypatch):
     from cluster import LLM, SamplingParams
 
+    if max_seqs < 0:  # forwarded to the worker actors (kernels.switches)
+        monkeypatch.setenv("SYNCLESS_FUSED_MLP", "1")
+        max_seqs = -max_seqs
     prompts = _prompts()
     expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
     llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,

@@ -152,13 +152,17 @@ def test_mlp_block_matches_fp64(h, a, inter, cfg):
     """All programs resident, two grid barriers, ragged rows/chunks; twice (re-armed counter)."""
     from kernels.mlp_block import mlp_block_triton
 
-    args = _mlp_inputs(h, a, inter)
-    exp, exp_res = _mlp_fp64(args[0], args[1], args[2], args[3], 1e-5, args[4], args[5])
-    for _ in range(2):
+    from kernels.mlp_block import _BARRIERS
+
+    for seed in range(2):  # fresh inputs: a stale counter would pass barriers early
+        args = _mlp_inputs(h, a, inter, seed=seed)
+        exp, exp_res = _mlp_fp64(args[0], args[1], args[2], args[3], 1e-5, args[4], args[5])
         with no_sync():
             out, new_res = mlp_block_triton(*args[:4], 1e-5, *args[4:], config=cfg)
         assert rel_err(out, exp) < 1e-2
         assert rel_err(new_res, exp_res) < 4e-3
+        torch.cuda.synchronize()
+        assert _BARRIERS[("cuda", args[0].device.index)].tolist() == [0, 0]  # re-armed
 
 
 @pytest.mark.parametrize("pdl_on", ["0", "1"])
@@ -169,6 +173,11 @@ def test_mlp_block_chain_in_cuda_graph(monkeypatch, pdl_on):
 
     monkeypatch.setenv("SYNCLESS_PDL", pdl_on)
     monkeypatch.setenv("SYNCLESS_FUSED_MLP", "1")  # opt-in (slower than unfused on the H200)
+    import kernels.mlp_block as mb
+
+    calls = []
+    real = mb.mlp_block_triton
+    monkeypatch.setattr(mb, "mlp_block_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     h = a = 2048
     layers = [_mlp_inputs(h, a, 4096, seed=i)[1:] for i in range(3)]
     x = torch.randn(1, a, device="cuda", dtype=torch.bfloat16)
@@ -181,9 +190,11 @@ def test_mlp_block_chain_in_cuda_graph(monkeypatch, pdl_on):
         return hh, res
 
     chain()
+    assert len(calls) == 3  # the fused block ran, not the unfused fallback
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out, out_res = chain()
+    assert len(calls) == 6
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         res0.copy_(torch.randn_like(res0))

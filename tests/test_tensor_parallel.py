@@ -34,9 +34,12 @@ def _generate(model, prompts, **options):
     # (the last vocab shard is padded), tied embeddings
     ("qwen2", {"kv_heads": 1, "vocab_size": 255, "tie_word_embeddings": True}, {}),
 ], ids=["llama-sharded-kv-ubatch", "qwen2-replicated-kv-odd-vocab-tied"])
-def test_tp2_matches_tp1(ray_local, ckpt_dir, arch, kw, tp2_options):
+def test_tp2_matches_tp1(ray_local, ckpt_dir, arch, kw, tp2_options, monkeypatch):
     model = ckpt_dir(arch, **kw)
     prompts = _prompts(kw.get("vocab_size", 256))
+    # a kernel switch set on the driver after Ray started reaches every worker (forwarded
+    # through the actors' runtime_env, not inherited); "0" is the default, so tokens agree
+    monkeypatch.setenv("SYNCLESS_FUSED_MLP", "0")
     tp1, _, _ = _generate(model, prompts, tensor_parallel_size=1)
     tp2, info2, stats = _generate(model, prompts, tensor_parallel_size=2, **tp2_options)
     assert tp2 == tp1
@@ -45,3 +48,4 @@ def test_tp2_matches_tp1(ray_local, ckpt_dir, arch, kw, tp2_options):
         assert stats[0] == stats[1]
     assert [i["rank"] for i in info2] == [0, 1] and len({i["pid"] for i in info2}) == 2
     assert all(i["platform"] == "cpu" and i["collective"] == "gloo" for i in info2)
+    assert all(i["kernel_switches"] == {"SYNCLESS_FUSED_MLP": "0"} for i in info2), info2

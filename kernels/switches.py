@@ -1,0 +1,29 @@
+"""The kernel switches a user sets in the driver's environment, and their trip to the workers.
+
+Kernels read these when they launch (or a CUDA graph is captured), inside the worker actor's
+process. An actor started on a running Ray cluster does not inherit the driver's
+environment, so the executor forwards every switch that is set through the actor's
+``runtime_env``: a switch set for ``python -m cluster.serve`` is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+
+KERNEL_SWITCHES = (
+    "SYNCLESS_PDL",             # programmatic dependent launch (kernels.pdl)
+    "SYNCLESS_PDL_MAX_TOKENS",  # ... only for passes of at most N tokens
+    "SYNCLESS_L2_PREFETCH",     # skinny GEMM bulk L2 prefetch bytes
+    "SYNCLESS_FUSED_MLP",       # one-launch batch-1 MLP block (kernels.ops.mlp_block)
+    "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
+)
+
+
+def kernel_env_vars() -> dict[str, str]:
+    """The switches set in this process's environment, for a worker's ``runtime_env``."""
+    return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
+
+
+def kernel_switches_seen() -> dict[str, str]:
+    """What a worker process sees (reported by ``WorkerActor.describe``)."""
+    return kernel_env_vars()
