@@ -52,7 +52,7 @@ def _with_pdl(on: bool, fn):
 def bench_gemv() -> list[dict]:
     from kernels import ops
     from kernels.gemv import gemv_triton
-    from kernels.skinny_gemm import kind_of, select_config, skinny_linear_triton
+    from kernels.skinny_gemm import fallback_config, kind_of, select_config, skinny_linear_triton
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
@@ -72,7 +72,6 @@ def bench_gemv() -> list[dict]:
         skinny_cfg = select_config(1, n, k, kind)
         if skinny_cfg is not None and skinny_cfg.get("kernel") == "gemv":
             skinny_cfg = None  # a table that already routes here: compare with the default
-        from kernels.skinny_gemm import fallback_config
         skinny_cfg = skinny_cfg or fallback_config(1)
 
         def skinny(pdl_on):

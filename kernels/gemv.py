@@ -22,8 +22,6 @@ kernel of the step). No host syncs; the grid depends on ``N`` and the SM count.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -135,11 +133,6 @@ def _gemv_kernel(
 DEFAULT_CONFIG = dict(block_n=4, block_k=1024, num_warps=4, ctas_per_sm=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def grid_size(n_blocks: int, max_programs: int) -> int:
     """Programs for ``n_blocks`` row blocks: at most ``max_programs`` (what is resident at
     once), as few as keep the same number of rounds, so every program gets the same
@@ -156,9 +149,8 @@ def _pre_l2_bytes(want: int, x: torch.Tensor, weight: torch.Tensor, k: int, bloc
     esz = weight.element_size()
     nbytes = min(int(want), max(0, (k - block_k) * esz))
     nbytes -= nbytes % 16
-    ok = ((weight.stride(0) * esz) % 16 == 0 and weight.data_ptr() % 16 == 0
-          and (block_k * esz) % 16 == 0)
-    return nbytes if nbytes > 0 and ok and pdl.bulk_prefetch_ok(x) else 0
+    ok = (block_k * esz) % 16 == 0 and pdl.rows_prefetchable(x, weight)
+    return nbytes if nbytes > 0 and ok else 0
 
 
 def gemv_triton(
@@ -194,9 +186,7 @@ def gemv_triton(
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     n_blocks = triton.cdiv(n_out, block_n)
     if max_programs is None:
-        max_programs = (_sm_count(x.device.index if x.device.index is not None
-                                  else torch.cuda.current_device()) * cfg["ctas_per_sm"]
-                        if x.is_cuda else n_blocks)
+        max_programs = pdl.sm_count(x.device) * cfg["ctas_per_sm"] if x.is_cuda else n_blocks
     grid = (grid_size(n_blocks, max_programs),)
     launch = pdl.launch_kwargs(x)
     pre_l2 = _pre_l2_bytes(cfg.get("pre_l2", 0), x, weight, k, block_k)

@@ -44,7 +44,6 @@ from two streams or processes sharing the SMs (MPS), which could also starve res
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -289,11 +288,6 @@ def _barrier(device: torch.device) -> torch.Tensor | None:
     return buf
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def resident_per_sm(n_regs: int, num_warps: int, shared: int, device_index: int) -> int:
     """How many programs of a compiled kernel fit on one SM at once (registers, threads,
     shared memory): the grid barrier needs every program resident."""
@@ -334,7 +328,7 @@ def _grid_programs(args: tuple, consts: dict, cfg: dict, device: torch.device) -
             fits = 1
         if fits < 1:
             raise RuntimeError(f"mlp block config {cfg} does not fit on an SM")
-        _GRIDS[key] = _sm_count(idx) * min(cfg["ctas_per_sm"], fits)
+        _GRIDS[key] = pdl.sm_count(device) * min(cfg["ctas_per_sm"], fits)
     return _GRIDS[key]
 
 
@@ -342,11 +336,8 @@ def _pre_l2_bytes(cfg: dict, x: torch.Tensor, weights, block_k: int) -> int:
     """Bytes of each first-block row a dot-form phase bulk-prefetches into L2 before its
     barrier (``pre_l2``; 0 off): 16-byte multiples, aligned rows, sm_90+, not interpreted."""
     want = int(cfg.get("pre_l2", 0))
-    if want <= 0 or not pdl.bulk_prefetch_ok(x):
+    if want <= 0 or not pdl.rows_prefetchable(x, *weights):
         return 0
-    for w in weights:
-        if (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
-            return 0
     nbytes = min(want, min(w.shape[1] for w in weights) * x.element_size())
     return nbytes - nbytes % 16
 
@@ -404,8 +395,7 @@ def mlp_block_triton(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_d
     if not attn.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         programs = 1  # the interpreter runs programs one after another: one passes barriers
     else:
-        resident = _grid_programs(args, consts, cfg, dev)
-        programs = resident if max_programs is None else min(max_programs, resident)
+        programs = _grid_programs(args, consts, cfg, dev)
     if max_programs is not None:
         programs = min(programs, max_programs)
     _mlp_block_kernel[(max(1, programs),)](*args, **consts)

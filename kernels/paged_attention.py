@@ -47,8 +47,6 @@ only the device ``seq_lens`` may change between replays.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -291,9 +289,6 @@ def _reduce_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # Arrival counters of the fused split reduce, one int32 per (query block, KV head),
@@ -325,7 +320,7 @@ def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
 
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return pdl.sm_count(device)
     return 132  # interpreter / CPU tensors: model an H200
 
 

@@ -146,6 +146,24 @@ def bulk_prefetch_ok(t: torch.Tensor) -> bool:
     return _bulk_prefetch_ok(idx)
 
 
+def rows_prefetchable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``prefetch_l2`` may stream rows of ``weights`` for a launch on ``x``'s device:
+    sm_90+, not interpreted, every weight's base and row stride 16-byte aligned."""
+    return all((w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+               for w in weights) and bulk_prefetch_ok(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached): grid sizing of resident or
+    SM-proportional launches."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 if HAVE_GDC:
 
     @triton.jit

@@ -275,8 +275,7 @@ def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
     row = k * weight.element_size()
     nbytes = row if want is True else min(int(want), row)
     nbytes -= nbytes % 16
-    ok = (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
-    return nbytes if nbytes > 0 and ok and pdl.bulk_prefetch_ok(x) else 0
+    return nbytes if nbytes > 0 and pdl.rows_prefetchable(x, weight) else 0
 
 
 def skinny_linear_triton(

@@ -20,10 +20,6 @@ KERNEL_SWITCHES = (
 
 
 def kernel_env_vars() -> dict[str, str]:
-    """The switches set in this process's environment, for a worker's ``runtime_env``."""
+    """The switches set in this process's environment: for a worker's ``runtime_env`` on
+    the driver, and what a worker sees (``WorkerActor.describe``)."""
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
-
-
-def kernel_switches_seen() -> dict[str, str]:
-    """What a worker process sees (reported by ``WorkerActor.describe``)."""
-    return kernel_env_vars()

@@ -21,7 +21,7 @@ import msgspec
 
 from metadata.config import EngineConfig
 from metadata.wire import StepResult, decode_result, encode
-from kernels.switches import kernel_switches_seen
+from kernels.switches import kernel_env_vars
 from placement.platforms import select_platform
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class WorkerActor:
             "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self.gpu_ids,
             "visibility": dict(self.visibility.set), "notes": list(self.visibility.notes),
-            "kernel_switches": kernel_switches_seen(),
+            "kernel_switches": kernel_env_vars(),
             **self.platform.describe(),
         }
 
