@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|attention]
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|attention|attention-sweep|probe]
     python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
@@ -269,7 +269,7 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep"),
+    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep", "probe"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
                    help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
@@ -301,6 +301,10 @@ def main(argv=None):
             write_mlp_tuning(res["mlp_block"], a.tuning_out)
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
+    if a.only == "probe":
+        from kernels.bench_probe import bench_probe
+
+        res["probe"] = bench_probe()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -59,12 +59,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return reference.rotary_embedding_reference(positions, q, k, cos_sin_cache)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x, pairs: bool = False):
+    """``silu(gate) * up`` of a gate|up output: halves, or ``pairs`` (columns 2j, 2j + 1)."""
     if _use_triton(x):
         from kernels.activation import silu_and_mul_triton
 
-        return silu_and_mul_triton(x)
-    return reference.silu_and_mul_reference(x)
+        return silu_and_mul_triton(x, pairs=pairs)
+    return reference.silu_and_mul_reference(x, pairs=pairs)
 
 
 def rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -80,7 +81,7 @@ def rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_
                                                  k_norm_weight, eps)
 
 
-def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: bool, out_dtype):
+def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: str | None, out_dtype):
     """The skinny-GEMM config for this call, or None for the unfused path."""
     if not (_use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
@@ -102,7 +103,7 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     path. Otherwise the same math unfused: the RMSNorm kernel, cuBLAS,
     the SiLU*mul kernel on CUDA; the references on the CPU (where this is exactly the
     previous unfused model code)."""
-    cfg = skinny_config(x, weight, norm_weight is not None, act is not None, out_dtype)
+    cfg = skinny_config(x, weight, norm_weight is not None, act, out_dtype)
     if cfg is not None and cfg.get("kernel") == "gemv" and x.shape[0] == 1:
         from kernels.gemv import gemv_triton
 
@@ -121,8 +122,8 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
     y = torch.nn.functional.linear(x, weight, bias)
-    if act == "silu_and_mul":
-        y = silu_and_mul(y)
+    if act in ("silu_and_mul", "silu_and_mul_pairs"):
+        y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
     return (y.to(out_dtype) if out_dtype is not None else y), new_res

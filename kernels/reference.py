@@ -118,8 +118,11 @@ def rotary_embedding_reference(
     return rot(q), rot(k)
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :I]) * x[..., I:]`` for a fused gate|up output ``[..., 2I]``."""
+def silu_and_mul_reference(x: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for a fused gate|up output ``[..., 2I]``; with
+    ``pairs``, ``silu(x[..., 0::2]) * x[..., 1::2]`` (the row-interleaved layout)."""
+    if pairs:
+        return torch.nn.functional.silu(x[..., 0::2]) * x[..., 1::2]
     inter = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
 
@@ -171,8 +174,8 @@ def skinny_linear_reference(
     if norm_weight is not None:
         x, new_res = rms_norm_reference(x, norm_weight, eps, residual)
     y = torch.nn.functional.linear(x, weight, bias)
-    if act == "silu_and_mul":
-        y = silu_and_mul_reference(y)
+    if act in ("silu_and_mul", "silu_and_mul_pairs"):
+        y = silu_and_mul_reference(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
     return (y.to(out_dtype) if out_dtype is not None else y), new_res

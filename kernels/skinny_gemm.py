@@ -20,6 +20,9 @@ Fusions, each removing a launch per layer (and its round trip through HBM):
   ``[2I, K]``): the program computes gate rows ``n`` and up rows ``I + n``
   together and writes ``silu(gate) * up`` (rounded like the reference: gate and
   up to the dtype, silu to the dtype, the product to the dtype).
+  ``act="silu_and_mul_pairs"`` takes the row-interleaved layout instead (gate row
+  ``n`` at ``2n``, up row ``n`` at ``2n + 1``): a program then streams one
+  contiguous row set, as a plain GEMV does, and splits the pairs in registers.
 
 ``USE_DOT`` picks the tensor-core path (``x`` padded to ``BLOCK_M >= 16`` rows,
 ``tl.dot`` on a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile, loads
@@ -61,6 +64,7 @@ def _skinny_kernel(
     M, N_OUT, K, up_off, eps,
     stride_xm, stride_rm, stride_wn, stride_ym, stride_nrm,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    ACT_PAIRS: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_L2: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
@@ -75,14 +79,17 @@ def _skinny_kernel(
         for pr in tl.static_range(BLOCK_N):
             if pid * BLOCK_N + pr < N_OUT:
                 prefetch_l2(w_first + pr * stride_wn, PREFETCH_L2)
-                if ACT:
+                if ACT and not ACT_PAIRS:
                     prefetch_l2(w_first + (up_off + pr) * stride_wn, PREFETCH_L2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     res_ok = m_ok & ((offs_m * 0 + pid) == 0)  # program 0 stores the new residual
-    n_ok = offs_n < N_OUT
+    if ACT_PAIRS:  # BLOCK_N interleaved weight rows -> BLOCK_N // 2 outputs
+        n_ok = offs_n < 2 * N_OUT
+    else:
+        n_ok = offs_n < N_OUT
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     r_rows = r_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
@@ -98,7 +105,7 @@ def _skinny_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if PREFETCH:  # register double-buffering: the next W tile is in flight during the FMAs
         w_nxt = tl.load(w_rows, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        if ACT:
+        if ACT and not ACT_PAIRS:
             wu_nxt = tl.load(w_rows + up_off * stride_wn, mask=n_ok[:, None] & (offs_k[None, :] < K),
                              other=0.0)
     # PDL: the first weight tile (no kernel writes weights) is in flight before we wait
@@ -117,13 +124,13 @@ def _skinny_kernel(
             w = w_nxt
             nxt_mask = n_ok[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
             w_nxt = tl.load(w_rows + (k0 + BLOCK_K), mask=nxt_mask, other=0.0)
-            if ACT:
+            if ACT and not ACT_PAIRS:
                 wu = wu_nxt
                 wu_nxt = tl.load(w_rows + up_off * stride_wn + (k0 + BLOCK_K), mask=nxt_mask,
                                  other=0.0)
         else:
             w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
-            if ACT:
+            if ACT and not ACT_PAIRS:
                 wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
         a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
         if HAS_RES:
@@ -144,21 +151,21 @@ def _skinny_kernel(
         if USE_DOT:
             if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                if ACT:
+                if ACT and not ACT_PAIRS:
                     acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)),
                                     input_precision="ieee")
             elif IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                if ACT:
+                if ACT and not ACT_PAIRS:
                     acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
-                if ACT:
+                if ACT and not ACT_PAIRS:
                     acc_u += tl.dot(a, tl.trans(wu))
         else:
             af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
             acc += w.to(tl.float32) * af1
-            if ACT:
+            if ACT and not ACT_PAIRS:
                 acc_u += wu.to(tl.float32) * af1
 
     if USE_DOT:
@@ -173,8 +180,12 @@ def _skinny_kernel(
         y_u = y_u * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACT:
+        if ACT and not ACT_PAIRS:
             y_u += tl.load(b_ptr + up_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT_PAIRS:  # columns (2j, 2j + 1) are output j's (gate, up)
+        y, y_u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+        offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_ok = offs_n < N_OUT
     if ACT:
         gate = y.to(DT).to(tl.float32)
         up = y_u.to(DT).to(tl.float32)
@@ -197,17 +208,26 @@ DEFAULTS: dict[tuple[str, int], dict | None] = {
     ("norm", 1): dict(_F, block_n=8, block_k=512, num_warps=4, num_stages=2),
     ("norm_act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
     ("act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
+    ("norm_act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2,
+                                prefetch=True),
+    ("act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2, prefetch=True),
     ("plain", 16): dict(_D, block_n=32, block_k=256, num_warps=4, num_stages=4),
     ("plain_f32", 16): dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=4),
     ("norm", 16): None, ("norm_act", 16): None, ("act", 16): None,
+    ("norm_act_pairs", 16): None, ("act_pairs", 16): None,
 }
 TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
 TUNING_ENV = "SYNCLESS_SKINNY_TUNING"  # another tuning file (a benchmark's fresh table)
 
 
-def kind_of(norm: bool, act: bool, out_f32: bool) -> str:
-    """Tuning kind of a call: 'plain', 'plain_f32' (logits), 'norm', 'act', 'norm_act'."""
-    parts = [p for p, on in (("norm", norm), ("act", act)) if on]
+ACTS = (None, "silu_and_mul", "silu_and_mul_pairs")
+
+
+def kind_of(norm: bool, act: bool | str | None, out_f32: bool) -> str:
+    """Tuning kind of a call: 'plain', 'plain_f32' (logits), 'norm', 'act', 'norm_act', and
+    'act_pairs' / 'norm_act_pairs' for the row-interleaved gate|up layout."""
+    act_part = "act_pairs" if act == "silu_and_mul_pairs" else "act"
+    parts = [p for p, on in (("norm", norm), (act_part, act)) if on]
     if parts:
         return "_".join(parts)
     return "plain_f32" if out_f32 else "plain"
@@ -292,10 +312,12 @@ def skinny_linear_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns ``(y, new_residual)``; ``new_residual = x + residual`` when a residual is
     given (it requires ``norm_weight``), else None. ``x [M, K]`` with ``M <= MAX_M``,
-    ``weight [N, K]`` (``[2I, K]`` for ``act="silu_and_mul"``, output ``[M, I]``).
+    ``weight [N, K]`` (``[2I, K]`` for ``act="silu_and_mul"``: gate rows then up rows;
+    ``"silu_and_mul_pairs"``: rows ``2n, 2n + 1`` are gate and up of output ``n``; output
+    ``[M, I]``).
     ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-    assert act in (None, "silu_and_mul")
+    assert act in ACTS, f"unknown activation {act!r}"
     assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
     m, k = x.shape
     assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
@@ -313,23 +335,26 @@ def skinny_linear_triton(
     if m == 0:
         return y, new_res
     if config is None:
-        kind = kind_of(norm_weight is not None, act is not None, out_dtype == torch.float32)
+        kind = kind_of(norm_weight is not None, act, out_dtype == torch.float32)
         config = select_config(m, n, k, kind) or fallback_config(m)
     cfg = dict(fallback_config(m), **config)
     use_dot = cfg["use_dot"] or m > 1
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     block_n = cfg["block_n"]
+    pairs = act == "silu_and_mul_pairs"
+    if pairs:
+        block_n = max(2, block_n)
     r = residual if residual is not None else x
     nr = new_res if new_res is not None else x
     launch = pdl.launch_kwargs(x)
-    _skinny_kernel[(triton.cdiv(n_out, block_n),)](
+    _skinny_kernel[(triton.cdiv(n if pairs else n_out, block_n),)](
         x, r, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, nr,
         m, n_out, k, n_out, float(eps),
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), nr.stride(0),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        ACT=act is not None, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ACT=act is not None, ACT_PAIRS=pairs, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,

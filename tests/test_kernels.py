@@ -261,6 +261,25 @@ def test_silu_and_mul(dtype, t, inter):
     swapped = torch.cat([x[:, inter:], x[:, :inter]], dim=1)  # gate/up halves must not swap
     assert not torch.allclose(act.silu_and_mul_triton(swapped).float(), expect.float(),
                               atol=1e-2, rtol=1e-2)
+    # the row-interleaved layout: (gate j, up j) at columns (2j, 2j + 1)
+    pairs = torch.stack([x[:, :inter], x[:, inter:]], dim=2).reshape(t, 2 * inter)
+    torch.testing.assert_close(act.silu_and_mul_triton(pairs, pairs=True), expect, **TOL[dtype])
+    torch.testing.assert_close(ref.silu_and_mul_reference(pairs, pairs=True), expect)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_skinny_pairs_layout_equals_stacked(use_dot):
+    """The interleaved gate|up weight gives bit for bit the stacked weight's output."""
+    m = 1 if not use_dot else 3
+    x, w, kw = skinny_case(m, 48, 64, torch.bfloat16, SKINNY_CASES["norm_residual_act"], seed=15)
+    inter = w.shape[0] // 2
+    w_pairs = torch.stack([w[:inter], w[inter:]], dim=1).reshape_as(w)
+    cfg = dict(use_dot=use_dot, block_n=8, block_k=32, num_warps=2, num_stages=1, prefetch=True)
+    y, res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
+    y_p, res_p = sg.skinny_linear_triton(x, w_pairs, config=cfg, **dict(kw, act="silu_and_mul_pairs"))
+    assert torch.equal(y, y_p) and torch.equal(res, res_p)
+    y_wrong, _ = sg.skinny_linear_triton(x, w, config=cfg, **dict(kw, act="silu_and_mul_pairs"))
+    assert not torch.allclose(y_wrong.float(), y.float(), atol=1e-2, rtol=1e-2)
 
 
 # ----------------------------------------------------------------- fused rope + KV write
@@ -310,6 +329,9 @@ SKINNY_CASES = {  # name -> kwargs of skinny_linear (besides x, weight)
     "norm_residual": {"norm": True, "residual": True},
     "norm_residual_act": {"norm": True, "residual": True, "act": "silu_and_mul"},
     "act_bias_fp32_out": {"bias": True, "act": "silu_and_mul", "out_dtype": torch.float32},
+    "norm_residual_act_pairs": {"norm": True, "residual": True, "act": "silu_and_mul_pairs"},
+    "act_pairs_bias_fp32_out": {"bias": True, "act": "silu_and_mul_pairs",
+                                "out_dtype": torch.float32},
 }
 
 
@@ -347,7 +369,8 @@ def test_skinny_linear_dot(case, m, dtype):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])  # register double-buffered W tiles
-@pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out"])
+@pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out",
+                                  "norm_residual_act_pairs"])
 @pytest.mark.parametrize("block_k", [32, 64])  # K=96: 32 divides it (no K mask), 64 leaves a tail
 def test_skinny_linear_fma_batch_of_one(case, block_k, prefetch):
     x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)

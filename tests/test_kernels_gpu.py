@@ -295,7 +295,7 @@ def skinny_inputs(m, n, k, variant, dtype=torch.bfloat16):
     if "res" in variant:
         kw["residual"] = torch.randn(m, k, device="cuda", dtype=dtype)
     if "act" in variant:
-        kw["act"] = "silu_and_mul"
+        kw["act"] = "silu_and_mul_pairs" if "pairs" in variant else "silu_and_mul"
     if "bias" in variant:
         kw["bias"] = torch.randn(n, device="cuda", dtype=dtype)
     return x, w, kw

@@ -36,7 +36,8 @@ PREFETCH = 4096  # bytes of each row (K = 1000 rows are shorter: whole rows)
 
 
 @pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias"])
+@pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias",
+                                     "norm_res_act_pairs", "norm_act_bias_pairs"])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (2 * 1042, 4096)])
 def test_skinny_linear_with_l2_prefetch(n, k, variant, m):
     """The prefetch only hints the cache: results equal the reference (ragged last rows too)."""
