@@ -43,6 +43,45 @@ def paged_attention(
     )
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+
+
+def rope_in_attention_enabled() -> bool:
+    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request, the
+    attention launch also does the rope + KV-write prologue (one launch a layer fewer)."""
+    return _env_flag("SYNCLESS_ROPE_IN_ATTENTION", True)
+
+
+def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       block_table, seq_lens, query_start_loc, query_start_loc_cpu,
+                       max_query_len: int, max_seq_len_upper_bound: int, scale: float,
+                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+    """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
+    On CUDA with one query token a request (``max_query_len == 1``, a CPU int) it is one
+    launch (``kernels.paged_attention`` with ``rope=``); otherwise the two ops."""
+    if _use_triton(q) and max_query_len == 1 and rope_in_attention_enabled():
+        from kernels.paged_attention import paged_attention_triton
+        from kernels.rope_inline import DecodeRope
+
+        rope = DecodeRope(positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight,
+                          k_norm_weight, eps)
+        return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens,
+                                      query_start_loc, 1, max_seq_len_upper_bound, scale,
+                                      rope=rope)
+    q = rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                          q_norm_weight, k_norm_weight, eps)
+    return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                           query_start_loc_cpu, max_query_len, max_seq_len_upper_bound, scale)
+
+
 def rms_norm(x, weight, eps: float, residual=None):
     if _use_triton(x):
         from kernels.rms_norm import rms_norm_triton
@@ -169,12 +208,7 @@ def fused_mlp_enabled() -> bool:
     bytes in flight per SM; notes/2026-12-04b-h200-results.md). On, the numerics follow the
     skinny GEMM's (the normalised input rounded before the ``rstd`` scale), not the
     RMSNorm + cuBLAS path the 8B shape otherwise takes."""
-    raw = os.environ.get("SYNCLESS_FUSED_MLP", "0").strip().lower()
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"SYNCLESS_FUSED_MLP must be 0 or 1, got {raw!r}")
+    return _env_flag("SYNCLESS_FUSED_MLP", False)
 
 
 def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down):

@@ -53,6 +53,8 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import wait_and_release
+from kernels.attention_splits import _reduce_splits_kernel, _semaphores  # noqa: F401
+from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
@@ -91,7 +93,9 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
-    num_reqs, kv_cap, scale_log2,
+    kn_ptr, vn_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
+    num_reqs, kv_cap, scale_log2, eps, stride_cs,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -103,6 +107,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
+    ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -116,11 +121,13 @@ def _paged_attention_kernel(
         req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
         qblock = pid - (tl.load(qsl_ptr + req) // BLOCK_Q + req)
 
+    # All three loads in flight together: the early exit below must not serialise them.
     q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_end = tl.load(qsl_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_len = q_end - q_start
     if qblock * BLOCK_Q >= q_len:
         return  # spare program of the upper-bound grid, or an empty request
-    seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len  # KV tokens before this step's queries
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -135,10 +142,28 @@ def _paged_attention_kernel(
     # PDL: the lengths and the block table were written before this step's first layer
     # (by kernels that have completed, see kernels.pdl); q and this step's KV slots were
     # written by the kernel just before.
+    if ROPE:  # positions and slots, like the lengths, come from before the first layer
+        new_pos = tl.load(pos_ptr + q_start).to(tl.int64)
+        new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HEAD_DIM // 2)
     wait_and_release(USE_PDL)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        # One query token: rotate (and normalise) the raw q heads and this KV head's new
+        # key here, instead of kernels.rope_kv's launch; the new K/V row joins the tile
+        # that covers position ctx_len from registers, and the program owning that tile
+        # writes it to the cache (no program of this launch reads that slot).
+        DT = q_ptr.dtype.element_ty
+        q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM,
+                      HEAD_DIM // 2, DT)
+        kn_row = tl.zeros([1], dtype=tl.int64) + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
+        k_new = rope_rows(kn_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, eps, cos, sin,
+                          K_NORM, HEAD_DIM // 2, DT).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d,
+                        mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -166,6 +191,13 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    if ROPE:
+        new_tile = ctx_len // BLOCK_N
+        if (tile_lo <= new_tile) & (new_tile < tile_hi) & (new_slot >= 0):
+            nc = (new_slot // KV_BLOCK_SIZE) * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt
+            tl.store(k_ptr + nc + kvh * stride_kh + offs_d[None, :], k_new, mask=d_ok[None, :])
+            nv = (new_slot // KV_BLOCK_SIZE) * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt
+            tl.store(v_ptr + nv + kvh * stride_vh + offs_d, v_new, mask=d_ok)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -186,6 +218,10 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if ROPE:
+            is_new = (kv_pos == ctx_len)[:, None]
+            k = tl.where(is_new, k_new, k)
+            v = tl.where(is_new, v_new[None, :], v)
 
         if UPCAST:
             k = k.to(tl.float32)
@@ -256,68 +292,6 @@ def _paged_attention_kernel(
                 tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
-def _reduce_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    """Merge the split partials of one token, BLOCK_H q heads; lse is in log2 units."""
-    t = tl.program_id(0).to(tl.int64)
-    wait_and_release(USE_PDL)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    if t >= tl.load(qsl_ptr + num_reqs):
-        return  # padding token: no request wrote partials for it
-    h_ok = offs_h < num_q_heads
-    offs_s = tl.arange(0, SPLITS_P)
-    lse = tl.load(lse_ptr + offs_s[:, None] * stride_ls + t * stride_lt + offs_h[None, :],
-                  mask=(offs_s[:, None] < NUM_SPLITS) & h_ok[None, :], other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits neutral: weights stay 0
-    w_sum = tl.sum(tl.exp2(lse - m[None, :]), 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    row = part_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :]
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + t * stride_lt + offs_h, mask=h_ok,
-                            other=float("-inf")) - m)
-        acc += w[:, None] * tl.load(row + s * stride_ps, mask=mask, other=0.0)
-    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-
-
-# Arrival counters of the fused split reduce, one int32 per (query block, KV head),
-# zero between launches (the last arriving program re-arms its counter). One growing
-# buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
-# their addresses.
-_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-MIN_SEMAPHORES = 1 << 14
-
-
-def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
-    a buffer too small (allocating then would tie it to the graph's pool): the caller
-    falls back to the reduce kernel."""
-    key = (device.type, device.index if device.index is not None else -1)
-    buf = _SEMAPHORES.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if buf is not None:
-        _RETIRED.append(buf)
-    buf = torch.zeros(max(n, MIN_SEMAPHORES if buf is None else 2 * buf.numel()),
-                      dtype=torch.int32, device=device)
-    _SEMAPHORES[key] = buf
-    return buf
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return pdl.sm_count(device)
@@ -342,6 +316,13 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+def _rope_args(rope: DecodeRope) -> tuple:
+    """The fused-rope pointer arguments (a missing norm weight: any tensor, unread)."""
+    return (rope.k, rope.v, rope.positions, rope.slot_mapping, rope.cos_sin_cache,
+            rope.q_norm_weight if rope.q_norm_weight is not None else rope.k,
+            rope.k_norm_weight if rope.k_norm_weight is not None else rope.k)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -356,8 +337,14 @@ def paged_attention_triton(
     num_splits: int | None = None,
     fused_reduce: bool | None = None,
     config: dict | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
+
+    ``rope`` (batches of one query token a request, ``max_query_len == 1``): ``q`` is the
+    raw projection; the kernel also does ``kernels.rope_kv``'s work (q/k norm, rotary,
+    the new K/V written to the cache), as ``rope_and_write_kv_reference`` followed by
+    this function would.
 
     ``max_query_len`` and ``max_seq_len_upper_bound`` are CPU ints that must be
     >= the real values; they only size grids and pick configs. ``num_splits``
@@ -372,6 +359,12 @@ def paged_attention_triton(
     num_reqs = query_start_loc.shape[0] - 1
     assert hq % hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if rope is not None:
+        assert max_query_len == 1, "fused rope: one query token a request"
+        assert head_dim % 2 == 0 and rope.cos_sin_cache.shape[-1] == head_dim
+        assert rope.k.shape[1:] == (hkv, head_dim) and rope.v.shape[1:] == (hkv, head_dim)
+        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
+        assert rope.cos_sin_cache.stride(-1) == 1 and rope.slot_mapping.shape[0] >= num_tokens
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -420,7 +413,12 @@ def paged_attention_triton(
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, dst, lse, out, sem if sem is not None else seq_lens,
         block_table, seq_lens, query_start_loc,
+        *(_rope_args(rope) if rope is not None else (q,) * 7),
         num_reqs, kv_cap, float(scale) * LOG2E,
+        float(rope.eps) if rope is not None else 0.0,
+        rope.cos_sin_cache.stride(0) if rope is not None else 0,
+        *((rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
+          if rope is not None else (0, 0, 0, 0)),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -435,6 +433,8 @@ def paged_attention_triton(
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
         FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
+        ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
+        K_NORM=rope is not None and rope.k_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),
     )
     if num_splits > 1 and sem is None:

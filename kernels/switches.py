@@ -15,6 +15,7 @@ KERNEL_SWITCHES = (
     "SYNCLESS_PDL_MAX_TOKENS",  # ... only for passes of at most N tokens
     "SYNCLESS_L2_PREFETCH",     # skinny GEMM bulk L2 prefetch bytes
     "SYNCLESS_FUSED_MLP",       # one-launch batch-1 MLP block (kernels.ops.mlp_block)
+    "SYNCLESS_ROPE_IN_ATTENTION",  # decode: rope + KV write inside attention (kernels.ops)
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
 )
 

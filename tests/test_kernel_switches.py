@@ -22,3 +22,18 @@ def test_every_switch_the_kernels_read_is_listed():
     for path in root.glob("*.py"):
         read |= set(re.findall(r'"(SYNCLESS_[A-Z0-9_]+)"', path.read_text()))
     assert read <= set(KERNEL_SWITCHES), sorted(read - set(KERNEL_SWITCHES))
+
+
+def test_rope_in_attention_switch(monkeypatch):
+    import pytest
+
+    from kernels import ops
+
+    monkeypatch.delenv("SYNCLESS_ROPE_IN_ATTENTION", raising=False)
+    assert ops.rope_in_attention_enabled() is True  # default: one launch a layer fewer
+    for raw, want in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", raw)
+        assert ops.rope_in_attention_enabled() is want
+    monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", "sometimes")
+    with pytest.raises(ValueError, match="SYNCLESS_ROPE_IN_ATTENTION"):
+        ops.rope_in_attention_enabled()

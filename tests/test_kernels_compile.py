@@ -33,13 +33,17 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
     return compiled
 
 
-SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, BLOCK_M=1, BLOCK_N=4,
+SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, ACT_PAIRS=False, BLOCK_M=1,
+              BLOCK_N=4,
               BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True)
 
 
 @pytest.mark.parametrize("variant", [
     dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=2048),  # batch 1, PDL + L2 prefetch
     dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+    dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT_PAIRS=True, BLOCK_N=8),  # gate|up pairs
+    dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT_PAIRS=True, BLOCK_M=16, BLOCK_N=32,
+         BLOCK_K=256),
 ])
 def test_skinny_gemm_compiles(variant):
     from kernels.skinny_gemm import _skinny_kernel
@@ -58,12 +62,12 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode", [True, False])
-def test_paged_attention_compiles(decode):
+@pytest.mark.parametrize("decode,rope", [(True, False), (True, True), (False, False)])
+def test_paged_attention_compiles(decode, rope):
     from kernels.paged_attention import _paged_attention_kernel
 
     const = dict(HEAD_DIM=128, BLOCK_D=128, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4, IEEE=False,
-                 UPCAST=False, USE_PDL=True)
+                 UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
@@ -71,8 +75,9 @@ def test_paged_attention_compiles(decode):
         const.update(BLOCK_Q=32, BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, ONE_QBLOCK_PER_REQ=False,
                      FUSED_REDUCE=False, SPLITS_P=1)
     i32 = {n: "*i32" for n in ("sem_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
-    _compile(_paged_attention_kernel, const, {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
-             floats=("scale_log2",))
+    ptrs = {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+            "cs_ptr": "*fp32"}
+    _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"))
 
 
 def test_sampling_kernels_compile():

@@ -207,3 +207,75 @@ def test_mlp_block_chain_in_cuda_graph(monkeypatch, pdl_on):
                                 wgu, wd)
         assert rel_err(out, hh) < 3e-2
         assert rel_err(out_res, res) < 3e-2
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8)])
+@pytest.mark.parametrize("lens", [[512], [1, 16, 17, 64, 65, 100, 511, 4000]])
+def test_decode_attention_with_rope_matches_reference(qk_norm, hq, hkv, lens):
+    """Rope + KV write inside the attention launch (default splits, fused merge) equals the
+    unfused reference on the same bf16 inputs, head_dim 128; padding rows untouched."""
+    from kernels.paged_attention import paged_attention_triton
+    from kernels.rope_inline import DecodeRope
+    from tests.test_kernels_attention_rope import expected, make_case
+
+    c = make_case(lens, hq, hkv, 128, torch.bfloat16, qk_norm, pad_reqs=2, device="cuda")
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    rope = DecodeRope(c["positions"], c["k"], c["v"], c["cs"], c["slots"], c["qw"], c["kw"], 1e-6)
+    with no_sync():
+        out = paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1,
+                                     c["bound"], c["scale"], rope=rope)
+    exp, kc_exp, vc_exp = expected(c)
+    n = len(lens)
+    torch.testing.assert_close(out[:n].float(), exp[:n].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kc, kc_exp, atol=2e-2, rtol=2e-2)
+    assert torch.equal(vc, vc_exp)
+
+
+def test_decode_attention_with_rope_graph_chain(monkeypatch):
+    """Three layers' attention with the rope prologue in a CUDA graph with PDL on, each
+    layer's q made from the one before: replays with new inputs match the reference."""
+    from kernels.paged_attention import paged_attention_triton
+    from kernels.rope_inline import DecodeRope
+    from tests.test_kernels_attention_rope import expected, make_case
+
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    c = make_case([37, 300, 1], 32, 8, 128, torch.bfloat16, True, device="cuda")
+    kc0, vc0 = c["k_cache"].clone(), c["v_cache"].clone()
+    qkv0 = torch.cat([c["q"].flatten(1), c["k"].flatten(1), c["v"].flatten(1)], 1)
+    qkv = qkv0.clone()
+    nq, nk = 32 * 128, 8 * 128
+
+    def layers():
+        x = qkv
+        for _ in range(3):
+            t = x.shape[0]
+            q, k, v = x[:, :nq].view(t, 32, 128), x[:, nq:nq + nk].view(t, 8, 128), x[:, nq + nk:].view(t, 8, 128)
+            rope = DecodeRope(c["positions"], k, v, c["cs"], c["slots"], c["qw"], c["kw"], 1e-6)
+            o = paged_attention_triton(q, c["k_cache"], c["v_cache"], c["table"], c["seq"],
+                                       c["qsl"], 1, c["bound"], c["scale"], rope=rope)
+            x = torch.cat([o.flatten(1), x[:, nq:]], 1)  # the next layer's q: this output
+        return x
+
+    layers()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layers()
+    for seed in range(2):
+        qkv.copy_(torch.randn(qkv.shape, generator=torch.Generator(device="cuda").manual_seed(seed),
+                              device="cuda").to(qkv.dtype))
+        c["k_cache"].copy_(kc0)
+        c["v_cache"].copy_(vc0)
+        g.replay()
+        torch.cuda.synchronize()
+        x = qkv.clone()
+        ref_c = dict(c, k_cache=kc0.clone(), v_cache=vc0.clone())
+        for _ in range(3):
+            t = x.shape[0]
+            ref_c.update(q=x[:, :nq].view(t, 32, 128), k=x[:, nq:nq + nk].view(t, 8, 128),
+                         v=x[:, nq + nk:].view(t, 8, 128))
+            o, ref_c["k_cache"], ref_c["v_cache"] = expected(ref_c)
+            x = torch.cat([o.flatten(1), x[:, nq:]], 1)
+        n = 3
+        torch.testing.assert_close(out[:n, :nq].float(), x[:n, :nq].float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(c["k_cache"], ref_c["k_cache"], atol=2e-2, rtol=2e-2)

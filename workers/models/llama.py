@@ -67,7 +67,8 @@ class Attention(nn.Module):
 
     def attend(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
         """Everything after the QKV projection: [q/k norm] + rotary + KV write (one fused
-        launch on CUDA), paged attention, the output projection."""
+        launch on CUDA, or part of the attention launch at decode), paged attention, the
+        output projection."""
         return self.o_proj(self.attend_core(qkv, positions, meta, kv, cos_sin))
 
     def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
@@ -78,15 +79,13 @@ class Attention(nn.Module):
         k = qkv[:, nq : nq + nk].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, nq + nk :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv
-        q = ops.rope_and_write_kv(
+        o = ops.rope_and_attention(
             positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+            meta.block_table, meta.seq_lens, meta.query_start_loc, meta.query_start_loc_cpu,
+            meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 1e-6,
-        )
-        o = ops.paged_attention(
-            q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            meta.query_start_loc_cpu, meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
         )
         return o.reshape(t, nq)
 
@@ -116,7 +115,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, positions, meta, kv, cos_sin):
         """Pre-norm block. Each RMSNorm (with the residual add) is fused into the projection
         that follows it, and SiLU*mul into gate|up; at decode sizes on CUDA that makes six
-        launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down;
+        launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down
+        (five at one token a request: rope+KV write run inside attention);
         at batch 1 (tp 1) the last three are one (``ops.mlp_block``)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)

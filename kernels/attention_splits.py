@@ -1,0 +1,72 @@
+"""Split-KV merging for ``kernels.paged_attention``: the separate reduce kernel and the
+arrival counters of the in-kernel (fused) merge."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import wait_and_release
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _reduce_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Merge the split partials of one token, BLOCK_H q heads; lse is in log2 units."""
+    t = tl.program_id(0).to(tl.int64)
+    wait_and_release(USE_PDL)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if t >= tl.load(qsl_ptr + num_reqs):
+        return  # padding token: no request wrote partials for it
+    h_ok = offs_h < num_q_heads
+    offs_s = tl.arange(0, SPLITS_P)
+    lse = tl.load(lse_ptr + offs_s[:, None] * stride_ls + t * stride_lt + offs_h[None, :],
+                  mask=(offs_s[:, None] < NUM_SPLITS) & h_ok[None, :], other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits neutral: weights stay 0
+    w_sum = tl.sum(tl.exp2(lse - m[None, :]), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row = part_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + t * stride_lt + offs_h, mask=h_ok,
+                            other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(row + s * stride_ps, mask=mask, other=0.0)
+    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+
+
+# Arrival counters of the fused split reduce, one int32 per (query block, KV head),
+# zero between launches (the last arriving program re-arms its counter). One growing
+# buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
+# their addresses.
+_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+MIN_SEMAPHORES = 1 << 14
+
+
+def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
+    a buffer too small (allocating then would tie it to the graph's pool): the caller
+    falls back to the reduce kernel."""
+    key = (device.type, device.index if device.index is not None else -1)
+    buf = _SEMAPHORES.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(n, MIN_SEMAPHORES if buf is None else 2 * buf.numel()),
+                      dtype=torch.int32, device=device)
+    _SEMAPHORES[key] = buf
+    return buf

@@ -1,0 +1,114 @@
+"""Decode attention with the rope prologue fused in (``paged_attention_triton(rope=...)``)
+under the interpreter, against ``rope_and_write_kv_reference`` followed by
+``paged_attention_reference`` (run in an interpreted child pytest: see
+``tests/interpreted.py``)."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from tests.interpreted import INTERPRETED, delegate_all
+from tests.test_kernels import TOL, cos_sin_cache
+
+if INTERPRETED:
+    from kernels import paged_attention as pa
+    from kernels.rope_inline import DecodeRope
+else:
+    pa = DecodeRope = None  # only the child touches triton
+
+
+def make_case(seq_lens, hq, hkv, d, dtype, qk_norm, pad_reqs=0, bs=16, seed=0, device="cpu"):
+    """A decode step: one new token a request at position seq_len - 1, its slot in the
+    request's last page; ``pad_reqs`` CUDA-graph padding requests (no query token) and a
+    padded token with slot -1."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(seq_lens)
+    width = -(-(max(seq_lens) + 8) // bs) + 1
+    num_blocks = (n + pad_reqs) * width + 2
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[: (n + pad_reqs) * width]
+    table = table.view(n + pad_reqs, width).to(torch.int32)
+    qsl = torch.tensor([min(i, n) for i in range(n + pad_reqs + 1)], dtype=torch.int32)
+    seq = torch.tensor(list(seq_lens) + [0] * pad_reqs, dtype=torch.int32)
+    positions = torch.tensor([s - 1 for s in seq_lens] + [0], dtype=torch.int64)  # + a pad token
+    slots = torch.tensor([int(table[r, (s - 1) // bs]) * bs + (s - 1) % bs
+                          for r, s in enumerate(seq_lens)] + [-1], dtype=torch.int64)
+    qkv = torch.randn(n + 1, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(n + 1, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(n + 1, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(n + 1, hkv, d)
+    qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
+    kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
+    case = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, table=table, qsl=qsl, seq=seq,
+                positions=positions, slots=slots, cs=cos_sin_cache(max(seq_lens) + 8, d),
+                qw=qw, kw=kw)
+    case = {name: t.to(device) if t is not None else None for name, t in case.items()}
+    return dict(case, bound=max(seq_lens) + 5, scale=d ** -0.5)
+
+
+def expected(c):
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    q_rot = ref.rope_and_write_kv_reference(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc,
+                                            vc, c["slots"], c["qw"], c["kw"], 1e-6)
+    out = ref.paged_attention_reference(q_rot, kc, vc, c["table"].clamp(min=0), c["seq"],
+                                        c["qsl"], c["qsl"], c["bound"], c["scale"])
+    return out, kc, vc
+
+
+def fused(c, num_splits=None, fused_reduce=None, positions=None):
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    rope = DecodeRope(c["positions"] if positions is None else positions, c["k"], c["v"], c["cs"],
+                      c["slots"], c["qw"], c["kw"], 1e-6)
+    out = pa.paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, c["bound"],
+                                    c["scale"], num_splits=num_splits, fused_reduce=fused_reduce,
+                                    rope=rope)
+    return out, kc, vc
+
+
+# lengths on and around page (16) and tile (64) boundaries; the new token may open a page
+LENS = [1, 16, 17, 64, 65, 100]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama / Qwen3
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("splits,fused_reduce", [(1, None), (3, True), (3, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, splits,
+                                                              fused_reduce, dtype):
+    c = make_case(LENS, hq, hkv, 32, dtype, qk_norm, pad_reqs=2)
+    out, kc, vc = fused(c, num_splits=splits, fused_reduce=fused_reduce)
+    exp, kc_exp, vc_exp = expected(c)
+    n = len(LENS)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out[:n].float(), exp[:n].float(), **tol)
+    torch.testing.assert_close(kc, kc_exp, **tol)  # the new keys, rotated, in their slots
+    assert torch.equal(vc, vc_exp)  # values are copied; nothing else is touched
+
+
+def test_decode_attention_with_rope_detects_wrong_positions():
+    c = make_case([5, 40], 8, 2, 32, torch.float32, qk_norm=True)
+    exp, kc_exp, _ = expected(c)
+    out, kc, _ = fused(c, positions=c["positions"] + 1)
+    assert not torch.allclose(out[:2], exp[:2], atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(kc, kc_exp, atol=1e-3, rtol=1e-3)
+
+
+def test_decode_attention_with_rope_odd_head_dim():
+    """head_dim 48: BLOCK_D 64 with masked columns; the rotation pairs d with d +- 24."""
+    c = make_case([3, 33], 4, 2, 48, torch.float32, qk_norm=True)
+    out, kc, vc = fused(c, num_splits=2)
+    exp, kc_exp, vc_exp = expected(c)
+    torch.testing.assert_close(out[:2], exp[:2], **TOL[torch.float32])
+    torch.testing.assert_close(kc, kc_exp, **TOL[torch.float32])
+
+
+def test_decode_attention_with_rope_needs_one_query_token():
+    c = make_case([5], 4, 2, 32, torch.float32, qk_norm=False)
+    rope = DecodeRope(c["positions"], c["k"], c["v"], c["cs"], c["slots"])
+    with pytest.raises(AssertionError, match="one query token"):
+        pa.paged_attention_triton(c["q"], c["k_cache"], c["v_cache"], c["table"], c["seq"],
+                                  c["qsl"], 2, c["bound"], c["scale"], rope=rope)
+
+
+delegate_all(globals(), __file__)
