@@ -191,13 +191,6 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
-    if ROPE:
-        new_tile = ctx_len // BLOCK_N
-        if (tile_lo <= new_tile) & (new_tile < tile_hi) & (new_slot >= 0):
-            nc = (new_slot // KV_BLOCK_SIZE) * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt
-            tl.store(k_ptr + nc + kvh * stride_kh + offs_d[None, :], k_new, mask=d_ok[None, :])
-            nv = (new_slot // KV_BLOCK_SIZE) * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt
-            tl.store(v_ptr + nv + kvh * stride_vh + offs_d, v_new, mask=d_ok)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -219,9 +212,10 @@ def _paged_attention_kernel(
         v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if ROPE:
-            is_new = (kv_pos == ctx_len)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v = tl.where(is_new, v_new[None, :], v)
+            if t == ctx_len // BLOCK_N:  # the one tile holding the new token
+                is_new = (kv_pos == ctx_len)[:, None]
+                k = tl.where(is_new, k_new, k)
+                v = tl.where(is_new, v_new[None, :], v)
 
         if UPCAST:
             k = k.to(tl.float32)
@@ -249,6 +243,16 @@ def _paged_attention_kernel(
             pv = tl.dot(p_lo, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if ROPE:
+        # Written after the loop: a store to the cache before it would order every tile's
+        # K/V loads behind the new key's computation (the compiler cannot rule out aliasing).
+        new_tile = ctx_len // BLOCK_N
+        if (tile_lo <= new_tile) & (new_tile < tile_hi) & (new_slot >= 0):
+            nc = (new_slot // KV_BLOCK_SIZE) * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt
+            tl.store(k_ptr + nc + kvh * stride_kh + offs_d[None, :], k_new, mask=d_ok[None, :])
+            nv = (new_slot // KV_BLOCK_SIZE) * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt
+            tl.store(v_ptr + nv + kvh * stride_vh + offs_d, v_new, mask=d_ok)
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
