@@ -54,9 +54,17 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
 
 
+# Largest (padded) decode batch whose attention launch also does the rope prologue. H200,
+# 2026-12-04 (notes/2026-12-04c-h200-results.md), kernel time a step, fused vs two launches:
+# Qwen3-0.6B b1 -65 us, b8 -14 us, b32 +225 us, b128 +263 us (the prologue's registers cost
+# occupancy where attention is bandwidth-bound); Llama-3.1-8B b1 -36 us.
+ROPE_IN_ATTENTION_MAX_TOKENS = 8
+
+
 def rope_in_attention_enabled() -> bool:
-    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request, the
-    attention launch also does the rope + KV-write prologue (one launch a layer fewer)."""
+    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request and at most
+    ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens, the attention launch also does the rope +
+    KV-write prologue (one launch a layer fewer)."""
     return _env_flag("SYNCLESS_ROPE_IN_ATTENTION", True)
 
 
@@ -65,9 +73,11 @@ def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot
                        max_query_len: int, max_seq_len_upper_bound: int, scale: float,
                        q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
-    On CUDA with one query token a request (``max_query_len == 1``, a CPU int) it is one
-    launch (``kernels.paged_attention`` with ``rope=``); otherwise the two ops."""
-    if _use_triton(q) and max_query_len == 1 and rope_in_attention_enabled():
+    On CUDA with one query token a request (``max_query_len == 1``, a CPU int) and a small
+    batch it is one launch (``kernels.paged_attention`` with ``rope=``); otherwise the two
+    ops."""
+    if (_use_triton(q) and max_query_len == 1 and q.shape[0] <= ROPE_IN_ATTENTION_MAX_TOKENS
+            and rope_in_attention_enabled()):
         from kernels.paged_attention import paged_attention_triton
         from kernels.rope_inline import DecodeRope
 
