@@ -221,11 +221,14 @@ def fused_mlp_enabled() -> bool:
     return _env_flag("SYNCLESS_FUSED_MLP", False)
 
 
-def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down):
-    """``down(silu_and_mul(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
-    (tensor parallelism 1, no biases). A batch of one 16-bit row on CUDA: one launch
-    (``kernels.mlp_block``); otherwise the three ``linear`` calls it fuses."""
-    if (_use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1 and fused_mlp_enabled()
+def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
+              act: str = "silu_and_mul"):
+    """``down(act(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
+    (tensor parallelism 1, no biases; ``act`` names the gate|up layout). A batch of one
+    16-bit row on CUDA with the stacked layout: one launch (``kernels.mlp_block``);
+    otherwise the three ``linear`` calls it fuses."""
+    if (act == "silu_and_mul" and _use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1
+            and fused_mlp_enabled()
             and attn.dtype in (torch.bfloat16, torch.float16)
             and all(w.dtype == attn.dtype and w.stride(-1) == 1 for w in (wo, w_gate_up, w_down))):
         from kernels.mlp_block import mlp_block_ready, mlp_block_triton, select_config
@@ -235,6 +238,6 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down):
             return mlp_block_triton(attn, wo, residual, norm_weight, eps, w_gate_up, w_down,
                                     config=cfg)
     o, _ = linear(attn, wo)
-    act, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
-                          act="silu_and_mul")
-    return linear(act, w_down)[0], new_res
+    h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
+                        act=act)
+    return linear(h, w_down)[0], new_res

@@ -376,7 +376,8 @@ def test_skinny_tuned_entries_on_their_shapes():
     if not TUNING_FILE.exists():
         pytest.skip("no kernels/skinny_tuning.json")
     entries = json.loads(TUNING_FILE.read_text())["entries"]
-    variant = {"plain": "plain", "plain_f32": "plain", "norm": "norm_res", "norm_act": "norm_res_act"}
+    variant = {"plain": "plain", "plain_f32": "plain", "norm": "norm_res", "norm_act": "norm_res_act",
+               "norm_act_pairs": "norm_res_act_pairs"}
     from kernels.gemv import gemv_triton
 
     for key, cfg in entries.items():

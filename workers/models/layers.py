@@ -49,11 +49,18 @@ class MergedColumnLinear(nn.Module):
 
     ``parts[i] = (start, length)``: the rows of checkpoint tensor i that this rank
     holds (a slice for sharded heads, a whole head for replicated KV heads).
+    ``interleave`` (equal parts): row ``j`` of part ``i`` lands at row ``j * len(parts) + i``
+    instead of after the previous part (gate|up as (gate j, up j) pairs, which the decode
+    GEMV streams as one contiguous row set: ``act="silu_and_mul_pairs"``).
     """
 
-    def __init__(self, in_f: int, parts: list[tuple[int, int]], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_f: int, parts: list[tuple[int, int]], bias: bool, dtype: torch.dtype,
+                 interleave: bool = False):
         super().__init__()
+        if interleave and len({n for _, n in parts}) != 1:
+            raise ValueError(f"interleaved parts must have equal lengths, got {parts}")
         self.parts = parts
+        self.interleave = interleave
         self.offsets = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
         total = sum(n for _, n in parts)
         self.weight = _param((total, in_f), dtype, None)
@@ -62,8 +69,12 @@ class MergedColumnLinear(nn.Module):
     def load_part(self, target: torch.Tensor, tensor: torch.Tensor, index: int) -> None:
         """Copy this rank's rows of checkpoint part ``index`` into ``target`` (weight or bias)."""
         start, length = self.parts[index]
-        off = self.offsets[index]
-        target.data[off : off + length].copy_(tensor.narrow(0, start, length))
+        rows = tensor.narrow(0, start, length)
+        if self.interleave:
+            target.data[index :: len(self.parts)].copy_(rows)
+        else:
+            off = self.offsets[index]
+            target.data[off : off + length].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)[0]

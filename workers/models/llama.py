@@ -94,12 +94,18 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         part = shard_rows(arch.intermediate_size, tp)
-        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype)
+        # gate|up as (gate j, up j) row pairs: the batch-1 GEMV then streams one contiguous
+        # row set (H200: 8B 62.1 vs 63.7 us stacked and 65.7 unfused; 0.6B 6.7 vs 7.5). The
+        # opt-in one-launch MLP block reads the stacked layout.
+        self.interleaved = not ops.fused_mlp_enabled()
+        self.act = "silu_and_mul_pairs" if self.interleaved else "silu_and_mul"
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype,
+                                               interleave=self.interleaved)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp, dtype)
         self.inter = part[1]
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), pairs=self.interleaved))
 
 
 class DecoderLayer(nn.Module):
@@ -124,10 +130,10 @@ class DecoderLayer(nn.Module):
             ln = self.post_attention_layernorm
             return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin),
                                  attn.o_proj.weight, residual, ln.weight, ln.eps,
-                                 mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                                 mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act)
         h = attn.attend(qkv, positions, meta, kv, cos_sin)
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
-                                                      act="silu_and_mul")
+                                                      act=mlp.act)
         return mlp.down_proj(act), residual
 
 
