@@ -25,9 +25,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     wait_and_release(USE_PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    if PAIRS:
-        g = tl.load(x_ptr + t * stride_x + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + t * stride_x + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+    if PAIRS:  # one contiguous [BLOCK, 2] load (not two stride-2 ones), split in registers
+        pair = 2 * cols[:, None] + tl.arange(0, 2)[None, :]
+        gu = tl.load(x_ptr + t * stride_x + pair, mask=mask[:, None], other=0.0).to(tl.float32)
+        g, u = tl.split(gu)
     else:
         g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)

@@ -118,3 +118,10 @@ def test_mlp_block_compiles(variant):
     ptx = compiled.asm["ptx"]
     if variant.get("USE_DOT"):  # model sizes are multiples of 16, as the JIT specialises them
         assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0, "tiles not pipelined"
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_silu_and_mul_compiles(pairs):
+    from kernels.activation import _silu_and_mul_kernel
+
+    _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
