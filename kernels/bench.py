@@ -54,10 +54,10 @@ def graph_time_us(fns, target_ms: float = 2.0) -> float:
 
 GEMM_SHAPES = {  # name -> (N, K, variant), Llama-3.1-8B and Qwen3-0.6B decode projections
     "8b_qkv": (6144, 4096, "norm"), "8b_o": (4096, 4096, "plain"),
-    "8b_gate_up": (28672, 4096, "norm_act"), "8b_down": (4096, 14336, "plain"),
+    "8b_gate_up": (28672, 4096, "norm_act_pairs"), "8b_down": (4096, 14336, "plain"),
     "8b_lm_head": (128256, 4096, "logits"),
     "06b_qkv": (4096, 1024, "norm"), "06b_o": (1024, 2048, "plain"),
-    "06b_gate_up": (6144, 1024, "norm_act"), "06b_down": (1024, 3072, "plain"),
+    "06b_gate_up": (6144, 1024, "norm_act_pairs"), "06b_down": (1024, 3072, "plain"),
     "06b_lm_head": (151936, 1024, "logits"),
 }
 TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
@@ -67,16 +67,18 @@ TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_sta
     16: [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 4, False), (True, 16, 256, 4, 4, False),
          (True, 32, 128, 4, 5, False)],
 }
-KIND = {"plain": "plain", "norm": "norm", "norm_act": "norm_act", "logits": "plain_f32"}
+# gate|up is measured in the layout the model loads (row pairs: workers/models/llama.py)
+KIND = {"plain": "plain", "norm": "norm", "norm_act": "norm_act", "norm_act_pairs": "norm_act_pairs",
+        "logits": "plain_f32"}
 
 
 def _gemm_call_kwargs(variant, m, k, dtype, dev):
     kw = {}
-    if variant in ("norm", "norm_act"):
+    if variant in ("norm", "norm_act", "norm_act_pairs"):
         kw["norm_weight"] = torch.ones(k, device=dev, dtype=dtype)
         kw["residual"] = torch.randn(m, k, device=dev, dtype=dtype)
-    if variant == "norm_act":
-        kw["act"] = "silu_and_mul"
+    if variant in ("norm_act", "norm_act_pairs"):
+        kw["act"] = "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
     if variant == "logits":
         kw["out_dtype"] = torch.float32
     return kw

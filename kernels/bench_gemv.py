@@ -68,7 +68,7 @@ def bench_gemv() -> list[dict]:
             base = graph_time_us([lambda w=w: ops.linear(x, w, **kw) for w in ws])
         finally:
             ops.SKINNY_MAX_M = saved
-        kind = kind_of("norm_weight" in kw, "act" in kw, variant == "logits")
+        kind = kind_of("norm_weight" in kw, kw.get("act"), variant == "logits")
         skinny_cfg = select_config(1, n, k, kind)
         if skinny_cfg is not None and skinny_cfg.get("kernel") == "gemv":
             skinny_cfg = None  # a table that already routes here: compare with the default
@@ -92,8 +92,8 @@ def bench_gemv() -> list[dict]:
                 row["skinny_dot"].append({**cfg, "error": repr(e)[:200]})
                 continue
             row["skinny_dot"].append({**cfg, "us": us["off"], "pdl_us": us["pdl"]})
-        for cand in GEMV_CANDIDATES:
-            cfg = dict(zip(GEMV_KEYS, cand))
+        for cand in GEMV_CANDIDATES if kw.get("act") != "silu_and_mul_pairs" else ():
+            cfg = dict(zip(GEMV_KEYS, cand))  # (the GEMV reads only the stacked gate|up)
             modes = ("pdl",) if cfg["pre_l2"] else ("off", "pdl")
             try:
                 us = {mode: _with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(

@@ -202,7 +202,7 @@ def _paged_attention_kernel(
     # before it and the owning split adds it from registers after the loop. (Substituting
     # it into a tile instead puts a register op between the loads and tl.dot, which
     # breaks the loads' software pipelining: measured 1.4-1.6x slower at batch 8-128.)
-    cached_end = kv_end - 1 if ROPE else kv_end
+    cached_end = tl.minimum(ctx_len, kv_end) if ROPE else kv_end
     for t in range(tile_lo, tile_hi):
         kv_pos = t * BLOCK_N + offs_n
         kv_ok = kv_pos < cached_end
@@ -245,8 +245,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if ROPE:
-        new_tile = ctx_len // BLOCK_N
-        if (tile_lo <= new_tile) & (new_tile < tile_hi):  # this split owns the new key
+        # The split holding the row's last tile owns the new key: it adds it (unless a
+        # bound below seq_len hides it, as the reference's bound does) and writes it.
+        last_tile = (kv_end - 1) // BLOCK_N
+        owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
+        if owner & (ctx_len < kv_end):
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
             s_new = tl.where(row_ok, s_new, float("-inf"))
             m_new = tl.maximum(m_i, s_new)
@@ -257,14 +260,14 @@ def _paged_attention_kernel(
             p_lo = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)
             acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
-            # Written after the loop: a cache store before it would order every tile's
-            # K/V loads behind the new key (the compiler cannot rule out aliasing).
-            if new_slot >= 0:
-                pg = new_slot // KV_BLOCK_SIZE
-                nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh
-                tl.store(k_ptr + nc + offs_d[None, :], k_new, mask=d_ok[None, :])
-                nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
-                tl.store(v_ptr + nv + offs_d, v_new, mask=d_ok)
+        # Written after the loop: a cache store before it would order every tile's K/V
+        # loads behind the new key (the compiler cannot rule out aliasing).
+        if owner & (new_slot >= 0):
+            pg = new_slot // KV_BLOCK_SIZE
+            nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            tl.store(k_ptr + nc + offs_d[None, :], k_new, mask=d_ok[None, :])
+            nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
+            tl.store(v_ptr + nv + offs_d, v_new, mask=d_ok)
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -360,7 +363,9 @@ def paged_attention_triton(
     ``rope`` (batches of one query token a request, ``max_query_len == 1``): ``q`` is the
     raw projection; the kernel also does ``kernels.rope_kv``'s work (q/k norm, rotary,
     the new K/V written to the cache), as ``rope_and_write_kv_reference`` followed by
-    this function would.
+    this function would (within 16-bit rounding). One difference: a request whose new
+    token has slot -1 (a draft lookahead past its KV capacity) attends its fresh key,
+    where the two-launch path attends whatever the cache holds at that position.
 
     ``max_query_len`` and ``max_seq_len_upper_bound`` are CPU ints that must be
     >= the real values; they only size grids and pick configs. ``num_splits``

@@ -4,7 +4,8 @@ Used by ``kernels.paged_attention`` when it takes over ``kernels.rope_kv``'s wor
 one-token-per-request batches (``rope=`` there): each attention program rotates its own
 q heads and its KV head's new key in registers, so the layer runs one launch fewer.
 
-The math and rounding are ``kernels.reference.rope_and_write_kv_reference``'s:
+The math and rounding points are ``kernels.reference.rope_and_write_kv_reference``'s
+(results agree to about an ulp: the compiler may fuse the rotation's multiply-adds):
 ``((x * rstd) -> dtype) * w -> dtype``, then ``x1 cos - x2 sin | x2 cos + x1 sin`` in
 float32, rounded to the dtype. Rotate-half pairs element ``d`` with ``(d + D/2) mod D``,
 so a row is loaded twice (the second load hits L1/L2) instead of being split in halves:

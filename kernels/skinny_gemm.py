@@ -77,7 +77,7 @@ def _skinny_kernel(
         # while the previous kernel (attention, a norm) is still running.
         w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
         for pr in tl.static_range(BLOCK_N):
-            if pid * BLOCK_N + pr < N_OUT:
+            if pid * BLOCK_N + pr < (2 * N_OUT if ACT_PAIRS else N_OUT):  # weight rows
                 prefetch_l2(w_first + pr * stride_wn, PREFETCH_L2)
                 if ACT and not ACT_PAIRS:
                     prefetch_l2(w_first + (up_off + pr) * stride_wn, PREFETCH_L2)

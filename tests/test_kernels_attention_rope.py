@@ -56,34 +56,98 @@ def expected(c):
     return out, kc, vc
 
 
-def fused(c, num_splits=None, fused_reduce=None, positions=None):
+def fused(c, num_splits=None, fused_reduce=None, positions=None, block_n=None):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     rope = DecodeRope(c["positions"] if positions is None else positions, c["k"], c["v"], c["cs"],
                       c["slots"], c["qw"], c["kw"], 1e-6)
     out = pa.paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, c["bound"],
                                     c["scale"], num_splits=num_splits, fused_reduce=fused_reduce,
-                                    rope=rope)
+                                    rope=rope, config=dict(block_n=block_n) if block_n else None)
     return out, kc, vc
 
 
-# lengths on and around page (16) and tile (64) boundaries; the new token may open a page
-LENS = [1, 16, 17, 64, 65, 100]
+# lengths on and around page (16) and tile boundaries; the new token may open a page or be
+# alone in its tile; 129 and 257 span several tiles of the default 128 keys
+LENS = [1, 16, 17, 64, 65, 100, 129, 257]
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama / Qwen3
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8
 @pytest.mark.parametrize("splits,fused_reduce", [(1, None), (3, True), (3, False)])
+@pytest.mark.parametrize("block_n", [None, 16])  # 16: a tile a page, many tiles a split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, splits,
-                                                              fused_reduce, dtype):
+                                                              fused_reduce, block_n, dtype):
     c = make_case(LENS, hq, hkv, 32, dtype, qk_norm, pad_reqs=2)
-    out, kc, vc = fused(c, num_splits=splits, fused_reduce=fused_reduce)
+    out, kc, vc = fused(c, num_splits=splits, fused_reduce=fused_reduce, block_n=block_n)
     exp, kc_exp, vc_exp = expected(c)
     n = len(LENS)
     tol = TOL[dtype]
     torch.testing.assert_close(out[:n].float(), exp[:n].float(), **tol)
     torch.testing.assert_close(kc, kc_exp, **tol)  # the new keys, rotated, in their slots
     assert torch.equal(vc, vc_exp)  # values are copied; nothing else is touched
+
+
+def test_decode_attention_with_rope_slot_minus_one_writes_nothing():
+    """A real request whose new token has slot -1 (a draft lookahead past its capacity):
+    no cache write anywhere, and its output still attends its fresh key."""
+    c = make_case([20, 70], 8, 2, 32, torch.float32, qk_norm=True)
+    exp, _, _ = expected(c)  # with the real slots: the fresh keys are attended
+    c["slots"][1] = -1
+    before_k, before_v = c["k_cache"].clone(), c["v_cache"].clone()
+    _, kc_one, vc_one = expected(dict(c))  # the reference writes request 0's slot only
+    out, kc, vc = fused(c, num_splits=2)
+    torch.testing.assert_close(out[:2], exp[:2], **TOL[torch.float32])
+    torch.testing.assert_close(kc, kc_one, **TOL[torch.float32])
+    assert torch.equal(vc, vc_one)
+    changed = (kc != before_k).flatten(1).any(1).sum() + (vc != before_v).flatten(1).any(1).sum()
+    assert int(changed) == 2  # request 0's K and V rows: one cache row each
+
+
+def test_decode_attention_with_rope_bound_below_seq_len():
+    """A caller that breaks seq_len <= bound: keys past the bound do not exist (as in the
+    reference), and the new K/V are still written."""
+    c = make_case([70], 4, 2, 32, torch.float32, qk_norm=False)
+    c["bound"] = 64
+    out, kc, vc = fused(c, block_n=64)
+    exp, kc_exp, vc_exp = expected(c)
+    torch.testing.assert_close(out[:1], exp[:1], **TOL[torch.float32])
+    torch.testing.assert_close(kc, kc_exp, **TOL[torch.float32])
+    assert torch.equal(vc, vc_exp)
+
+
+def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
+    """``ops.rope_and_attention`` (kernels on CPU tensors under the interpreter): up to
+    ROPE_IN_ATTENTION_MAX_TOKENS tokens of one query token each take the fused launch,
+    larger or multi-token batches and the switch set to 0 the two launches; all equal the
+    reference."""
+    from kernels import ops
+
+    calls = []
+    real = pa.paged_attention_triton
+
+    def spy(*args, **kw):
+        calls.append(kw.get("rope") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    monkeypatch.setattr(pa, "paged_attention_triton", spy)
+    for n, env, want in ((3, None, True), (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, None, False),
+                         (3, "0", False)):
+        if env is None:
+            monkeypatch.delenv("SYNCLESS_ROPE_IN_ATTENTION", raising=False)
+        else:
+            monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", env)
+        c = make_case([5 + 9 * i for i in range(n)], 4, 2, 32, torch.float32, qk_norm=True)
+        exp, kc_exp, _ = expected(c)
+        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+        calls.clear()
+        out = ops.rope_and_attention(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc,
+                                     c["slots"], c["table"], c["seq"], c["qsl"], c["qsl"], 1,
+                                     c["bound"], c["scale"], c["qw"], c["kw"], 1e-6)
+        assert calls == [want]
+        torch.testing.assert_close(out[:n], exp[:n], **TOL[torch.float32])
+        torch.testing.assert_close(kc, kc_exp, **TOL[torch.float32])
 
 
 def test_decode_attention_with_rope_detects_wrong_positions():
