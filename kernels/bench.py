@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|attention|attention-sweep|probe]
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|attention|attention-sweep|probe|rope-attention]
     python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
@@ -271,7 +271,8 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep", "probe"),
+    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep", "probe",
+                            "rope-attention"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
                    help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
@@ -307,6 +308,10 @@ def main(argv=None):
         from kernels.bench_probe import bench_probe
 
         res["probe"] = bench_probe()
+    if a.only == "rope-attention":
+        from kernels.bench_probe import bench_rope_attention
+
+        res["rope_attention"] = bench_rope_attention()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -148,3 +148,59 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
 
 def bench_probe() -> dict:
     return {"gate_up_layout": bench_gate_up_layout(), "attention_then_o": bench_attention_then_o()}
+
+
+ROPE_ATTN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BATCHES,
+                         device: str = "cuda", timer=graph_time_us) -> list[dict]:
+    """Decode attention with the rope + KV-write prologue inside (``rope=``) against the
+    ``rope_kv`` launch followed by attention, per batch size (PDL off, one new token a
+    request at position ``ctx``): the crossover behind ``ops.ROPE_IN_ATTENTION_MAX_TOKENS``.
+
+        python -m kernels.bench --only rope-attention --out /tmp/rope-attn.json
+    """
+    from kernels.paged_attention import paged_attention_triton
+    from kernels.rope_inline import DecodeRope
+    from kernels.rope_kv import rope_and_write_kv_triton
+
+    dev, dt, d, bs = torch.device(device), torch.bfloat16, 128, 16
+    rows = []
+    for name, hq, hkv, qk_norm in (("8b", 32, 8, False), ("06b", 16, 8, True)):
+        for b in batches:
+            _, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
+            slots = [(c[2][:, ctx // bs].long() * bs + ctx % bs) for c in caches]
+            qkv = torch.randn(b, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+            q = qkv[:, : hq * d].view(b, hq, d)
+            k = qkv[:, hq * d: (hq + hkv) * d].view(b, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+            seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
+            qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+            pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
+            cs = torch.randn(bound, d, device=dev, dtype=torch.float32)
+            w = torch.ones(d, device=dev, dtype=dt) if qk_norm else None
+
+            def two(c, sl):
+                qr = rope_and_write_kv_triton(pos, q, k, v, cs, c[0], c[1], sl, w, w, 1e-6)
+                return paged_attention_triton(qr, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5)
+
+            def one(c, sl):
+                return paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5,
+                                              rope=DecodeRope(pos, k, v, cs, sl, w, w, 1e-6))
+
+            row = {"shape": name, "batch": b, "context": ctx, "bound": bound}
+            for label, fn in (("two_launches", two), ("rope_in_attention", one)):
+                try:
+                    row[label + "_us"] = _with_pdl(False, lambda fn=fn: timer(
+                        [lambda c=c, sl=sl: fn(c, sl) for c, sl in zip(caches, slots)]))
+                except Exception as e:  # resources
+                    row[label + "_error"] = repr(e)[:160]
+            rows.append(row)
+            print(f"rope-attention {name} b={b:3d}: two launches "
+                  f"{row.get('two_launches_us', float('nan')):7.2f} us, fused "
+                  f"{row.get('rope_in_attention_us', float('nan')):7.2f} us", flush=True)
+            del caches
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
