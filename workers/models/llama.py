@@ -123,7 +123,7 @@ class DecoderLayer(nn.Module):
         that follows it, and SiLU*mul into gate|up; at decode sizes on CUDA that makes six
         launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down
         (five for decode batches of up to 8 tokens: rope+KV write run inside attention);
-        at batch 1 (tp 1) the last three are one (``ops.mlp_block``)."""
+        with ``SYNCLESS_FUSED_MLP=1`` at batch 1 (tp 1) the last three are one (``ops.mlp_block``)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
         if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
