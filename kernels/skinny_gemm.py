@@ -64,7 +64,6 @@ def _skinny_kernel(
     M, N_OUT, K, up_off, eps,
     stride_xm, stride_rm, stride_wn, stride_ym, stride_nrm,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    ACT_PAIRS: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_L2: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
@@ -77,16 +76,16 @@ def _skinny_kernel(
         # while the previous kernel (attention, a norm) is still running.
         w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
         for pr in tl.static_range(BLOCK_N):
-            if pid * BLOCK_N + pr < (2 * N_OUT if ACT_PAIRS else N_OUT):  # weight rows
+            if pid * BLOCK_N + pr < (2 * N_OUT if ACT == 2 else N_OUT):  # weight rows
                 prefetch_l2(w_first + pr * stride_wn, PREFETCH_L2)
-                if ACT and not ACT_PAIRS:
+                if ACT == 1:
                     prefetch_l2(w_first + (up_off + pr) * stride_wn, PREFETCH_L2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     res_ok = m_ok & ((offs_m * 0 + pid) == 0)  # program 0 stores the new residual
-    if ACT_PAIRS:  # BLOCK_N interleaved weight rows -> BLOCK_N // 2 outputs
+    if ACT == 2:  # BLOCK_N interleaved weight rows -> BLOCK_N // 2 outputs
         n_ok = offs_n < 2 * N_OUT
     else:
         n_ok = offs_n < N_OUT
@@ -105,7 +104,7 @@ def _skinny_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if PREFETCH:  # register double-buffering: the next W tile is in flight during the FMAs
         w_nxt = tl.load(w_rows, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        if ACT and not ACT_PAIRS:
+        if ACT == 1:
             wu_nxt = tl.load(w_rows + up_off * stride_wn, mask=n_ok[:, None] & (offs_k[None, :] < K),
                              other=0.0)
     # PDL: the first weight tile (no kernel writes weights) is in flight before we wait
@@ -124,13 +123,13 @@ def _skinny_kernel(
             w = w_nxt
             nxt_mask = n_ok[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
             w_nxt = tl.load(w_rows + (k0 + BLOCK_K), mask=nxt_mask, other=0.0)
-            if ACT and not ACT_PAIRS:
+            if ACT == 1:
                 wu = wu_nxt
                 wu_nxt = tl.load(w_rows + up_off * stride_wn + (k0 + BLOCK_K), mask=nxt_mask,
                                  other=0.0)
         else:
             w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
-            if ACT and not ACT_PAIRS:
+            if ACT == 1:
                 wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
         a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
         if HAS_RES:
@@ -151,21 +150,21 @@ def _skinny_kernel(
         if USE_DOT:
             if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                if ACT and not ACT_PAIRS:
+                if ACT == 1:
                     acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)),
                                     input_precision="ieee")
             elif IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                if ACT and not ACT_PAIRS:
+                if ACT == 1:
                     acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
-                if ACT and not ACT_PAIRS:
+                if ACT == 1:
                     acc_u += tl.dot(a, tl.trans(wu))
         else:
             af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
             acc += w.to(tl.float32) * af1
-            if ACT and not ACT_PAIRS:
+            if ACT == 1:
                 acc_u += wu.to(tl.float32) * af1
 
     if USE_DOT:
@@ -180,9 +179,9 @@ def _skinny_kernel(
         y_u = y_u * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACT and not ACT_PAIRS:
+        if ACT == 1:
             y_u += tl.load(b_ptr + up_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT_PAIRS:  # columns (2j, 2j + 1) are output j's (gate, up)
+    if ACT == 2:  # columns (2j, 2j + 1) are output j's (gate, up)
         y, y_u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
         offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_ok = offs_n < N_OUT
@@ -221,7 +220,8 @@ TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
 TUNING_ENV = "SYNCLESS_SKINNY_TUNING"  # another tuning file (a benchmark's fresh table)
 
 
-ACTS = (None, "silu_and_mul", "silu_and_mul_pairs")
+# the kernel's ACT: 0 none, 1 gate|up stacked (a second row set at up_off), 2 row pairs
+ACT_CODES = {None: 0, "silu_and_mul": 1, "silu_and_mul_pairs": 2}
 
 
 def kind_of(norm: bool, act: bool | str | None, out_f32: bool) -> str:
@@ -318,7 +318,7 @@ def skinny_linear_triton(
     ``[M, I]``).
     ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-    assert act in ACTS, f"unknown activation {act!r}"
+    assert act in ACT_CODES, f"unknown activation {act!r}"
     assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
     m, k = x.shape
     assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
@@ -355,7 +355,7 @@ def skinny_linear_triton(
         m, n_out, k, n_out, float(eps),
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), nr.stride(0),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        ACT=act is not None, ACT_PAIRS=pairs, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ACT=ACT_CODES[act], USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,

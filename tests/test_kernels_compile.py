@@ -33,16 +33,15 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
     return compiled
 
 
-SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, ACT_PAIRS=False, BLOCK_M=1,
-              BLOCK_N=4,
+SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=1, BLOCK_M=1, BLOCK_N=4,
               BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True)
 
 
 @pytest.mark.parametrize("variant", [
     dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=2048),  # batch 1, PDL + L2 prefetch
     dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
-    dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT_PAIRS=True, BLOCK_N=8),  # gate|up pairs
-    dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT_PAIRS=True, BLOCK_M=16, BLOCK_N=32,
+    dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT=2, BLOCK_N=8),  # gate|up pairs
+    dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT=2, BLOCK_M=16, BLOCK_N=32,
          BLOCK_K=256),
 ])
 def test_skinny_gemm_compiles(variant):
