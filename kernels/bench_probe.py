@@ -121,13 +121,13 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
 
         n_fns = max(len(caches), len(ws))
         row = {"shape": name, "o_config": cfg, "cases": {}}
-        cases = {
-            "attn": ("0", lambda pre: [lambda c=c: attn(c) for c in caches]),
-            "o": ("0", lambda pre: [lambda w=w: skinny_linear_triton(
-                x, w, config=dict(cfg, prefetch_l2=pre)) for w in ws]),
-            "attn+o": ("0", lambda pre: [lambda i=i: pair(i, pre) for i in range(n_fns)]),
+        cases = {  # label -> the calls of one graph, given the o_proj's prefetch_l2
+            "attn": lambda pre: [lambda c=c: attn(c) for c in caches],
+            "o": lambda pre: [lambda w=w: skinny_linear_triton(
+                x, w, config=dict(cfg, prefetch_l2=pre)) for w in ws],
+            "attn+o": lambda pre: [lambda i=i: pair(i, pre) for i in range(n_fns)],
         }
-        for label, (_, make) in cases.items():
+        for label, make in cases.items():
             for mode, pre in (("off", 0), ("pdl", 0), ("pdl_l2_4096", 4096), ("pdl_l2_row", True)):
                 if label == "attn" and pre:
                     continue

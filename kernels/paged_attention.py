@@ -53,7 +53,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import wait_and_release
-from kernels.attention_splits import _reduce_splits_kernel, _semaphores  # noqa: F401
+from kernels.attention_splits import _reduce_splits_kernel, _semaphores
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
 LOG2E = 1.4426950408889634
@@ -150,8 +150,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     if ROPE:
         # One query token: rotate (and normalise) the raw q heads and this KV head's new
-        # key here, instead of kernels.rope_kv's launch; the split whose range covers
-        # position ctx_len adds the new K/V from registers and writes them to the cache
+        # key here, instead of kernels.rope_kv's launch; the split holding the row's last
+        # tile adds the new K/V from registers after the loop and writes them to the cache
         # (no program of this launch reads that slot).
         DT = q_ptr.dtype.element_ty
         q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM,
