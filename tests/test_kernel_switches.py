@@ -1,4 +1,7 @@
-"""Kernel switches set on the driver are the ones forwarded to the workers, and only those."""
+"""Kernel switches set on the driver are the ones forwarded to the workers, and only those;
+the on/off ones parse strictly."""
+
+import pytest
 
 from kernels.switches import KERNEL_SWITCHES, kernel_env_vars
 
@@ -24,16 +27,20 @@ def test_every_switch_the_kernels_read_is_listed():
     assert read <= set(KERNEL_SWITCHES), sorted(read - set(KERNEL_SWITCHES))
 
 
-def test_rope_in_attention_switch(monkeypatch):
-    import pytest
-
+@pytest.mark.parametrize("name,getter,default", [
+    ("SYNCLESS_ROPE_IN_ATTENTION", "rope_in_attention_enabled", True),  # one launch fewer
+    ("SYNCLESS_FUSED_MLP", "fused_mlp_enabled", False),  # measured slower on the H200: opt-in
+])
+def test_boolean_switches_parse_strictly(monkeypatch, name, getter, default):
     from kernels import ops
 
-    monkeypatch.delenv("SYNCLESS_ROPE_IN_ATTENTION", raising=False)
-    assert ops.rope_in_attention_enabled() is True  # default: one launch a layer fewer
-    for raw, want in (("0", False), ("off", False), ("1", True), ("yes", True)):
-        monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", raw)
-        assert ops.rope_in_attention_enabled() is want
-    monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", "sometimes")
-    with pytest.raises(ValueError, match="SYNCLESS_ROPE_IN_ATTENTION"):
-        ops.rope_in_attention_enabled()
+    read = getattr(ops, getter)
+    monkeypatch.delenv(name, raising=False)
+    assert read() is default
+    for raw, want in (("0", False), ("off", False), ("1", True), ("on", True), ("yes", True)):
+        monkeypatch.setenv(name, raw)
+        assert read() is want
+    for bad in ("sometimes", "maybe"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            read()

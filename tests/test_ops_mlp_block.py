@@ -1,5 +1,5 @@
-"""``ops.mlp_block`` off the GPU path: the three ``linear`` calls it stands for, and its
-``SYNCLESS_FUSED_MLP`` switch parsed strictly."""
+"""``ops.mlp_block`` off the GPU path: the three ``linear`` calls it stands for (its
+``SYNCLESS_FUSED_MLP`` switch: tests/test_kernel_switches.py)."""
 
 import pytest
 import torch
@@ -20,14 +20,3 @@ def test_mlp_block_cpu_is_the_three_linear_calls():
     exp = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ wd.T
     torch.testing.assert_close(out, exp)
     torch.testing.assert_close(new_res, exp_res)
-
-
-def test_fused_mlp_switch(monkeypatch):
-    monkeypatch.delenv("SYNCLESS_FUSED_MLP", raising=False)
-    assert ops.fused_mlp_enabled() is False  # measured slower on the H200: opt-in
-    for raw, want in (("1", True), ("on", True), ("0", False), ("off", False)):
-        monkeypatch.setenv("SYNCLESS_FUSED_MLP", raw)
-        assert ops.fused_mlp_enabled() is want
-    monkeypatch.setenv("SYNCLESS_FUSED_MLP", "maybe")
-    with pytest.raises(ValueError, match="SYNCLESS_FUSED_MLP"):
-        ops.fused_mlp_enabled()
