@@ -1,7 +1,6 @@
 """``ops.mlp_block`` off the GPU path: the three ``linear`` calls it stands for (its
 ``SYNCLESS_FUSED_MLP`` switch: tests/test_kernel_switches.py)."""
 
-import pytest
 import torch
 
 from kernels import ops, reference as ref
