@@ -20,6 +20,12 @@ import torch
 L2_BYTES = 60 << 20
 
 
+def rotation_copies(nbytes: int, cap: int = 32) -> int:
+    """How many copies of an ``nbytes`` operand a timing loop rotates through so that
+    together they exceed L2 four times over (every call reads from HBM), at most ``cap``."""
+    return max(1, min(cap, -(-4 * L2_BYTES // nbytes)))
+
+
 def graph_time_us(fns, target_ms: float = 2.0) -> float:
     """Median per-call time of a graph of calls cycling through ``fns``."""
     for f in fns:
@@ -93,7 +99,7 @@ def bench_gemm(ms: list[int]) -> list[dict]:
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
         nbytes = n * k * 2
-        copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
+        copies = rotation_copies(nbytes)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         for m in ms:
             if m > 16:  # M classes 1 and 2..16; larger batches stay on cuBLAS
@@ -151,7 +157,7 @@ def _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
     to rotate through more than L2; returns (KV bytes one call reads, the copies)."""
     per = -(-bound // bs)
     kv_bytes = b * ctx * hkv * d * 2 * 2
-    copies = max(1, min(64, -(-4 * L2_BYTES // kv_bytes)))
+    copies = rotation_copies(kv_bytes, cap=64)
     return kv_bytes, [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
                        torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
                        torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernels.bench import GEMM_SHAPES, KIND, L2_BYTES, _gemm_call_kwargs, graph_time_us
+from kernels.bench import GEMM_SHAPES, KIND, _gemm_call_kwargs, graph_time_us, rotation_copies
 
 # (block_n, block_k, num_warps, ctas_per_sm, pre_l2 bytes). One CTA an SM leaves room for
 # the next kernel's CTAs to launch early under PDL and load their first tiles.
@@ -58,7 +58,7 @@ def bench_gemv() -> list[dict]:
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
         nbytes = n * k * 2
-        copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
+        copies = rotation_copies(nbytes)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)
         kw = _gemm_call_kwargs(variant, 1, k, dt, dev)

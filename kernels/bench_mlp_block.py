@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernels.bench import L2_BYTES, graph_time_us
+from kernels.bench import graph_time_us, rotation_copies
 from kernels.bench_gemv import _with_env, _with_pdl
 
 SHAPES = {"8b": (4096, 4096, 14336), "06b": (1024, 2048, 3072)}  # (H, A = Hq * D, I)
@@ -46,7 +46,7 @@ def bench_mlp_block() -> list[dict]:
     rows = []
     for name, (h, a, inter) in SHAPES.items():
         nbytes = (h * a + 3 * inter * h) * 2
-        copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
+        copies = rotation_copies(nbytes)
         ws = [tuple(torch.randn(*s, device=dev, dtype=dt) * 0.02
                     for s in ((h, a), (2 * inter, h), (h, inter))) for _ in range(copies)]
         attn = torch.randn(1, a, device=dev, dtype=dt)

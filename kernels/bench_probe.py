@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bench import L2_BYTES, _attention_caches, graph_time_us
+from kernels.bench import _attention_caches, graph_time_us, rotation_copies
 from kernels.bench_gemv import _with_env, _with_pdl
 
 GATE_UP_SHAPES = {"8b_gate_up": (28672, 4096), "06b_gate_up": (6144, 1024)}
@@ -43,7 +43,7 @@ def bench_gate_up_layout() -> list[dict]:
     rows = []
     for name, (n, k) in GATE_UP_SHAPES.items():
         nbytes = n * k * 2
-        copies = max(1, min(32, -(-4 * L2_BYTES // nbytes)))
+        copies = rotation_copies(nbytes)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)
         res = torch.randn(1, k, device=dev, dtype=dt)
@@ -101,7 +101,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
     rows = []
     for name, hq, hkv, n, k in ATTN_O_SHAPES:
         _, caches = _attention_caches(1, ctx, hkv, bound, d, bs, dev, dt)
-        copies = max(1, min(32, -(-4 * L2_BYTES // (n * k * 2))))
+        copies = rotation_copies(n * k * 2)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         q = torch.randn(1, hq, d, device=dev, dtype=dt)
         seq = torch.full((1,), ctx + 1, device=dev, dtype=torch.int32)
