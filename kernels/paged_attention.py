@@ -86,6 +86,59 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(q, k, v, kv_pos, kv_ok, q_pos, row_ok, m_i, l_i, acc, scale_log2,
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One K/V tile's online-softmax update of ``(m_i, l_i, acc)`` (inlined by the compiler,
+    so the loop's loads stay software-pipelined)."""
+    if UPCAST:
+        k = k.to(tl.float32)
+    # fp32 inputs: exact fp32 products (the default would be tf32).
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+    visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may see no key in this tile (masked rows; prefill rows in a later
+    # split): subtract 0 instead of -inf so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_lo = p.to(v.dtype)  # P is rounded to the KV dtype, as on GPU
+    if UPCAST:
+        pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32))
+    elif IEEE:
+        pv = tl.dot(p_lo, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p_lo, v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _load_tile(k_ptr, v_ptr, bt_row, t, cached_end, kvh, offs_n, offs_d, d_ok,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               KV_BLOCK_SIZE: tl.constexpr):
+    """Tile ``t``'s key positions, their mask (``< cached_end``) and its K and V rows,
+    gathered through the block table."""
+    kv_pos = t * BLOCK_N + offs_n
+    kv_ok = kv_pos < cached_end
+    page = tl.load(bt_row + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    in_page = kv_pos % KV_BLOCK_SIZE
+    if HEAD_DIM == BLOCK_D:
+        kv_mask = kv_ok[:, None]  # row-only mask keeps the d axis vectorisable
+    else:
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+    k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return kv_pos, kv_ok, k, v
+
+
 # Runtime ints that vary per step are not specialised (no recompiles, e.g. on a
 # batch of 1 or a 16-divisible bound, in the middle of CUDA-graph capture). The
 # block table's width follows each step's length bound: its row stride too.
@@ -139,34 +192,6 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    # PDL: the lengths and the block table were written before this step's first layer
-    # (by kernels that have completed, see kernels.pdl); q and this step's KV slots were
-    # written by the kernel just before.
-    if ROPE:  # positions and slots, like the lengths, come from before the first layer
-        new_pos = tl.load(pos_ptr + q_start).to(tl.int64)
-        new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
-        cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HEAD_DIM // 2)
-    wait_and_release(USE_PDL)
-    q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
-    if ROPE:
-        # One query token: rotate (and normalise) the raw q heads and this KV head's new
-        # key here, instead of kernels.rope_kv's launch; the split holding the row's last
-        # tile adds the new K/V from registers after the loop and writes them to the cache
-        # (no program of this launch reads that slot).
-        DT = q_ptr.dtype.element_ty
-        q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM,
-                      HEAD_DIM // 2, DT)
-        kn_row = tl.zeros([1], dtype=tl.int64) + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
-        k_new = rope_rows(kn_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, eps, cos, sin,
-                          K_NORM, HEAD_DIM // 2, DT).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d,
-                        mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
     # Causal: this block's last query token sees keys [0, kv_end). kv_cap (the
     # bound's blocks, at most the block-table width) only matters when a caller
     # breaks seq_lens <= bound: keys past it do not exist, as in the reference,
@@ -191,58 +216,65 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
-
     # With ROPE the new key (position ctx_len) is not in the cache yet: the tiles stop
     # before it and the owning split adds it from registers after the loop. (Substituting
     # it into a tile instead puts a register op between the loads and tl.dot, which
     # breaks the loads' software pipelining: measured 1.4-1.6x slower at batch 8-128.)
     cached_end = tl.minimum(ctx_len, kv_end) if ROPE else kv_end
-    for t in range(tile_lo, tile_hi):
-        kv_pos = t * BLOCK_N + offs_n
-        kv_ok = kv_pos < cached_end
-        page = tl.load(bt_row + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        in_page = kv_pos % KV_BLOCK_SIZE
-        if HEAD_DIM == BLOCK_D:
-            kv_mask = kv_ok[:, None]  # row-only mask keeps the d axis vectorisable
-        else:
-            kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        if UPCAST:
-            k = k.to(tl.float32)
-        # fp32 inputs: exact fp32 products (the default would be tf32). Inlined,
-        # not a helper: nested jit calls are slow under the interpreter.
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-        visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row may see no key in this tile (masked rows; prefill rows in a later
-        # split): subtract 0 instead of -inf so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_lo = p.to(v_ptr.dtype.element_ty)  # P is rounded to the KV dtype, as on GPU
-        if UPCAST:
-            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32))
-        elif IEEE:
-            pv = tl.dot(p_lo, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p_lo, v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # PDL: the lengths and the block table were written before this step's first layer
+    # (by kernels that have completed, see kernels.pdl); q and, without ROPE, this
+    # step's KV slots were written by the kernel just before.
+    if ROPE:  # positions and slots, like the lengths, come from before the first layer
+        new_pos = tl.load(pos_ptr + q_start).to(tl.int64)
+        new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HEAD_DIM // 2)
+        # The first tile, before the wait: with ROPE every cached key (< ctx_len) was
+        # written by an earlier step, and this launch writes only the new one, after
+        # its loop. The block-table -> K/V round trips overlap the QKV projection (PDL)
+        # or at least the q loads and the rotation below (no PDL).
+        kv_pos0, kv_ok0, k0, v0 = _load_tile(
+            k_ptr, v_ptr, bt_row, tile_lo, cached_end, kvh, offs_n, offs_d, d_ok,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK_SIZE)
+    wait_and_release(USE_PDL)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
+    if ROPE:
+        # One query token: rotate (and normalise) the raw q heads and this KV head's new
+        # key here, instead of kernels.rope_kv's launch; the split holding the row's last
+        # tile adds the new K/V from registers after the loop and writes them to the cache
+        # (no program of this launch reads that slot).
+        DT = q_ptr.dtype.element_ty
+        q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM,
+                      HEAD_DIM // 2, DT)
+        kn_row = tl.zeros([1], dtype=tl.int64) + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
+        k_new = rope_rows(kn_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, eps, cos, sin,
+                          K_NORM, HEAD_DIM // 2, DT).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d,
+                        mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = tile_lo
+    if ROPE:  # the preloaded first tile (all masked when this split has none)
+        m_i, l_i, acc = _attend_tile(q, k0, v0, kv_pos0, kv_ok0, q_pos, row_ok, m_i, l_i, acc,
+                                     scale_log2, IEEE, UPCAST)
+        first = tile_lo + 1
+    for t in range(first, tile_hi):
+        kv_pos, kv_ok, k, v = _load_tile(
+            k_ptr, v_ptr, bt_row, t, cached_end, kvh, offs_n, offs_d, d_ok,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, kv_pos, kv_ok, q_pos, row_ok, m_i, l_i, acc,
+                                     scale_log2, IEEE, UPCAST)
 
     if ROPE:
         # The split holding the row's last tile owns the new key: it adds it (unless a
