@@ -58,6 +58,66 @@ from kernels import pdl
 from kernels.pdl import prefetch_l2, wait_and_release
 
 
+@triton.jit
+def _skinny_step(k0, w, wu, acc, acc_u, ss, x_rows, r_rows, nr_rows, nw_ptr, m_ok, res_ok,
+                 offs_k, K, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One K chunk: the x rows (+ residual, stored by program 0; normalised) against the
+    weight tile(s) ``w`` (``wu``: the stacked up rows) already loaded."""
+    if EVEN_K:
+        x_mask = m_ok[:, None]
+    else:
+        k_ok = (k0 + offs_k) < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+    a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_rows + k0, mask=x_mask, other=0.0)
+        a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+        if EVEN_K:
+            tl.store(nr_rows + k0, a, mask=res_ok[:, None])
+        else:
+            tl.store(nr_rows + k0, a, mask=res_ok[:, None] & k_ok[None, :])
+    if HAS_NORM:
+        af = a.to(tl.float32)
+        ss += af * af
+        if EVEN_K:
+            g = tl.load(nw_ptr + k0 + offs_k).to(tl.float32)
+        else:
+            g = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        a = (af * g[None, :]).to(a.dtype)
+    if USE_DOT:
+        if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            if ACT == 1:
+                acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)),
+                                input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            if ACT == 1:
+                acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+            if ACT == 1:
+                acc_u += tl.dot(a, tl.trans(wu))
+    else:
+        af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
+        acc += w.to(tl.float32) * af1
+        if ACT == 1:
+            acc_u += wu.to(tl.float32) * af1
+    return acc, acc_u, ss
+
+
+@triton.jit
+def _first_tiles(w_rows, mask, up_rows_off, ACT: tl.constexpr):
+    """The first K chunk's weight tile and (stacked gate|up) its up tile (else the same)."""
+    w = tl.load(w_rows, mask=mask, other=0.0)
+    wu = w
+    if ACT == 1:
+        wu = tl.load(w_rows + up_rows_off, mask=mask, other=0.0)
+    return w, wu
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, nr_ptr,
@@ -66,7 +126,7 @@ def _skinny_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_L2: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    PREFETCH_L2: tl.constexpr = 0, PRELOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -102,70 +162,45 @@ def _skinny_kernel(
     # sum(s^2) kept per lane and reduced once after the loop: a cross-thread
     # reduction every iteration would put barriers in the streaming loop.
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:  # register double-buffering: the next W tile is in flight during the FMAs
-        w_nxt = tl.load(w_rows, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        if ACT == 1:
-            wu_nxt = tl.load(w_rows + up_off * stride_wn, mask=n_ok[:, None] & (offs_k[None, :] < K),
-                             other=0.0)
-    # PDL: the first weight tile (no kernel writes weights) is in flight before we wait
-    # for the kernel that produced x and the residual.
+    # The first weight tile (no kernel writes weights) is in flight before the PDL wait
+    # for the kernel that produced x and the residual: with register double-buffering
+    # (PREFETCH), or as one peeled K chunk (PRELOAD, the host's choice under PDL).
+    # (The host never sets both: the peeled chunk would be counted twice.)
+    first_mask = n_ok[:, None] & (offs_k[None, :] < K)
+    if PREFETCH:
+        w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
+    if PRELOAD:
+        w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
     wait_and_release(USE_PDL)
 
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PRELOAD:
+        acc, acc_u, ss = _skinny_step(0, w_nxt, wu_nxt, acc, acc_u, ss, x_rows, r_rows,
+                                      nr_rows, nw_ptr, m_ok, res_ok, offs_k, K, HAS_NORM,
+                                      HAS_RES, ACT, USE_DOT, EVEN_K, IEEE, UPCAST)
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         if EVEN_K:
-            x_mask = m_ok[:, None]
             w_mask = n_ok[:, None]
         else:
-            k_ok = (k0 + offs_k) < K
-            x_mask = m_ok[:, None] & k_ok[None, :]
-            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & ((k0 + offs_k) < K)[None, :]
         if PREFETCH:
             w = w_nxt
             nxt_mask = n_ok[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
             w_nxt = tl.load(w_rows + (k0 + BLOCK_K), mask=nxt_mask, other=0.0)
+            wu = w
             if ACT == 1:
                 wu = wu_nxt
                 wu_nxt = tl.load(w_rows + up_off * stride_wn + (k0 + BLOCK_K), mask=nxt_mask,
                                  other=0.0)
         else:
             w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
+            wu = w
             if ACT == 1:
                 wu = tl.load(w_rows + up_off * stride_wn + k0, mask=w_mask, other=0.0)
-        a = tl.load(x_rows + k0, mask=x_mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_rows + k0, mask=x_mask, other=0.0)
-            a = (a.to(tl.float32) + r.to(tl.float32)).to(DT)
-            if EVEN_K:
-                tl.store(nr_rows + k0, a, mask=res_ok[:, None])
-            else:
-                tl.store(nr_rows + k0, a, mask=res_ok[:, None] & k_ok[None, :])
-        if HAS_NORM:
-            af = a.to(tl.float32)
-            ss += af * af
-            if EVEN_K:
-                g = tl.load(nw_ptr + k0 + offs_k).to(tl.float32)
-            else:
-                g = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            a = (af * g[None, :]).to(DT)
-        if USE_DOT:
-            if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                if ACT == 1:
-                    acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)),
-                                    input_precision="ieee")
-            elif IEEE:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                if ACT == 1:
-                    acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w))
-                if ACT == 1:
-                    acc_u += tl.dot(a, tl.trans(wu))
-        else:
-            af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
-            acc += w.to(tl.float32) * af1
-            if ACT == 1:
-                acc_u += wu.to(tl.float32) * af1
+        acc, acc_u, ss = _skinny_step(k0, w, wu, acc, acc_u, ss, x_rows, r_rows, nr_rows,
+                                      nw_ptr, m_ok, res_ok, offs_k, K, HAS_NORM, HAS_RES, ACT,
+                                      USE_DOT, EVEN_K, IEEE, UPCAST)
 
     if USE_DOT:
         y = acc
@@ -299,6 +334,16 @@ def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
     return nbytes if nbytes > 0 and pdl.rows_prefetchable(x, weight) else 0
 
 
+def _preload(cfg: dict, use_dot: bool, use_pdl: bool) -> bool:
+    """Whether the first K chunk is peeled and its weight tile loaded before the PDL wait
+    (a config's ``preload``, else whenever PDL is on); moot with register
+    double-buffering, which always loads it there."""
+    want = cfg.get("preload")
+    if want is None:
+        want = use_pdl
+    return bool(want) and not (bool(cfg.get("prefetch")) and not use_dot)
+
+
 def skinny_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -360,6 +405,7 @@ def skinny_linear_triton(
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
         PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k, launch["USE_PDL"]),
+        PRELOAD=_preload(cfg, use_dot, launch["USE_PDL"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, new_res

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``kernels.pdl``) on the GPU (``-m gpu``).
 
-A chain of decode-layer kernels (norm+QKV skinny GEMM, rope+KV write, paged
-attention, o_proj, norm+gate|up+SiLU, down), each reading what the kernel just
+A chain of decode-layer kernels (norm+QKV skinny GEMM, rope+KV write and paged
+attention (one launch or two), o_proj, norm+gate|up+SiLU, down), each reading what the kernel just
 before wrote, is captured in a CUDA graph with PDL on and replayed; the result
 must equal, bit for bit, the same chain launched eagerly with PDL off. A kernel
 that read its input before ``gdc_wait`` would read the previous replay's (or
@@ -42,10 +42,9 @@ def _chain(x, ws, st):
         k = qkv[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D)
         v = qkv[:, (HQ + HKV) * D :].view(t, HKV, D)
         kc, vc = st["kv"][li]
-        q = ops.rope_and_write_kv(st["pos"], q, k, v, st["cos_sin"], kc, vc, st["slots"],
-                                  w["qn"], w["kn"], 1e-6)
-        o = ops.paged_attention(q, kc, vc, st["bt"], st["seq_lens"], st["qsl"], st["qsl_cpu"],
-                                1, st["bound"], D ** -0.5)
+        o = ops.rope_and_attention(st["pos"], q, k, v, st["cos_sin"], kc, vc, st["slots"],
+                                   st["bt"], st["seq_lens"], st["qsl"], st["qsl_cpu"], 1,
+                                   st["bound"], D ** -0.5, w["qn"], w["kn"], 1e-6)
         h = ops.linear(o.reshape(t, HQ * D), w["o"])[0]
         act, residual = ops.linear(h, w["gate_up"], residual=residual, norm_weight=w["n2"],
                                    eps=1e-6, act="silu_and_mul")
@@ -53,8 +52,12 @@ def _chain(x, ws, st):
     return h
 
 
+# rope in attention: one launch whose first K/V tile is gathered before its wait (1), or
+# the rope + KV-write launch and then attention (0)
+@pytest.mark.parametrize("rope_in_attention", ["1", "0"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_pdl_graph_chain_equals_plain_launches(batch, monkeypatch):
+def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeypatch):
+    monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", rope_in_attention)
     probe = torch.empty(1, device="cuda")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9+")
