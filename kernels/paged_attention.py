@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import wait_and_release
+from kernels.pdl import prefetch_lines_l2, wait_and_release
 from kernels.attention_splits import _reduce_splits_kernel, _semaphores
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
@@ -86,59 +86,6 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _attend_tile(q, k, v, kv_pos, kv_ok, q_pos, row_ok, m_i, l_i, acc, scale_log2,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One K/V tile's online-softmax update of ``(m_i, l_i, acc)`` (inlined by the compiler,
-    so the loop's loads stay software-pipelined)."""
-    if UPCAST:
-        k = k.to(tl.float32)
-    # fp32 inputs: exact fp32 products (the default would be tf32).
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-    visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row may see no key in this tile (masked rows; prefill rows in a later
-    # split): subtract 0 instead of -inf so exp2 gives 0, not NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p_lo = p.to(v.dtype)  # P is rounded to the KV dtype, as on GPU
-    if UPCAST:
-        pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32))
-    elif IEEE:
-        pv = tl.dot(p_lo, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p_lo, v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _load_tile(k_ptr, v_ptr, bt_row, t, cached_end, kvh, offs_n, offs_d, d_ok,
-               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               KV_BLOCK_SIZE: tl.constexpr):
-    """Tile ``t``'s key positions, their mask (``< cached_end``) and its K and V rows,
-    gathered through the block table."""
-    kv_pos = t * BLOCK_N + offs_n
-    kv_ok = kv_pos < cached_end
-    page = tl.load(bt_row + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-    in_page = kv_pos % KV_BLOCK_SIZE
-    if HEAD_DIM == BLOCK_D:
-        kv_mask = kv_ok[:, None]  # row-only mask keeps the d axis vectorisable
-    else:
-        kv_mask = kv_ok[:, None] & d_ok[None, :]
-    k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
-    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    return kv_pos, kv_ok, k, v
-
-
 # Runtime ints that vary per step are not specialised (no recompiles, e.g. on a
 # batch of 1 or a 16-divisible bound, in the middle of CUDA-graph capture). The
 # block table's width follows each step's length bound: its row stride too.
@@ -160,6 +107,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
+    LINE_ELEMS: tl.constexpr = 64,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
@@ -216,6 +164,7 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     # With ROPE the new key (position ctx_len) is not in the cache yet: the tiles stop
@@ -225,20 +174,27 @@ def _paged_attention_kernel(
     cached_end = tl.minimum(ctx_len, kv_end) if ROPE else kv_end
 
     # PDL: the lengths and the block table were written before this step's first layer
-    # (by kernels that have completed, see kernels.pdl); q and, without ROPE, this
-    # step's KV slots were written by the kernel just before.
+    # (by kernels that have completed, see kernels.pdl); q and this step's KV slots were
+    # written by the kernel just before.
     if ROPE:  # positions and slots, like the lengths, come from before the first layer
         new_pos = tl.load(pos_ptr + q_start).to(tl.int64)
         new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
         cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HEAD_DIM // 2)
-        # The first tile, before the wait: with ROPE every cached key (< ctx_len) was
-        # written by an earlier step, and this launch writes only the new one, after
-        # its loop. The block-table -> K/V round trips overlap the QKV projection (PDL)
-        # or at least the q loads and the rotation below (no PDL).
-        kv_pos0, kv_ok0, k0, v0 = _load_tile(
-            k_ptr, v_ptr, bt_row, tile_lo, cached_end, kvh, offs_n, offs_d, d_ok,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK_SIZE)
+        if USE_PDL:
+            # This split's first K/V tile into L2 while the QKV projection still runs:
+            # every cached key (< ctx_len) was written by an earlier step, and this
+            # launch writes only the new one, after its loop. (Loading the tile into
+            # registers here instead made the tile loop ~20 % slower.)
+            kv_pos0 = tile_lo * BLOCK_N + offs_n
+            ok0 = kv_pos0 < cached_end
+            page0 = tl.load(bt_row + kv_pos0 // KV_BLOCK_SIZE, mask=ok0, other=0).to(tl.int64)
+            in_page0 = kv_pos0 % KV_BLOCK_SIZE
+            offs_l = tl.arange(0, BLOCK_D // LINE_ELEMS) * LINE_ELEMS  # a row's cache lines
+            l_ok = ok0[:, None] & (offs_l < HEAD_DIM)[None, :]
+            k_row0 = page0 * stride_kb + in_page0 * stride_kt + kvh * stride_kh
+            prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
+            v_row0 = page0 * stride_vb + in_page0 * stride_vt + kvh * stride_vh
+            prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
     wait_and_release(USE_PDL)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     if ROPE:
@@ -263,18 +219,46 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first = tile_lo
-    if ROPE:  # the preloaded first tile (all masked when this split has none)
-        m_i, l_i, acc = _attend_tile(q, k0, v0, kv_pos0, kv_ok0, q_pos, row_ok, m_i, l_i, acc,
-                                     scale_log2, IEEE, UPCAST)
-        first = tile_lo + 1
-    for t in range(first, tile_hi):
-        kv_pos, kv_ok, k, v = _load_tile(
-            k_ptr, v_ptr, bt_row, t, cached_end, kvh, offs_n, offs_d, d_ok,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, kv_pos, kv_ok, q_pos, row_ok, m_i, l_i, acc,
-                                     scale_log2, IEEE, UPCAST)
+    for t in range(tile_lo, tile_hi):
+        kv_pos = t * BLOCK_N + offs_n
+        kv_ok = kv_pos < cached_end
+        page = tl.load(bt_row + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        in_page = kv_pos % KV_BLOCK_SIZE
+        if HEAD_DIM == BLOCK_D:
+            kv_mask = kv_ok[:, None]  # row-only mask keeps the d axis vectorisable
+        else:
+            kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        if UPCAST:
+            k = k.to(tl.float32)
+        # fp32 inputs: exact fp32 products (the default would be tf32). Inlined,
+        # not a helper: nested jit calls are slow under the interpreter.
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key in this tile (masked rows; prefill rows in a later
+        # split): subtract 0 instead of -inf so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_lo = p.to(v_ptr.dtype.element_ty)  # P is rounded to the KV dtype, as on GPU
+        if UPCAST:
+            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32))
+        elif IEEE:
+            pv = tl.dot(p_lo, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p_lo, v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     if ROPE:
         # The split holding the row's last tile owns the new key: it adds it (unless a
@@ -486,6 +470,7 @@ def paged_attention_triton(
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
         FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
+        LINE_ELEMS=max(1, 128 // k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),

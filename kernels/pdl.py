@@ -132,6 +132,16 @@ def prefetch_l2(ptr, nbytes):
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_lines_l2(ptrs, mask):
+    """Step 1's gathered form: every element of ``ptrs`` where ``mask`` holds names a
+    cache line to fetch into L2 (PTX ``prefetch.global.L2``, one per element, spread over
+    the program's threads). For scattered rows (paged K/V) that no bulk copy covers."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf; setp.ne.b32 pf, $2, 0; @pf prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @functools.lru_cache(maxsize=None)
 def _bulk_prefetch_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9

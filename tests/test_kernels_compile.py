@@ -72,7 +72,7 @@ def test_paged_attention_compiles(decode, rope):
     from kernels.paged_attention import _paged_attention_kernel
 
     const = dict(HEAD_DIM=128, BLOCK_D=128, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4, IEEE=False,
-                 UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope)
+                 UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope, LINE_ELEMS=64)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
