@@ -126,7 +126,7 @@ def _skinny_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_L2: tl.constexpr = 0, PRELOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PREFETCH_L2: tl.constexpr = 0, PRELOAD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -164,21 +164,30 @@ def _skinny_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     # The first weight tile (no kernel writes weights) is in flight before the PDL wait
     # for the kernel that produced x and the residual: with register double-buffering
-    # (PREFETCH), or as one peeled K chunk (PRELOAD, the host's choice under PDL).
-    # (The host never sets both: the peeled chunk would be counted twice.)
+    # (PREFETCH), or as PRELOAD (1 or 2) peeled K chunks (the host's choice under PDL).
+    # (The host never sets both: a peeled chunk would be counted twice.)
     first_mask = n_ok[:, None] & (offs_k[None, :] < K)
     if PREFETCH:
         w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
-    if PRELOAD:
+    if PRELOAD >= 1:
         w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
+    if PRELOAD >= 2:
+        w_2, wu_2 = _first_tiles(w_rows + BLOCK_K, n_ok[:, None] & (BLOCK_K + offs_k[None, :] < K),
+                                 up_off * stride_wn, ACT)
     wait_and_release(USE_PDL)
 
     k_first = 0
-    if PRELOAD:
+    if PRELOAD >= 1:
         acc, acc_u, ss = _skinny_step(0, w_nxt, wu_nxt, acc, acc_u, ss, x_rows, r_rows,
                                       nr_rows, nw_ptr, m_ok, res_ok, offs_k, K, HAS_NORM,
                                       HAS_RES, ACT, USE_DOT, EVEN_K, IEEE, UPCAST)
         k_first = BLOCK_K
+    if PRELOAD >= 2:
+        if K > BLOCK_K:  # (x rows past K must not be read)
+            acc, acc_u, ss = _skinny_step(BLOCK_K, w_2, wu_2, acc, acc_u, ss, x_rows, r_rows,
+                                          nr_rows, nw_ptr, m_ok, res_ok, offs_k, K, HAS_NORM,
+                                          HAS_RES, ACT, USE_DOT, EVEN_K, IEEE, UPCAST)
+        k_first = 2 * BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         if EVEN_K:
             w_mask = n_ok[:, None]
@@ -334,14 +343,21 @@ def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
     return nbytes if nbytes > 0 and pdl.rows_prefetchable(x, weight) else 0
 
 
-def _preload(cfg: dict, use_dot: bool, use_pdl: bool) -> bool:
-    """Whether the first K chunk is peeled and its weight tile loaded before the PDL wait
-    (a config's ``preload``, else whenever PDL is on); moot with register
-    double-buffering, which always loads it there."""
+PRELOAD_CHOICES = (0, 1, 2)
+
+
+def _preload(cfg: dict, use_dot: bool, use_pdl: bool) -> int:
+    """How many leading K chunks are peeled, their weight tiles loaded before the PDL wait:
+    a config's ``preload`` (0-2; true means 1), else 1 whenever PDL is on; 0 with
+    register double-buffering, which always loads the first tile there."""
     want = cfg.get("preload")
     if want is None:
-        want = use_pdl
-    return bool(want) and not (bool(cfg.get("prefetch")) and not use_dot)
+        want = 1 if use_pdl else 0
+    want = int(want)
+    if want not in PRELOAD_CHOICES:
+        raise ValueError(f"skinny GEMM config: preload must be one of {PRELOAD_CHOICES}, got "
+                         f"{cfg.get('preload')!r}")
+    return 0 if bool(cfg.get("prefetch")) and not use_dot else want
 
 
 def skinny_linear_triton(

@@ -3,8 +3,8 @@
 # roofline: Llama-3.1-8B b1 and Qwen3-0.6B (BATCHES_06B) at ctx 512, profiled, once per mode:
 #   off       PDL off (the default)
 #   pdl       SYNCLESS_PDL=1
-#   pdl-nopre SYNCLESS_PDL=1 with a tuning table whose skinny entries say "preload": false
-#             (the first K chunk is not loaded before the PDL wait)
+#   pdl-preN SYNCLESS_PDL=1 with a tuning table whose skinny entries say "preload": N
+#             (0: no K chunk loaded before the PDL wait; the default is 1)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,13 +17,14 @@ for what in "$@"; do
     roofline)
       python - <<'PY'
 import json
-d = json.load(open("kernels/skinny_tuning.json"))
-d["entries"] = {k: (dict(v, preload=False) if v else v) for k, v in d["entries"].items()}
-json.dump(d, open("/tmp/tuning-nopre.json", "w"))
+for n in (0, 1, 2):
+    d = json.load(open("kernels/skinny_tuning.json"))
+    d["entries"] = {k: (dict(v, preload=n) if v else v) for k, v in d["entries"].items()}
+    json.dump(d, open(f"/tmp/tuning-pre{n}.json", "w"))
 PY
       for mode in ${MODES:-off pdl}; do
         pdl=0; tune=""; [ "${mode:0:3}" = pdl ] && pdl=1
-        [ "$mode" = pdl-nopre ] && tune=/tmp/tuning-nopre.json
+        [ "${mode:0:7}" = pdl-pre ] && tune=/tmp/tuning-pre${mode:7:1}.json
         for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
           bs=${BATCHES_8B:-1}; [ "$shape" = qwen3-0.6b ] && bs=${BATCHES_06B:-1,8}
           prof=""; for b in ${bs//,/ }; do prof="$prof --profile $b,512"; done
@@ -31,7 +32,7 @@ PY
             python -m benchmarks.decode_roofline \
             --shape "$shape" --batch-sizes "$bs" --context-lens ${CTX:-512} --warmup 3 --iters 10 \
             --placement local $prof --profile-steps 2 --output "$OUT/rl-$shape-$mode.json" \
-            > "$OUT/rl-$shape-$mode.log" 2>&1 || tail -5 "$OUT/rl-$shape-$mode.log"
+            >> "$OUT/roofline.log" 2>&1 || tail -5 "$OUT/roofline.log"
         done
       done
       python - "$OUT" <<'PY'

@@ -370,7 +370,7 @@ def test_skinny_linear_dot(case, m, dtype):
 
 # W tiles loaded in the loop, register double-buffered, or the first one peeled (as
 # before a PDL wait)
-@pytest.mark.parametrize("w_tiles", ["loop", "prefetch", "preload"])
+@pytest.mark.parametrize("w_tiles", ["loop", "prefetch", "preload", "preload2"])
 @pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out",
                                   "norm_residual_act_pairs"])
 # K=96: 32 divides it (no K mask), 64 leaves a tail, 128 is one masked chunk
@@ -378,23 +378,31 @@ def test_skinny_linear_dot(case, m, dtype):
 def test_skinny_linear_fma_batch_of_one(case, block_k, w_tiles):
     x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)
     cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1,
-               prefetch=w_tiles == "prefetch", preload=w_tiles == "preload")
+               prefetch=w_tiles == "prefetch", preload={"preload": 1, "preload2": 2}.get(w_tiles, 0))
     y, _ = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("case", ["plain", "norm_residual_act", "norm_residual_act_pairs"])
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_skinny_linear_dot_first_chunk_peeled(case, block_k):
+@pytest.mark.parametrize("block_k,preload", [(64, 1), (128, 1), (32, 2), (64, 2), (128, 2)])
+def test_skinny_linear_dot_first_chunks_peeled(case, block_k, preload):
+    # K=96: with 2 chunks peeled, 32 leaves a loop, 64 peels all, 128 has no second chunk
     x, w, kw = skinny_case(5, 40, 96, torch.bfloat16, SKINNY_CASES[case], seed=13)
     cfg = dict(use_dot=True, block_n=16, block_k=block_k, num_warps=4, num_stages=2,
-               preload=True)
+               preload=preload)
     y, new_res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, atol=3e-2, rtol=3e-2)
     if "residual" in kw:
         torch.testing.assert_close(new_res, res_exp, **TOL[torch.bfloat16])
+
+
+def test_skinny_preload_rejects_bad_values():
+    x, w, kw = skinny_case(1, 8, 32, torch.float32, {}, seed=14)
+    with pytest.raises(ValueError, match="preload must be one of"):
+        sg.skinny_linear_triton(x, w, config=dict(use_dot=False, block_n=8, block_k=32,
+                                                  num_warps=1, num_stages=1, preload=3))
 
 
 def test_skinny_config_selection_uses_cpu_shapes_only():

@@ -34,7 +34,7 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
 
 
 SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=1, BLOCK_M=1, BLOCK_N=4,
-              BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True, PRELOAD=False)
+              BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True, PRELOAD=0)
 
 
 @pytest.mark.parametrize("variant", [
@@ -42,10 +42,11 @@ SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=1, BLOCK_M=1, BLO
     dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
     dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT=2, BLOCK_N=8),  # gate|up pairs
     # the shipped batch-1 configs under PDL: the first K chunk peeled before the wait
-    dict(USE_DOT=False, PREFETCH=False, PRELOAD=True, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
-    dict(USE_DOT=False, PREFETCH=False, PRELOAD=True, PREFETCH_L2=0, ACT=0, HAS_RES=False,
+    dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
+    dict(USE_DOT=False, PREFETCH=False, PRELOAD=2, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
+    dict(USE_DOT=False, PREFETCH=False, PRELOAD=2, PREFETCH_L2=0, ACT=0, HAS_RES=False,
          HAS_NORM=False, BLOCK_N=8, EVEN_K=False),
-    dict(USE_DOT=True, PREFETCH=False, PRELOAD=True, PREFETCH_L2=0, ACT=1, BLOCK_M=16,
+    dict(USE_DOT=True, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=1, BLOCK_M=16,
          BLOCK_N=32, BLOCK_K=256),
     dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT=2, BLOCK_M=16, BLOCK_N=32,
          BLOCK_K=256),

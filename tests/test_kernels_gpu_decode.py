@@ -50,6 +50,23 @@ def test_skinny_linear_with_l2_prefetch(n, k, variant, m):
     assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2
 
 
+@pytest.mark.parametrize("preload", [1, 2])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_res_act_pairs"])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (2 * 1042, 4096)])
+def test_skinny_linear_peeled_chunks_under_pdl(n, k, variant, m, preload, monkeypatch):
+    """Leading K chunks loaded before the PDL wait (``preload``), PDL on: equal to the
+    reference, K = 1000 and 1024 with one chunk too (nothing past K is read)."""
+    from kernels.skinny_gemm import fallback_config, skinny_linear_triton
+
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    x, w, kw = skinny_inputs(m, n, k, variant)
+    cfg = dict(fallback_config(m), preload=preload, block_k=1024)
+    with no_sync():
+        y, _ = skinny_linear_triton(x, w, config=cfg, **kw)
+    assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2
+
+
 def test_skinny_linear_l2_prefetch_in_cuda_graph():
     from kernels.skinny_gemm import fallback_config, skinny_linear_triton
 
