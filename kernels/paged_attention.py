@@ -107,7 +107,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
-    LINE_ELEMS: tl.constexpr = 64,
+    LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
@@ -189,7 +189,7 @@ def _paged_attention_kernel(
             ok0 = kv_pos0 < cached_end
             page0 = tl.load(bt_row + kv_pos0 // KV_BLOCK_SIZE, mask=ok0, other=0).to(tl.int64)
             in_page0 = kv_pos0 % KV_BLOCK_SIZE
-            offs_l = tl.arange(0, BLOCK_D // LINE_ELEMS) * LINE_ELEMS  # a row's cache lines
+            offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS  # a row's cache lines
             l_ok = ok0[:, None] & (offs_l < HEAD_DIM)[None, :]
             k_row0 = page0 * stride_kb + in_page0 * stride_kt + kvh * stride_kh
             prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
@@ -471,6 +471,7 @@ def paged_attention_triton(
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
         FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
         LINE_ELEMS=max(1, 128 // k_cache.element_size()),
+        ROW_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),

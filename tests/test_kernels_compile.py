@@ -68,12 +68,15 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode,rope", [(True, False), (True, True), (False, False)])
-def test_paged_attention_compiles(decode, rope):
+@pytest.mark.parametrize("decode,rope,head_dim", [(True, False, 128), (True, True, 128),
+                                                  (True, True, 32), (False, False, 128)])
+def test_paged_attention_compiles(decode, rope, head_dim):
     from kernels.paged_attention import _paged_attention_kernel
 
-    const = dict(HEAD_DIM=128, BLOCK_D=128, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4, IEEE=False,
-                 UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope, LINE_ELEMS=64)
+    # head_dim 32 (test checkpoints): a K/V row is a quarter of a cache line
+    const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
+                 IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
+                 LINE_ELEMS=64, ROW_LINES=max(1, head_dim * 2 // 128))
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
