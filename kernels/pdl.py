@@ -7,10 +7,15 @@ before it in the stream is still running, and waits in ``gdc_wait`` (PTX
 ``griddepcontrol.wait``) until that kernel has completed and its writes are
 visible. The protocol every kernel here follows:
 
-1. before ``gdc_wait``: index math and loads of data that no kernel of the
-   current step writes (weights, norm weights, the rotary table);
+1. before ``gdc_wait``: index math, loads of data that the kernel just before
+   cannot have written (weights, norm weights, the rotary table; the step's
+   lengths, positions and block table, written before its first layer), and
+   cache hints (an L2 prefetch never returns stale data: L2 is the coherence
+   point). The skinny GEMM peels its first K chunk here; the fused-rope decode
+   attention prefetches its first K/V tile into L2 (those keys are from earlier
+   steps);
 2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch);
-3. everything else: activations, the KV cache, ``seq_lens``, every store.
+3. everything else: activations, the KV cache's loads, every store.
 
 Triggering only *after* our own wait makes the chain transitive: when kernel
 N+1 starts, kernel N has passed its wait, so kernel N-1 and everything before
@@ -23,9 +28,10 @@ programmatic edge (CUDA 12.3+).
 Opt-in: ``SYNCLESS_PDL=1``, optionally limited to forward passes of at most
 ``SYNCLESS_PDL_MAX_TOKENS`` tokens. Measured on an H200 (triton 3.6, CUDA graphs):
 a chain of 200 tiny kernels costs 0.70 us a kernel with PDL against 0.99 us
-without; a Llama-3.1-8B batch-1 decode step is 3.6 % faster (4.66 -> 4.49 ms,
-2026-12-04) but batch 8 is 5 % slower, and Qwen3-0.6B small batches are
-host-bound, so their PDL numbers swing run to run (notes/2026-12-04-h200-results.md).
+without, but whole decode steps gain little and not reliably: Llama-3.1-8B batch 1
+-2.0 % in one run and +0.3 % in another, batch 8 +1 %; Qwen3-0.6B -4 % at batch 128,
+host noise below (notes/2026-12-04d-h200-results.md). Without the peeled first K chunk
+the 8B batch-1 step was 2.6 % slower with PDL on; peeling two chunks was 1 % slower.
 ``SYNCLESS_L2_PREFETCH=N`` (bytes, default 0) makes each skinny-GEMM program
 bulk-prefetch the first N bytes of its weight rows into L2 before its wait: no
 gain at 2 KB, a loss with whole rows on the 8B shape, so it stays off. PDL never

@@ -28,7 +28,8 @@ Fusions, each removing a launch per layer (and its round trip through HBM):
 ``tl.dot`` on a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile, loads
 software-pipelined by ``num_stages``); without it (``M == 1`` only) a
 ``[BLOCK_N, BLOCK_K]`` float32 FMA accumulator is reduced once at the end
-(``PREFETCH`` double-buffers the W tile in registers). The sum of squares of
+(``PREFETCH`` double-buffers the W tile in registers; under PDL, ``PRELOAD`` peels the
+first one or two K chunks so their W tiles load before the wait). The sum of squares of
 the norm is also kept per lane and reduced once: a reduction inside the
 streaming loop costs barriers every iteration (measured: 2-10x slower).
 
