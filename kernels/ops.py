@@ -59,6 +59,11 @@ def _env_flag(name: str, default: bool) -> bool:
 # Qwen3-0.6B b1 -65 us, b8 -14 us, b32 +225 us, b128 +263 us (the prologue's registers cost
 # occupancy where attention is bandwidth-bound); Llama-3.1-8B b1 -36 us.
 ROPE_IN_ATTENTION_MAX_TOKENS = 8
+# ... and the most keys the launch may stream (tokens x the length bound, CPU ints): the
+# same occupancy cost at long contexts. Every measured win is at most 8 x 1,024 (b8 under
+# the 1,024 bucket, b1 at 4k), every loss above (b32 x 1,024); Llama-3.1-8B b8 ctx 4096 went
+# from 1.266 (stop 16, two launches) to 1.358 (stop 19, fused), not yet A/B-measured alone.
+ROPE_IN_ATTENTION_MAX_TOKEN_KEYS = 8 * 1024
 
 
 def rope_in_attention_enabled() -> bool:
@@ -73,10 +78,12 @@ def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot
                        max_query_len: int, max_seq_len_upper_bound: int, scale: float,
                        q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
-    On CUDA with one query token a request (``max_query_len == 1``, a CPU int) and a small
-    batch it is one launch (``kernels.paged_attention`` with ``rope=``); otherwise the two
+    On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
+    batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
+    (``kernels.paged_attention`` with ``rope=``); otherwise the two
     ops."""
     if (_use_triton(q) and max_query_len == 1 and q.shape[0] <= ROPE_IN_ATTENTION_MAX_TOKENS
+            and q.shape[0] * max_seq_len_upper_bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
             and rope_in_attention_enabled()):
         from kernels.paged_attention import paged_attention_triton
         from kernels.rope_inline import DecodeRope

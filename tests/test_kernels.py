@@ -378,7 +378,8 @@ def test_skinny_linear_dot(case, m, dtype):
 def test_skinny_linear_fma_batch_of_one(case, block_k, w_tiles):
     x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)
     cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1,
-               prefetch=w_tiles == "prefetch", preload={"preload": 1, "preload2": 2}.get(w_tiles, 0))
+               prefetch=w_tiles == "prefetch",
+               preload={"preload": 1, "preload2": 2}.get(w_tiles, 0))
     y, _ = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, **TOL[torch.float32])

@@ -119,8 +119,8 @@ def test_decode_attention_with_rope_bound_below_seq_len():
 def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
     """``ops.rope_and_attention`` (kernels on CPU tensors under the interpreter): up to
     ROPE_IN_ATTENTION_MAX_TOKENS tokens of one query token each take the fused launch,
-    larger or multi-token batches and the switch set to 0 the two launches; all equal the
-    reference."""
+    larger or multi-token batches, too many keys (tokens x bound) and the switch set to 0
+    the two launches; all equal the reference."""
     from kernels import ops
 
     calls = []
@@ -132,13 +132,19 @@ def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
 
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
-    for n, env, want in ((3, None, True), (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, None, False),
-                         (3, "0", False)):
+    # key_cap: ROPE_IN_ATTENTION_MAX_TOKEN_KEYS as a multiple of this case's rows x bound
+    for n, env, key_cap, want in ((3, None, 1, True),
+                                  (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, None, None, False),
+                                  (3, "0", None, False), (3, None, 0.99, False)):
         if env is None:
             monkeypatch.delenv("SYNCLESS_ROPE_IN_ATTENTION", raising=False)
         else:
             monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", env)
         c = make_case([5 + 9 * i for i in range(n)], 4, 2, 32, torch.float32, qk_norm=True)
+        if key_cap is not None:  # exactly at the cap (fused) or just under it (not)
+            rows = c["q"].shape[0]  # padded rows count too
+            monkeypatch.setattr(ops, "ROPE_IN_ATTENTION_MAX_TOKEN_KEYS",
+                                int(key_cap * rows * c["bound"]))
         exp, kc_exp, _ = expected(c)
         kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
         calls.clear()
