@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop 19 device runs (H200). Usage: bash THIS [tests|roofline|engine]...
-# roofline: Llama-3.1-8B b1 and Qwen3-0.6B (BATCHES_06B) at ctx 512, profiled, once per mode:
+# roofline: Llama-3.1-8B (BATCHES_8B, default 1) and Qwen3-0.6B (BATCHES_06B) at ctx CTX (512),
+# profiled, once per mode:
 #   off       PDL off (the default)
 #   pdl       SYNCLESS_PDL=1
 #   pdl-preN SYNCLESS_PDL=1 with a tuning table whose skinny entries say "preload": N
@@ -27,7 +28,7 @@ PY
         [ "${mode:0:7}" = pdl-pre ] && tune=/tmp/tuning-pre${mode:7:1}.json
         for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
           bs=${BATCHES_8B:-1}; [ "$shape" = qwen3-0.6b ] && bs=${BATCHES_06B:-1,8}
-          prof=""; for b in ${bs//,/ }; do prof="$prof --profile $b,512"; done
+          prof=""; for b in ${bs//,/ }; do prof="$prof --profile $b,${CTX:-512}"; done
           SYNCLESS_SKINNY_TUNING=$tune SYNCLESS_PDL=$pdl SYNCLESS_PDL_MAX_TOKENS=${PDL_MAX_TOKENS:-} \
             python -m benchmarks.decode_roofline \
             --shape "$shape" --batch-sizes "$bs" --context-lens ${CTX:-512} --warmup 3 --iters 10 \
