@@ -67,9 +67,10 @@ ROPE_IN_ATTENTION_MAX_TOKEN_KEYS = 8 * 1024
 
 
 def rope_in_attention_enabled() -> bool:
-    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request and at most
-    ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens, the attention launch also does the rope +
-    KV-write prologue (one launch a layer fewer)."""
+    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request, at most
+    ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens and at most ``ROPE_IN_ATTENTION_MAX_TOKEN_KEYS``
+    tokens x length bound, the attention launch also does the rope + KV-write prologue (one
+    launch a layer fewer)."""
     return _env_flag("SYNCLESS_ROPE_IN_ATTENTION", True)
 
 

@@ -351,6 +351,13 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
+    """The L2 prefetch's view of one K/V row: ``ROW_LINES`` (a power of two) 128-byte lines,
+    ``LINE_ELEMS`` elements apart, cover its ``head_dim`` elements (short rows: one line)."""
+    return dict(LINE_ELEMS=max(1, 128 // element_size),
+                ROW_LINES=triton.next_power_of_2(triton.cdiv(head_dim * element_size, 128)))
+
+
 def _rope_args(rope: DecodeRope) -> tuple:
     """The fused-rope pointer arguments (a missing norm weight: any tensor, unread)."""
     return (rope.k, rope.v, rope.positions, rope.slot_mapping, rope.cos_sin_cache,
@@ -470,8 +477,7 @@ def paged_attention_triton(
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
         FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
-        LINE_ELEMS=max(1, 128 // k_cache.element_size()),
-        ROW_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        **row_lines(head_dim, k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),

@@ -354,8 +354,9 @@ def _preload(cfg: dict, use_dot: bool, use_pdl: bool) -> int:
     want = cfg.get("preload")
     if want is None:
         want = 1 if use_pdl else 0
-    want = int(want)
-    if want not in PRELOAD_CHOICES:
+    if isinstance(want, bool):
+        want = int(want)
+    if type(want) is not int or want not in PRELOAD_CHOICES:
         raise ValueError(f"skinny GEMM config: preload must be one of {PRELOAD_CHOICES}, got "
                          f"{cfg.get('preload')!r}")
     return 0 if bool(cfg.get("prefetch")) and not use_dot else want

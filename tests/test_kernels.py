@@ -380,9 +380,29 @@ def test_skinny_linear_fma_batch_of_one(case, block_k, w_tiles):
     cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1,
                prefetch=w_tiles == "prefetch",
                preload={"preload": 1, "preload2": 2}.get(w_tiles, 0))
-    y, _ = sg.skinny_linear_triton(x, w, config=cfg, **kw)
-    y_exp, _ = ref.skinny_linear_reference(x, w, **kw)
+    y, new_res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
+    y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
+    if "residual" in kw:
+        torch.testing.assert_close(new_res, res_exp, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("m", [1, 2])  # the FMA path; the dot path (a second row to clobber)
+@pytest.mark.parametrize("case", ["norm_residual", "norm_residual_act_pairs"])
+def test_skinny_peeled_second_chunk_past_k_is_skipped(case, m):
+    """K == BLOCK_K with two chunks peeled: the second is past K and must be skipped, not
+    masked. x and the residual are column views of NaN-padded rows, so a read past K shows
+    in y and a residual store past K lands in the next row of the new residual."""
+    x, w, kw = skinny_case(m, 16, 64, torch.float32, SKINNY_CASES[case], seed=15)
+    pad = torch.full((m, 128), float("nan"))
+    xs, rs = pad.clone(), pad.clone()
+    xs[:, :64], rs[:, :64] = x, kw["residual"]
+    kw_view = dict(kw, residual=rs[:, :64])
+    cfg = dict(use_dot=m > 1, block_n=8, block_k=64, num_warps=2, num_stages=1, preload=2)
+    y, new_res = sg.skinny_linear_triton(xs[:, :64], w, config=cfg, **kw_view)
+    y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
+    torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
+    torch.testing.assert_close(new_res, res_exp, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("case", ["plain", "norm_residual_act", "norm_residual_act_pairs"])
@@ -399,11 +419,12 @@ def test_skinny_linear_dot_first_chunks_peeled(case, block_k, preload):
         torch.testing.assert_close(new_res, res_exp, **TOL[torch.bfloat16])
 
 
-def test_skinny_preload_rejects_bad_values():
+@pytest.mark.parametrize("bad", [3, -1, 1.5, "1"])
+def test_skinny_preload_rejects_bad_values(bad):
     x, w, kw = skinny_case(1, 8, 32, torch.float32, {}, seed=14)
     with pytest.raises(ValueError, match="preload must be one of"):
         sg.skinny_linear_triton(x, w, config=dict(use_dot=False, block_n=8, block_k=32,
-                                                  num_warps=1, num_stages=1, preload=3))
+                                                  num_warps=1, num_stages=1, preload=bad))
 
 
 def test_skinny_config_selection_uses_cpu_shapes_only():

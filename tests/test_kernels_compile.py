@@ -73,10 +73,14 @@ def test_persistent_gemv_compiles(variant):
 def test_paged_attention_compiles(decode, rope, head_dim):
     from kernels.paged_attention import _paged_attention_kernel
 
+    from kernels.paged_attention import row_lines
+
     # head_dim 32 (test checkpoints): a K/V row is a quarter of a cache line
+    lines = row_lines(head_dim, 2)
+    assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 LINE_ELEMS=64, ROW_LINES=max(1, head_dim * 2 // 128))
+                 **lines)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)

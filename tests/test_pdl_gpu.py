@@ -52,8 +52,8 @@ def _chain(x, ws, st):
     return h
 
 
-# rope in attention: one launch whose first K/V tile is gathered before its wait (1), or
-# the rope + KV-write launch and then attention (0)
+# rope in attention: one launch, which with PDL prefetches its first K/V tile into L2 before
+# its wait (1), or the rope + KV-write launch and then attention (0)
 @pytest.mark.parametrize("rope_in_attention", ["1", "0"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeypatch):
@@ -64,6 +64,9 @@ def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeyp
     assert pdl.HAVE_GDC, "this triton has no gdc_wait: PDL would be silently off"
     g = torch.Generator(device="cuda").manual_seed(0)
     layers, bound = 4, 512
+    # "1" must take the fused launch: within its token and key caps
+    assert batch <= ops.ROPE_IN_ATTENTION_MAX_TOKENS
+    assert batch * bound <= ops.ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
     blocks_per = bound // BS + 1
     num_blocks = batch * blocks_per + 2
     ws = _weights(layers, g)
