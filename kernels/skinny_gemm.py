@@ -168,9 +168,7 @@ def _skinny_kernel(
     # (PREFETCH), or as PRELOAD (1 or 2) peeled K chunks (the host's choice under PDL).
     # (The host never sets both: a peeled chunk would be counted twice.)
     first_mask = n_ok[:, None] & (offs_k[None, :] < K)
-    if PREFETCH:
-        w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
-    if PRELOAD >= 1:
+    if PREFETCH or PRELOAD >= 1:
         w_nxt, wu_nxt = _first_tiles(w_rows, first_mask, up_off * stride_wn, ACT)
     if PRELOAD >= 2:
         w_2, wu_2 = _first_tiles(w_rows + BLOCK_K, n_ok[:, None] & (BLOCK_K + offs_k[None, :] < K),
