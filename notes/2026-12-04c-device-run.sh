@@ -24,15 +24,7 @@ for what in "$@"; do
             > "$OUT/rl-$shape-$mode.log" 2>&1 || tail -5 "$OUT/rl-$shape-$mode.log"
         done
       done
-      python - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/rl-*.json")):
-    for c in json.load(open(f))["cells"]:
-        p = c.get("profile", {})
-        att = sum(t["us_per_step"] for t in p.get("top", []) if "attention" in t["name"] or "rope" in t["name"])
-        print(f"{f.split('/')[-1][3:-5]:24s} b{c['batch_size']:<4d} {c['step_ms_median']:.3f} ms "
-              f"ratio {c['ratio']:.3f} kern {p.get('kernel_us_per_step', 0):7.1f} us attn+rope {att:6.1f}")
-PY
+      python -m benchmarks.roofline_table "$OUT"/rl-*.json
       ;;
   esac
 done
