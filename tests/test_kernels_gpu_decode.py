@@ -298,3 +298,42 @@ def test_decode_attention_with_rope_graph_chain(monkeypatch):
         n = 3
         torch.testing.assert_close(out[:n, :nq].float(), x[:n, :nq].float(), atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(c["k_cache"], ref_c["k_cache"], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("pdl_on", ["0", "1"])
+@pytest.mark.parametrize("lens", [[512], [1, 300, 4000]])
+def test_decode_attention_l2_warm_changes_nothing(monkeypatch, pdl_on, lens):
+    """The L2-warm programs (kernels.l2_warm) only prefetch: eagerly and replayed in a CUDA
+    graph, the output and the caches are bit-identical to the launch without them, for a
+    warm set of three ranges whose last one ends mid-chunk."""
+    from kernels import l2_warm
+    from kernels.paged_attention import paged_attention_triton
+    from kernels.rope_inline import DecodeRope
+    from tests.test_kernels_attention_rope import make_case
+
+    monkeypatch.setenv("SYNCLESS_PDL", pdl_on)
+    c = make_case(lens, 32, 8, 128, torch.bfloat16, True, pad_reqs=1, device="cuda")
+    weights = [torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16) for n in (4096, 6144, 1000)]
+    warm = l2_warm.warm_set(weights, (4096 + 6144 + 999) * 2048 + 48)
+    assert len(warm.ranges) == 3 and warm.ranges[2][1] % l2_warm.CHUNK_BYTES
+    assert l2_warm.usable(c["q"])
+
+    def run(w):
+        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+        rope = DecodeRope(c["positions"], c["k"], c["v"], c["cs"], c["slots"], c["qw"], c["kw"], 1e-6)
+        with no_sync():
+            out = paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1,
+                                         c["bound"], c["scale"], rope=rope, warm=w)
+        return out, kc, vc
+
+    plain, warmed = run(None), run(warm)
+    n = len(lens)
+    assert torch.equal(plain[0][:n], warmed[0][:n])
+    assert torch.equal(plain[1], warmed[1]) and torch.equal(plain[2], warmed[2])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = run(warm)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plain[0][:n], graphed[0][:n])
+    assert torch.equal(plain[1], graphed[1]) and torch.equal(plain[2], graphed[2])
