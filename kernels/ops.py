@@ -77,14 +77,12 @@ def rope_in_attention_enabled() -> bool:
 def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                        block_table, seq_lens, query_start_loc, query_start_loc_cpu,
                        max_query_len: int, max_seq_len_upper_bound: int, scale: float,
-                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6,
-                       warm=None):
+                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
-    (``kernels.paged_attention`` with ``rope=``), which on sm_90+ also streams ``warm``
-    (a ``kernels.l2_warm.WarmSet``: the weights the next launches read) into L2 while it
-    runs; otherwise the two ops."""
+    (``kernels.paged_attention`` with ``rope=``); otherwise the two
+    ops."""
     if (_use_triton(q) and max_query_len == 1 and q.shape[0] <= ROPE_IN_ATTENTION_MAX_TOKENS
             and q.shape[0] * max_seq_len_upper_bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
             and rope_in_attention_enabled()):
@@ -93,11 +91,9 @@ def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot
 
         rope = DecodeRope(positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight,
                           k_norm_weight, eps)
-        from kernels.l2_warm import usable
-
         return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens,
                                       query_start_loc, 1, max_seq_len_upper_bound, scale,
-                                      rope=rope, warm=warm if usable(q) else None)
+                                      rope=rope)
     q = rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                           q_norm_weight, k_norm_weight, eps)
     return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,

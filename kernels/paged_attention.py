@@ -53,14 +53,22 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import prefetch_lines_l2, wait_and_release
-from kernels.attention_splits import (  # noqa: F401 - split sizing is re-exported here
-    CTAS_PER_SM, DECODE_MAX_Q, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, SHORT_BOUND,
-    WIDE_TILE_MAX_CTAS, _device_sms, _reduce_splits_kernel, _semaphores, choose_num_splits,
-)
-from kernels.l2_warm import CHUNK_BYTES, WarmSet, warm_l2, warm_programs
+from kernels.attention_splits import _reduce_splits_kernel, _semaphores
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
 LOG2E = 1.4426950408889634
+DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
+MAX_SPLITS = 64
+# Split sizing and decode tiles, from a graph-replay sweep on an H200
+# (``python -m kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
+# a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
+# tile's latency, so short bounds split down to one 128-token tile per split, long ones to
+# 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).
+MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
+SHORT_BOUND = 2048
+CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
+WIDE_TILE_MAX_CTAS = 64  # decode grids of at most this many (request, KV head) use 128-key tiles
 
 
 @triton.jit
@@ -86,7 +94,6 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     kn_ptr, vn_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
-    warm_ptr, warm_off0, warm_n0, warm_off1, warm_n1, warm_off2, warm_n2,
     num_reqs, kv_cap, scale_log2, eps, stride_cs,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_qt, stride_qh,
@@ -102,18 +109,11 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
     LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, WARM: tl.constexpr = 0, WARM_CHUNK: tl.constexpr = 16384,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if WARM > 0:
-        if split >= NUM_SPLITS:  # a warm program (kernels.l2_warm): no attention work
-            groups = tl.num_programs(0) * tl.num_programs(1)
-            warm_l2(warm_ptr, warm_off0, warm_n0, warm_off1, warm_n1, warm_off2, warm_n2,
-                    (split - NUM_SPLITS) * groups + kvh * tl.num_programs(0) + pid,
-                    (tl.num_programs(2) - NUM_SPLITS) * groups, WARM, WARM_CHUNK)
-            return
 
     if ONE_QBLOCK_PER_REQ:
         req = pid
@@ -327,6 +327,30 @@ def _paged_attention_kernel(
                 tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
 
 
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return pdl.sm_count(device)
+    return 132  # interpreter / CPU tensors: model an H200
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
+                      max_seq_len_upper_bound: int, num_sms: int = 132) -> int:
+    """Split count from CPU values only (batch shape and the length *bound*).
+
+    Only decode-shaped batches split: prefill already has many query blocks.
+    Target ``CTAS_PER_SM * num_sms`` programs, but give each split at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens of the bound. Rows shorter than the bound
+    just get shorter chunks (the kernel divides their real length).
+    """
+    if max_query_len > DECODE_MAX_Q:
+        return 1
+    base = max(1, num_reqs * num_kv_heads)
+    want = triton.cdiv(CTAS_PER_SM * num_sms, base)
+    bound = max(max_seq_len_upper_bound, 1)
+    cap = triton.cdiv(bound, MIN_TOKENS_PER_SPLIT_SHORT if bound <= SHORT_BOUND else MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
 def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
     """The L2 prefetch's view of one K/V row: ``ROW_LINES`` (a power of two) 128-byte lines,
     ``LINE_ELEMS`` elements apart, cover its ``head_dim`` elements (short rows: one line)."""
@@ -356,16 +380,13 @@ def paged_attention_triton(
     fused_reduce: bool | None = None,
     config: dict | None = None,
     rope: DecodeRope | None = None,
-    warm: WarmSet | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
     ``rope`` (batches of one query token a request, ``max_query_len == 1``): ``q`` is the
     raw projection; the kernel also does ``kernels.rope_kv``'s work (q/k norm, rotary,
     the new K/V written to the cache), as ``rope_and_write_kv_reference`` followed by
-    this function would (within 16-bit rounding). ``warm`` (decode-shaped batches, CUDA
-    sm_90+ only: ``kernels.l2_warm.usable``) adds programs that stream those bytes into L2
-    while the attention runs; the result is unchanged. One difference: a request whose new
+    this function would (within 16-bit rounding). One difference: a request whose new
     token has slot -1 (a draft lookahead past its KV capacity) attends its fresh key,
     where the two-launch path attends whatever the cache holds at that position.
 
@@ -433,14 +454,10 @@ def paged_attention_triton(
 
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
-    warm_splits = 0
-    if warm is not None and warm.ranges and one_qblock:
-        warm_splits = warm_programs(grid0 * hkv * num_splits, grid0 * hkv, _device_sms(q.device))
-    _paged_attention_kernel[(grid0, hkv, num_splits + warm_splits)](
+    _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, dst, lse, out, sem if sem is not None else seq_lens,
         block_table, seq_lens, query_start_loc,
         *(_rope_args(rope) if rope is not None else (q,) * 7),
-        *(warm.kernel_args() if warm_splits else (q, 0, 0, 0, 0, 0, 0)),
         num_reqs, kv_cap, float(scale) * LOG2E,
         float(rope.eps) if rope is not None else 0.0,
         rope.cos_sin_cache.stride(0) if rope is not None else 0,
@@ -463,7 +480,6 @@ def paged_attention_triton(
         **row_lines(head_dim, k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
-        WARM=len(warm.ranges) if warm_splits else 0, WARM_CHUNK=CHUNK_BYTES,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),
     )
     if num_splits > 1 and sem is None:

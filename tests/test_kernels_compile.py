@@ -15,8 +15,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
-             floats: tuple[str, ...] = (), aligned_ints: tuple[str, ...] = (),
-             i64s: tuple[str, ...] = ()):
+             floats: tuple[str, ...] = (), aligned_ints: tuple[str, ...] = ()):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -24,7 +23,7 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
         elif name.endswith("_ptr"):
             sig[name] = ptrs.get(name, default_ptr)
         else:
-            sig[name] = "fp32" if name in floats else "i64" if name in i64s else "i32"
+            sig[name] = "fp32" if name in floats else "i32"
         if name.endswith("_ptr") or name.startswith("stride") or name in aligned_ints:
             # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
             # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths
@@ -69,11 +68,9 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode,rope,head_dim,warm", [
-    (True, False, 128, 0), (True, True, 128, 0), (True, True, 32, 0), (False, False, 128, 0),
-    (True, True, 128, 3), (True, True, 32, 1),  # with L2-warm programs (kernels.l2_warm)
-])
-def test_paged_attention_compiles(decode, rope, head_dim, warm):
+@pytest.mark.parametrize("decode,rope,head_dim", [(True, False, 128), (True, True, 128),
+                                                  (True, True, 32), (False, False, 128)])
+def test_paged_attention_compiles(decode, rope, head_dim):
     from kernels.paged_attention import _paged_attention_kernel
 
     from kernels.paged_attention import row_lines
@@ -83,7 +80,7 @@ def test_paged_attention_compiles(decode, rope, head_dim, warm):
     assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 WARM=warm, WARM_CHUNK=16384, **lines)
+                 **lines)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
@@ -92,10 +89,8 @@ def test_paged_attention_compiles(decode, rope, head_dim, warm):
                      FUSED_REDUCE=False, SPLITS_P=1)
     i32 = {n: "*i32" for n in ("sem_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
     ptrs = {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
-            "cs_ptr": "*fp32", "warm_ptr": "*u8"}
-    compiled = _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"),
-                        i64s=tuple(f"warm_{k}{i}" for k in ("off", "n") for i in range(3)))
-    assert ("cp.async.bulk.prefetch.L2" in compiled.asm["ptx"]) == (warm > 0)
+            "cs_ptr": "*fp32"}
+    _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"))
 
 
 def test_sampling_kernels_compile():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import l2_warm, ops, pdl
+from kernels import ops, pdl
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch
@@ -65,16 +65,14 @@ class Attention(nn.Module):
         """Attention over an already normalised ``h``."""
         return self.attend(self.qkv_proj(h), positions, meta, kv, cos_sin)
 
-    def attend(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin, warm=None):
+    def attend(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
         """Everything after the QKV projection: [q/k norm] + rotary + KV write (one fused
         launch on CUDA, or part of the attention launch at decode), paged attention, the
         output projection."""
-        return self.o_proj(self.attend_core(qkv, positions, meta, kv, cos_sin, warm))
+        return self.o_proj(self.attend_core(qkv, positions, meta, kv, cos_sin))
 
-    def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin,
-                    warm=None):
-        """``attend`` without the output projection: the attention output ``[T, Hq * D]``
-        (``warm``: see ``ops.rope_and_attention``)."""
+    def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
+        """``attend`` without the output projection: the attention output ``[T, Hq * D]``."""
         t = qkv.shape[0]
         nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
@@ -87,7 +85,7 @@ class Attention(nn.Module):
             meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 1e-6, warm=warm,
+            self.q_norm.eps if self.q_norm is not None else 1e-6,
         )
         return o.reshape(t, nq)
 
@@ -119,17 +117,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         # o_proj -> norm -> gate|up -> down may run as one block (no all-reduce between)
         self.whole_mlp_block = tp.size == 1 and not arch.mlp_bias
-        self._warm_sets: dict[int, l2_warm.WarmSet | None] = {}
-
-    def warm_set(self) -> l2_warm.WarmSet | None:
-        """The weights read after attention (o_proj, gate|up, down), up to the L2 warm
-        budget: built once per budget (the weights never move after loading)."""
-        budget = l2_warm.budget_bytes()
-        if budget not in self._warm_sets:
-            self._warm_sets[budget] = l2_warm.warm_set(
-                (self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight,
-                 self.mlp.down_proj.weight), budget)
-        return self._warm_sets[budget]
 
     def forward(self, h, residual, positions, meta, kv, cos_sin):
         """Pre-norm block. Each RMSNorm (with the residual add) is fused into the projection
@@ -141,11 +128,10 @@ class DecoderLayer(nn.Module):
         qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
         if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
             ln = self.post_attention_layernorm
-            return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin,
-                                                  self.warm_set()),
+            return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin),
                                  attn.o_proj.weight, residual, ln.weight, ln.eps,
                                  mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act)
-        h = attn.attend(qkv, positions, meta, kv, cos_sin, self.warm_set())
+        h = attn.attend(qkv, positions, meta, kv, cos_sin)
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
                                                       act=mlp.act)
         return mlp.down_proj(act), residual
