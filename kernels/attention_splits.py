@@ -1,5 +1,5 @@
-"""Split-KV merging for ``kernels.paged_attention``: the separate reduce kernel and the
-arrival counters of the in-kernel (fused) merge."""
+"""Split-KV for ``kernels.paged_attention``: the split count (from CPU bounds only), the
+separate reduce kernel and the arrival counters of the in-kernel (fused) merge."""
 
 from __future__ import annotations
 
@@ -7,7 +7,52 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.pdl import wait_and_release
+
+DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
+MAX_SPLITS = 64
+# Split sizing and decode tiles, from a graph-replay sweep on an H200
+# (``python -m kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
+# a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
+# tile's latency, so short bounds split down to one 128-token tile per split, long ones to
+# 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).
+MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
+SHORT_BOUND = 2048
+CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
+WIDE_TILE_MAX_CTAS = 64  # decode grids of at most this many (request, KV head) use 128-key tiles
+# ... at most this many past SHORT_BOUND; the grids between take 64-key tiles and split for
+# LONG_NARROW_CTAS_PER_SM. H200, b8 ctx 4096, 8 KV heads (notes/2026-12-04e-h200-results.md):
+# 9 splits of 64-key tiles 42.4-44.3 us in six runs, against 42.8-52.5 us for the 5 splits
+# of 128-key tiles (51-53 us inside the model in three of four runs).
+LONG_WIDE_TILE_MAX_CTAS = 32
+LONG_NARROW_CTAS_PER_SM = 4
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return pdl.sm_count(device)
+    return 132  # interpreter / CPU tensors: model an H200
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
+                      max_seq_len_upper_bound: int, num_sms: int = 132,
+                      ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """Split count from CPU values only (batch shape and the length *bound*).
+
+    Only decode-shaped batches split: prefill already has many query blocks.
+    Target ``ctas_per_sm * num_sms`` programs, but give each split at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens of the bound. Rows shorter than the bound
+    just get shorter chunks (the kernel divides their real length).
+    """
+    if max_query_len > DECODE_MAX_Q:
+        return 1
+    base = max(1, num_reqs * num_kv_heads)
+    want = triton.cdiv(ctas_per_sm * num_sms, base)
+    bound = max(max_seq_len_upper_bound, 1)
+    cap = triton.cdiv(bound, MIN_TOKENS_PER_SPLIT_SHORT if bound <= SHORT_BOUND else MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -41,8 +86,6 @@ def _reduce_splits_kernel(
     o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 
 
 # Arrival counters of the fused split reduce, one int32 per (query block, KV head),

@@ -53,22 +53,14 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import prefetch_lines_l2, wait_and_release
-from kernels.attention_splits import _reduce_splits_kernel, _semaphores
+from kernels.attention_splits import (  # noqa: F401 - the split sizing is re-exported here
+    CTAS_PER_SM, DECODE_MAX_Q, LONG_NARROW_CTAS_PER_SM, LONG_WIDE_TILE_MAX_CTAS, MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, SHORT_BOUND, WIDE_TILE_MAX_CTAS,
+    _device_sms, _reduce_splits_kernel, _semaphores, choose_num_splits,
+)
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
 LOG2E = 1.4426950408889634
-DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
-MAX_SPLITS = 64
-# Split sizing and decode tiles, from a graph-replay sweep on an H200
-# (``python -m kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
-# a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
-# tile's latency, so short bounds split down to one 128-token tile per split, long ones to
-# 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).
-MIN_TOKENS_PER_SPLIT = 256
-MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
-SHORT_BOUND = 2048
-CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
-WIDE_TILE_MAX_CTAS = 64  # decode grids of at most this many (request, KV head) use 128-key tiles
 
 
 @triton.jit
@@ -327,30 +319,6 @@ def _paged_attention_kernel(
                 tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
 
 
-def _device_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return pdl.sm_count(device)
-    return 132  # interpreter / CPU tensors: model an H200
-
-
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
-                      max_seq_len_upper_bound: int, num_sms: int = 132) -> int:
-    """Split count from CPU values only (batch shape and the length *bound*).
-
-    Only decode-shaped batches split: prefill already has many query blocks.
-    Target ``CTAS_PER_SM * num_sms`` programs, but give each split at least
-    ``MIN_TOKENS_PER_SPLIT`` tokens of the bound. Rows shorter than the bound
-    just get shorter chunks (the kernel divides their real length).
-    """
-    if max_query_len > DECODE_MAX_Q:
-        return 1
-    base = max(1, num_reqs * num_kv_heads)
-    want = triton.cdiv(CTAS_PER_SM * num_sms, base)
-    bound = max(max_seq_len_upper_bound, 1)
-    cap = triton.cdiv(bound, MIN_TOKENS_PER_SPLIT_SHORT if bound <= SHORT_BOUND else MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, cap, MAX_SPLITS))
-
-
 def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
     """The L2 prefetch's view of one K/V row: ``ROW_LINES`` (a power of two) 128-byte lines,
     ``LINE_ELEMS`` elements apart, cover its ``head_dim`` elements (short rows: one line)."""
@@ -416,6 +384,7 @@ def paged_attention_triton(
     if num_tokens == 0 or num_reqs == 0:
         return out
 
+    ctas_per_sm = CTAS_PER_SM
     if max_query_len <= DECODE_MAX_Q:
         block_q = triton.next_power_of_2(max(1, max_query_len))
         block_m = max(16, block_q * group_p)
@@ -423,8 +392,13 @@ def paged_attention_triton(
         block_n = 64 if block_d <= 128 else 32
         num_warps, num_stages = 4, 3
         if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
-            # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip)
-            block_n = 128 if num_reqs * hkv <= WIDE_TILE_MAX_CTAS else 64
+            # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
+            # past SHORT_BOUND, grids of 33-64 take narrow tiles and more splits
+            base, long_bound = num_reqs * hkv, max_seq_len_upper_bound > SHORT_BOUND
+            block_n = 128 if base <= (LONG_WIDE_TILE_MAX_CTAS if long_bound else
+                                      WIDE_TILE_MAX_CTAS) else 64
+            if block_n == 64 and base <= WIDE_TILE_MAX_CTAS:
+                ctas_per_sm = LONG_NARROW_CTAS_PER_SM
             num_stages = 2
     else:
         block_m = max(128 if block_d <= 128 else 64, group_p)
@@ -438,8 +412,8 @@ def paged_attention_triton(
         num_stages = config.get("num_stages", num_stages)
 
     if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, hkv, max_query_len,
-                                       max_seq_len_upper_bound, _device_sms(q.device))
+        num_splits = choose_num_splits(num_reqs, hkv, max_query_len, max_seq_len_upper_bound,
+                                       _device_sms(q.device), ctas_per_sm)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     sem = None
     if num_splits > 1 and one_qblock and fused_reduce is not False:

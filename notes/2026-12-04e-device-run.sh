@@ -7,7 +7,7 @@
 # MODES. A mode is '-'-joined words:
 #   pdl    SYNCLESS_PDL=1
 #   rope0  SYNCLESS_ROPE_IN_ATTENTION=0
-#   def    nothing (the defaults)
+#   def    nothing (the defaults); runN: the same, a repeat
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,7 +31,7 @@ for what in "$@"; do
           case $word in
             pdl) envs+=("SYNCLESS_PDL=1");;
             rope0) envs+=("SYNCLESS_ROPE_IN_ATTENTION=0");;
-            def) ;;
+            def|run[0-9]*) ;;
             *) echo "unknown mode word $word"; exit 2;;
           esac
         done

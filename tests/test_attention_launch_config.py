@@ -1,0 +1,33 @@
+"""The decode attention launch's host-side choices (no kernel runs: the launch is recorded)."""
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("reqs,hkv,bound,block_n,splits", [
+    (8, 8, 4124, 64, 9),     # 64 (request, KV head) programs past SHORT_BOUND: narrow tiles, 4 a SM
+    (8, 8, 1024, 128, 5),    # the same grid at a short bound keeps the swept wide tiles
+    (4, 8, 4124, 128, 9),    # 32 programs: wide tiles at any bound
+    (32, 8, 4124, 64, 2),    # 256 programs: narrow tiles, 2 a SM, as before
+])
+def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits):
+    """The one-query-token launch's tile width and split count (grid axis 2), from the batch
+    shape and the length bound only."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    from kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    d = 128
+    q = torch.zeros(reqs, 4 * hkv, d, dtype=torch.bfloat16)
+    cache = torch.zeros(reqs * (bound // 16 + 1), 16, hkv, d, dtype=torch.bfloat16)
+    table = torch.zeros(reqs, bound // 16 + 1, dtype=torch.int32)
+    seq = torch.full((reqs,), bound, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32)
+    pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5)
+    (grid, kw), = launches
+    assert (kw["BLOCK_N"], grid[2], kw["num_stages"]) == (block_n, splits, 2)
