@@ -21,13 +21,16 @@ MIN_TOKENS_PER_SPLIT = 256
 MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
 SHORT_BOUND = 2048
 CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
-WIDE_TILE_MAX_CTAS = 64  # decode grids of at most this many (request, KV head) use 128-key tiles
-# ... at most this many past SHORT_BOUND; the grids between take 64-key tiles and split for
-# LONG_NARROW_CTAS_PER_SM. H200, b8 ctx 4096, 8 KV heads (notes/2026-12-04e-h200-results.md):
-# 9 splits of 64-key tiles 42.4-44.3 us in six runs, against 42.8-52.5 us for the 5 splits
-# of 128-key tiles (51-53 us inside the model in three of four runs).
-LONG_WIDE_TILE_MAX_CTAS = 32
-LONG_NARROW_CTAS_PER_SM = 4
+# Decode grids of at most this many (request, KV head) programs use 128-key tiles. Stop 16
+# swept 64; at 33-64 programs (b8, 8 KV heads) the 128-key tiles then measured bimodal on
+# the H200 (b8 ctx 4096: 43 or 53 us; ctx 512: 13.3 or 16 us, the slow mode in every run of
+# 2026-12-04e) and the 64-key tiles stable (ctx 512, 5 splits: 13.0-13.3 us); see
+# notes/2026-12-04e-h200-results.md.
+WIDE_TILE_MAX_CTAS = 32
+# Narrow-tile grids of at most this many programs split for LONG_CTAS_PER_SM past SHORT_BOUND
+# (b8 ctx 4096: 9 splits, 42.4-44.3 us in six runs, against 5 splits 47-48 us).
+NARROW_SPLIT_MAX_CTAS = 64
+LONG_CTAS_PER_SM = 4
 
 
 def _device_sms(device: torch.device) -> int:

@@ -54,8 +54,8 @@ import triton.language as tl
 from kernels import pdl
 from kernels.pdl import prefetch_lines_l2, wait_and_release
 from kernels.attention_splits import (  # noqa: F401 - the split sizing is re-exported here
-    CTAS_PER_SM, DECODE_MAX_Q, LONG_NARROW_CTAS_PER_SM, LONG_WIDE_TILE_MAX_CTAS, MAX_SPLITS,
-    MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, SHORT_BOUND, WIDE_TILE_MAX_CTAS,
+    CTAS_PER_SM, DECODE_MAX_Q, LONG_CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
+    MIN_TOKENS_PER_SPLIT_SHORT, NARROW_SPLIT_MAX_CTAS, SHORT_BOUND, WIDE_TILE_MAX_CTAS,
     _device_sms, _reduce_splits_kernel, _semaphores, choose_num_splits,
 )
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
@@ -393,12 +393,13 @@ def paged_attention_triton(
         num_warps, num_stages = 4, 3
         if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
             # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
-            # past SHORT_BOUND, grids of 33-64 take narrow tiles and more splits
-            base, long_bound = num_reqs * hkv, max_seq_len_upper_bound > SHORT_BOUND
-            block_n = 128 if base <= (LONG_WIDE_TILE_MAX_CTAS if long_bound else
-                                      WIDE_TILE_MAX_CTAS) else 64
-            if block_n == 64 and base <= WIDE_TILE_MAX_CTAS:
-                ctas_per_sm = LONG_NARROW_CTAS_PER_SM
+            # the narrow-tile grids up to NARROW_SPLIT_MAX_CTAS split for more CTAs a SM
+            # past SHORT_BOUND
+            base = num_reqs * hkv
+            block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
+            if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
+                    and max_seq_len_upper_bound > SHORT_BOUND):
+                ctas_per_sm = LONG_CTAS_PER_SM
             num_stages = 2
     else:
         block_m = max(128 if block_d <= 128 else 64, group_p)

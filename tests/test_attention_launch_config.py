@@ -5,9 +5,10 @@ import torch
 
 
 @pytest.mark.parametrize("reqs,hkv,bound,block_n,splits", [
-    (8, 8, 4124, 64, 9),     # 64 (request, KV head) programs past SHORT_BOUND: narrow tiles, 4 a SM
-    (8, 8, 1024, 128, 5),    # the same grid at a short bound keeps the swept wide tiles
+    (8, 8, 4124, 64, 9),     # 64 (request, KV head) programs past SHORT_BOUND: 4 a SM
+    (8, 8, 1024, 64, 5),     # the same grid at a short bound: 2 a SM
     (4, 8, 4124, 128, 9),    # 32 programs: wide tiles at any bound
+    (1, 8, 1024, 128, 8),    # batch 1: wide tiles, one a split
     (32, 8, 4124, 64, 2),    # 256 programs: narrow tiles, 2 a SM, as before
 ])
 def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits):
