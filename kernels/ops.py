@@ -61,8 +61,9 @@ def _env_flag(name: str, default: bool) -> bool:
 ROPE_IN_ATTENTION_MAX_TOKENS = 8
 # ... and the most keys the launch may stream (tokens x the length bound, CPU ints): the
 # same occupancy cost at long contexts. Every measured win is at most 8 x 1,024 (b8 under
-# the 1,024 bucket, b1 at 4k), every loss above (b32 x 1,024); Llama-3.1-8B b8 ctx 4096 went
-# from 1.266 (stop 16, two launches) to 1.358 (stop 19, fused), not yet A/B-measured alone.
+# the 1,024 bucket, b1 at 4k), every loss above (b32 x 1,024). (Llama-3.1-8B b8 ctx 4096,
+# which the cap sends to two launches, measured the same with the switch off: 6.085 vs
+# 6.089 ms; its regression since stop 16 was the attention tiles, notes/2026-12-04e.)
 ROPE_IN_ATTENTION_MAX_TOKEN_KEYS = 8 * 1024
 
 

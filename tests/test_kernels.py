@@ -495,4 +495,3 @@ def test_exponential_race_u_that_rounds_to_one_in_float32():
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
-
