@@ -3,7 +3,7 @@ prints last.
 
     python -m benchmarks.roofline_table OUT/rl-*.json
 
-A line: the file's label (its name without ``rl-`` and ``.json``), batch, median step,
+A line: the file's label (its name without ``rl-`` and ``.json``), batch, context, median step,
 ratio, and, for profiled cells, the kernel time a step and the part of it spent in
 attention and rope kernels (0 where the cell was not profiled).
 """
@@ -24,7 +24,8 @@ def attention_us(profile: dict[str, Any]) -> float:
 
 def cell_line(label: str, cell: dict[str, Any]) -> str:
     p = cell.get("profile", {})
-    return (f"{label:24s} b{cell['batch_size']:<4d} {cell['step_ms_median']:.3f} ms "
+    return (f"{label:24s} b{cell['batch_size']:<4d} ctx{cell['context_len']:<5d} "
+            f"{cell['step_ms_median']:.3f} ms "
             f"ratio {cell['ratio']:.3f} kern {p.get('kernel_us_per_step', 0):7.1f} us "
             f"attn+rope {attention_us(p):6.1f}")
 

@@ -476,15 +476,15 @@ def test_roofline_table_lines(tmp_path, capsys):
     top = [{"name": "_paged_attention_kernel", "us_per_step": 300.5},
            {"name": "_rope_kv_kernel", "us_per_step": 20.0},
            {"name": "_skinny_kernel", "us_per_step": 4000.0}]
-    cells = [{"batch_size": 1, "step_ms_median": 4.3421, "ratio": 1.2346,
+    cells = [{"batch_size": 1, "context_len": 512, "step_ms_median": 4.3421, "ratio": 1.2346,
               "profile": {"kernel_us_per_step": 4355.6, "top": top}},
-             {"batch_size": 8, "step_ms_median": 4.9, "ratio": 1.36},
-             {"batch_size": 256, "skipped": "KV cache needs 129.0 GiB"}]
+             {"batch_size": 8, "context_len": 4096, "step_ms_median": 4.9, "ratio": 1.36},
+             {"batch_size": 256, "context_len": 4096, "skipped": "KV cache needs 129.0 GiB"}]
     path = tmp_path / "rl-llama-3.1-8b-off.json"
     path.write_text(json.dumps({"cells": cells}))
     lines = table([str(path)])
     assert lines == [
-        "llama-3.1-8b-off         b1    4.342 ms ratio 1.235 kern  4355.6 us attn+rope  320.5",
-        "llama-3.1-8b-off         b8    4.900 ms ratio 1.360 kern     0.0 us attn+rope    0.0"]
+        "llama-3.1-8b-off         b1    ctx512   4.342 ms ratio 1.235 kern  4355.6 us attn+rope  320.5",
+        "llama-3.1-8b-off         b8    ctx4096  4.900 ms ratio 1.360 kern     0.0 us attn+rope    0.0"]
     main([str(path)])
     assert capsys.readouterr().out.splitlines() == lines
