@@ -1,7 +1,10 @@
-"""Split-KV for ``kernels.paged_attention``: the split count (from CPU bounds only), the
-separate reduce kernel and the arrival counters of the in-kernel (fused) merge."""
+"""Launch sizing and split-KV for ``kernels.paged_attention``: tiles and split count (from CPU
+values only), the separate reduce kernel and the arrival counters of the in-kernel (fused)
+merge."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,6 +59,51 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
     bound = max(max_seq_len_upper_bound, 1)
     cap = triton.cdiv(bound, MIN_TOKENS_PER_SPLIT_SHORT if bound <= SHORT_BOUND else MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+class LaunchConfig(NamedTuple):
+    one_qblock: bool  # decode-shaped: one query block a request
+    grid0: int  # grid axis 0 (an upper bound for prefill)
+    block_q: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int  # grid axis 2
+
+
+def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: int, block_d: int,
+                  max_query_len: int, max_seq_len_upper_bound: int,
+                  num_sms: int = 132) -> LaunchConfig:
+    """The attention launch's tiles and split count, from CPU values only (the batch shape,
+    the padded GQA group ``group_p``, the padded head dim ``block_d`` and the bounds)."""
+    ctas_per_sm = CTAS_PER_SM
+    if max_query_len <= DECODE_MAX_Q:
+        block_q = triton.next_power_of_2(max(1, max_query_len))
+        block_m = max(16, block_q * group_p)
+        one_qblock, grid0 = True, num_reqs
+        block_n = 64 if block_d <= 128 else 32
+        num_warps, num_stages = 4, 3
+        if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
+            # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
+            # the narrow-tile grids up to NARROW_SPLIT_MAX_CTAS split for more CTAs a SM
+            # past SHORT_BOUND
+            base = num_reqs * num_kv_heads
+            block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
+            if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
+                    and max_seq_len_upper_bound > SHORT_BOUND):
+                ctas_per_sm = LONG_CTAS_PER_SM
+            num_stages = 2
+    else:
+        block_m = max(128 if block_d <= 128 else 64, group_p)
+        block_q = block_m // group_p
+        one_qblock, grid0 = False, num_tokens // block_q + num_reqs
+        block_n = 64 if block_d <= 128 else 32
+        num_warps, num_stages = (8 if block_m >= 128 else 4), 2
+    splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
+                               num_sms, ctas_per_sm)
+    return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages,
+                        splits)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

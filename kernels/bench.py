@@ -165,7 +165,9 @@ def _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
 
 
 def bench_attention() -> list[dict]:
-    from kernels.paged_attention import choose_num_splits, paged_attention_triton
+    import triton
+
+    from kernels.paged_attention import launch_config, paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
@@ -174,7 +176,7 @@ def bench_attention() -> list[dict]:
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        splits = choose_num_splits(b, hkv, 1, bound)
+        splits = launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound).num_splits
         row = {"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound, "kv_bytes": kv_bytes,
                "heuristic_splits": splits, "variants": []}
         variants = [("default (fused reduce)", dict()), ("reduce kernel", dict(fused_reduce=False)),
@@ -208,7 +210,9 @@ SMALL_ATTN_CASES = [  # decode cells of the roofline grid that miss (b, ctx, hq,
 
 def bench_attention_sweep() -> list[dict]:
     """Split count x tile x pipeline depth for the small-batch decode cells (graph replay)."""
-    from kernels.paged_attention import choose_num_splits, paged_attention_triton
+    import triton
+
+    from kernels.paged_attention import launch_config, paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
@@ -217,7 +221,7 @@ def bench_attention_sweep() -> list[dict]:
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        heur = choose_num_splits(b, hkv, 1, bound)
+        heur = launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound).num_splits
         res = []
         for splits in sorted({1, 2, 4, 8, 16, 32, heur}):
             for bn, nw, st in ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2)):
@@ -231,8 +235,9 @@ def bench_attention_sweep() -> list[dict]:
                     continue
                 res.append({"splits": splits, **cfg, "us": us})
         ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
-        base = next(r["us"] for r in res if r.get("splits") == heur and r["block_n"] == 64
-                    and r["num_stages"] == 3 and "us" in r)
+        # the launch as the engine makes it (its own tiles, stages and splits)
+        base = graph_time_us([lambda c=c: paged_attention_triton(
+            q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5) for c in caches])
         rows.append({"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound,
                      "heuristic_splits": heur, "heuristic_us": base, "results": res})
         print(f"attn-sweep b={b:3d} ctx={ctx:5d} hq={hq} bound={bound}: heuristic {heur} splits "

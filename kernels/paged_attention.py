@@ -53,10 +53,9 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import prefetch_lines_l2, wait_and_release
-from kernels.attention_splits import (  # noqa: F401 - the split sizing is re-exported here
-    CTAS_PER_SM, DECODE_MAX_Q, LONG_CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
-    MIN_TOKENS_PER_SPLIT_SHORT, NARROW_SPLIT_MAX_CTAS, SHORT_BOUND, WIDE_TILE_MAX_CTAS,
-    _device_sms, _reduce_splits_kernel, _semaphores, choose_num_splits,
+from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
+    CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
+    _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config,
 )
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
@@ -384,37 +383,16 @@ def paged_attention_triton(
     if num_tokens == 0 or num_reqs == 0:
         return out
 
-    ctas_per_sm = CTAS_PER_SM
-    if max_query_len <= DECODE_MAX_Q:
-        block_q = triton.next_power_of_2(max(1, max_query_len))
-        block_m = max(16, block_q * group_p)
-        one_qblock, grid0 = True, num_reqs
-        block_n = 64 if block_d <= 128 else 32
-        num_warps, num_stages = 4, 3
-        if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
-            # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
-            # the narrow-tile grids up to NARROW_SPLIT_MAX_CTAS split for more CTAs a SM
-            # past SHORT_BOUND
-            base = num_reqs * hkv
-            block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
-            if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
-                    and max_seq_len_upper_bound > SHORT_BOUND):
-                ctas_per_sm = LONG_CTAS_PER_SM
-            num_stages = 2
-    else:
-        block_m = max(128 if block_d <= 128 else 64, group_p)
-        block_q = block_m // group_p
-        one_qblock, grid0 = False, num_tokens // block_q + num_reqs
-        block_n = 64 if block_d <= 128 else 32
-        num_warps, num_stages = (8 if block_m >= 128 else 4), 2
+    lc = launch_config(num_reqs, num_tokens, hkv, group_p, block_d, max_query_len,
+                       max_seq_len_upper_bound, _device_sms(q.device))
+    one_qblock, grid0, block_q, block_m = lc.one_qblock, lc.grid0, lc.block_q, lc.block_m
+    block_n, num_warps, num_stages = lc.block_n, lc.num_warps, lc.num_stages
     if config:
         block_n = config.get("block_n", block_n)
         num_warps = config.get("num_warps", num_warps)
         num_stages = config.get("num_stages", num_stages)
-
     if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, hkv, max_query_len, max_seq_len_upper_bound,
-                                       _device_sms(q.device), ctas_per_sm)
+        num_splits = lc.num_splits
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     sem = None
     if num_splits > 1 and one_qblock and fused_reduce is not False:

@@ -32,3 +32,16 @@ def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, 
     pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5)
     (grid, kw), = launches
     assert (kw["BLOCK_N"], grid[2], kw["num_stages"]) == (block_n, splits, 2)
+
+
+def test_launch_config_of_verify_and_prefill_batches():
+    """Only the one-query-token decode launch takes the swept tiles; a spec-decode verify window
+    (up to DECODE_MAX_Q tokens a request) keeps one query block a request, prefill splits never."""
+    from kernels.attention_splits import DECODE_MAX_Q, launch_config
+
+    verify = launch_config(8, 8 * 8, 8, 4, 128, 8, 4124)
+    assert verify.one_qblock and verify.grid0 == 8 and verify.block_m == 32
+    assert (verify.block_n, verify.num_stages) == (64, 3)
+    prefill = launch_config(2, 1000, 8, 4, 128, DECODE_MAX_Q + 1, 4124)
+    assert not prefill.one_qblock and prefill.num_splits == 1
+    assert prefill.grid0 == 1000 // prefill.block_q + 2
