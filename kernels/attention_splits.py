@@ -84,7 +84,7 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         one_qblock, grid0 = True, num_reqs
         block_n = 64 if block_d <= 128 else 32
         num_warps, num_stages = 4, 3
-        if block_m == 16 and block_d <= 128:  # one query token (the swept shape; not verify)
+        if block_m == 16 and block_d <= 128:  # one query token (swept), or q_len x group <= 16
             # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
             # the narrow-tile grids up to NARROW_SPLIT_MAX_CTAS split for more CTAs a SM
             # past SHORT_BOUND
