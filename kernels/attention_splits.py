@@ -78,11 +78,11 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     """The attention launch's tiles and split count, from CPU values only (the batch shape,
     the padded GQA group ``group_p``, the padded head dim ``block_d`` and the bounds)."""
     ctas_per_sm = CTAS_PER_SM
+    block_n = 64 if block_d <= 128 else 32
     if max_query_len <= DECODE_MAX_Q:
         block_q = triton.next_power_of_2(max(1, max_query_len))
         block_m = max(16, block_q * group_p)
         one_qblock, grid0 = True, num_reqs
-        block_n = 64 if block_d <= 128 else 32
         num_warps, num_stages = 4, 3
         if block_m == 16 and block_d <= 128:  # one query token (swept), or q_len x group <= 16
             # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
@@ -98,7 +98,6 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         block_m = max(128 if block_d <= 128 else 64, group_p)
         block_q = block_m // group_p
         one_qblock, grid0 = False, num_tokens // block_q + num_reqs
-        block_n = 64 if block_d <= 128 else 32
         num_warps, num_stages = (8 if block_m >= 128 else 4), 2
     splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
                                num_sms, ctas_per_sm)

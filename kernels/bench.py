@@ -164,10 +164,18 @@ def _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
                       for _ in range(copies)]
 
 
-def bench_attention() -> list[dict]:
+def _engine_splits(b: int, hq: int, hkv: int, d: int, bound: int, dev) -> int:
+    """The split count the engine's one-query-token launch takes for this shape on ``dev``."""
     import triton
 
-    from kernels.paged_attention import launch_config, paged_attention_triton
+    from kernels.paged_attention import _device_sms, launch_config
+
+    return launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound,
+                         _device_sms(dev)).num_splits
+
+
+def bench_attention() -> list[dict]:
+    from kernels.paged_attention import paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
@@ -176,7 +184,7 @@ def bench_attention() -> list[dict]:
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        splits = launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound).num_splits
+        splits = _engine_splits(b, hq, hkv, d, bound, dev)
         row = {"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound, "kv_bytes": kv_bytes,
                "heuristic_splits": splits, "variants": []}
         variants = [("default (fused reduce)", dict()), ("reduce kernel", dict(fused_reduce=False)),
@@ -210,9 +218,7 @@ SMALL_ATTN_CASES = [  # decode cells of the roofline grid that miss (b, ctx, hq,
 
 def bench_attention_sweep() -> list[dict]:
     """Split count x tile x pipeline depth for the small-batch decode cells (graph replay)."""
-    import triton
-
-    from kernels.paged_attention import launch_config, paged_attention_triton
+    from kernels.paged_attention import paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
@@ -221,7 +227,7 @@ def bench_attention_sweep() -> list[dict]:
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        heur = launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound).num_splits
+        heur = _engine_splits(b, hq, hkv, d, bound, dev)
         res = []
         for splits in sorted({1, 2, 4, 8, 16, 32, heur}):
             for bn, nw, st in ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2)):
