@@ -1,0 +1,172 @@
+"""Host time of a pipelined decode step, by section of ``ModelRunner.launch`` / ``finish``.
+
+    python -m benchmarks.host_sections --shape qwen3-0.6b --batch-sizes 1,8 --context-lens 512
+
+Runs ``benchmarks.decode_roofline``'s cells (same plans, same pipelining) with wall-clock
+timers wrapped around the step's host-side functions. Each section's time is inclusive
+(``launch`` contains ``build_step_inputs``, which contains ``to_device`` ...) and is a
+median over the timed pipelined steps; ``wait`` is the time ``finish`` spends blocked on
+the step's one event, so ``busy = step - wait`` is the host's own work a step. When
+``busy`` is about the step, the host sets the pace, not the device. The timers add about
+a microsecond a call: compare sections within one run, not with another benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+from typing import Any, Callable
+
+from benchmarks import common, decode_roofline
+
+# (module or class path, attribute, section label); a staticmethod stays one
+SECTIONS = [
+    ("workers.model_runner:ModelRunner", "launch", "launch"),
+    ("workers.model_runner", "build_step_inputs", "build_step_inputs"),
+    ("workers.step_inputs", "to_device", "to_device (step inputs)"),
+    ("kernels.ops", "prepare_inputs", "prepare_inputs"),
+    ("workers.cuda_graphs:DecodeGraphs", "run", "graphs.run"),
+    ("torch.cuda:CUDAGraph", "replay", "graph replay"),
+    ("workers.model_runner", "build_sampling_batch", "build_sampling_batch"),
+    ("workers.model_runner", "sample", "sample"),
+    ("workers.model_runner:ModelRunner", "_commit_tokens", "commit tokens"),
+    ("workers.model_runner:PendingStep", "start_copy", "start_copy"),
+    ("workers.model_runner:ModelRunner", "finish", "finish"),
+    ("torch.cuda:Event", "synchronize", "wait"),
+    ("benchmarks.decode_roofline:Bench", "_decode_plan", "plan"),
+]
+
+
+class SectionTimers:
+    """Wraps functions with accumulating wall-clock timers; ``restore`` undoes it."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, target: str, attr: str, label: str) -> None:
+        import importlib
+
+        mod_name, _, cls_name = target.partition(":")
+        owner = importlib.import_module(mod_name)
+        if cls_name:
+            owner = getattr(owner, cls_name)
+        raw = inspect.getattr_static(owner, attr)
+        static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if static else raw
+        total, calls = self.total, self.calls
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                total[label] = total.get(label, 0.0) + time.perf_counter() - t
+                calls[label] = calls.get(label, 0) + 1
+
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+        self._undo.append(lambda: setattr(owner, attr, raw))
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell of ``conf``: median pipelined step and the host sections a step (us)."""
+    import torch  # noqa: F401 - the CUDA classes must exist before wrapping
+
+    timers = SectionTimers()
+    for target, attr, label in SECTIONS:
+        timers.wrap(target, attr, label)
+    conf = dict(conf, bandwidth_bytes_per_s=1.0, profile_cells=set())
+    bench = decode_roofline.Bench(conf)
+    out = []
+    try:
+        for ctx in conf["context_lens"]:
+            for b in conf["batch_sizes"]:
+                out.append(_cell(bench, timers, b, ctx))
+    finally:
+        timers.restore()
+    return out
+
+
+def _cell(bench, timers: SectionTimers, batch: int, ctx: int) -> dict[str, Any]:
+    piped_fn = bench._pipelined_steps
+    box: dict[str, Any] = {}
+
+    def piped(handles, start_len, n):
+        warm = bench.conf["warmup"]
+        piped_fn(handles, start_len, warm)  # untimed: JIT, allocator and graph warm-up
+        timers.reset()
+        times = piped_fn(handles, start_len + warm, n - warm)
+        box["sections"] = {k: v / len(times) * 1e6 for k, v in timers.total.items()}
+        box["calls"] = {k: v / len(times) for k, v in timers.calls.items()}
+        return [0.0] * warm + times
+
+    bench._pipelined_steps = piped
+    try:
+        cell = bench.cell(batch, ctx)
+    finally:
+        del bench._pipelined_steps
+    if "skipped" in cell:
+        return cell
+    step_us = cell["step_ms_median"] * 1e3
+    sections = box["sections"]
+    # the median step, against mean sections: steps are steady once warm
+    return {"batch_size": batch, "context_len": ctx, "step_us": step_us,
+            "busy_us": step_us - sections.get("wait", 0.0),
+            "sections_us": sections, "calls_per_step": box["calls"]}
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    labels = [label for _, _, label in SECTIONS]
+    done = [c for c in cells if "skipped" not in c]
+    head = f"{'section (us a step)':28s}" + "".join(f"  b{c['batch_size']}/{c['context_len']:<6d}" for c in done)
+    rows = [head]
+    for label in ["step", "busy"] + labels:
+        vals = []
+        for c in done:
+            v = c["step_us"] if label == "step" else c["busy_us"] if label == "busy" else c["sections_us"].get(label)
+            vals.append(f"{v:12.1f}" if v is not None else f"{'-':>12s}")
+        rows.append(f"{label:28s}" + "".join(vals))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_sections", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--context-lens", default="512")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    common.add_output_args(p, "host_sections")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    model_dir, load_format = common.model_and_format(args)
+    conf = {"model_dir": model_dir, "load_format": load_format, "model_name": args.shape or model_dir,
+            "batch_sizes": decode_roofline._ints(args.batch_sizes),
+            "context_lens": decode_roofline._ints(args.context_lens), "warmup": args.warmup,
+            "iters": args.iters, "cuda_graphs": args.cuda_graphs, "device": args.device, "dtype": "auto",
+            "block_size": 16, "engine_options": {}, "gpu_memory_utilization": 0.9, "profile_steps": 0,
+            "temperature": 0.0}
+    cells = run(conf)
+    print(table(cells), flush=True)
+    out_path, _ = common.output_paths(args, "host_sections")
+    result = common.record("host_sections", args, config=conf, cells=cells)
+    common.write_json(out_path, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
