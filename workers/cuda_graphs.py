@@ -8,6 +8,10 @@ bucket is the ``max_seq_len_upper_bound`` the kernels are sized with; it is
 only an upper bound, so a step whose bound fits a bucket replays that bucket's
 graph and the kernels read the exact lengths from the device ``seq_lens``.
 Padded rows write no KV (slot -1) and their logits are dropped.
+
+A ``q = 1`` logits graph also takes the greedy argmax of its logits (``last_greedy``
+after a replay): every decode step needs it (greedy rows, and the greedy fallback of
+sampled ones), and inside the graph its two launches cost the host nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 
 import torch
 
+from kernels import ops
 from metadata.attention_metadata import AttentionMetadata
 from workers.step_inputs import StepInputs
 
@@ -59,7 +64,9 @@ class DecodeGraphs:
         self.ub_cpu = torch.ones(b, dtype=torch.int32)
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
         self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int],
+                          tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.last_greedy: torch.Tensor | None = None  # argmax of the last replay's logits (q = 1)
         self.pool = None
         self.replays = 0
         self._warned_miss = False
@@ -87,14 +94,17 @@ class DecodeGraphs:
                 if bound < q:
                     continue
                 for b in reversed(self.sizes):
-                    self._forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
+                    warm = self._forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
+                    if self.logits and q == 1:
+                        ops.argmax(warm)
                     torch.cuda.synchronize()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool):
                         out = self._forward(b, bound, q)
+                        greedy = ops.argmax(out) if self.logits and q == 1 else None
                     if self.pool is None:
                         self.pool = g.pool()
-                    self.graphs[(b, bound, q)] = (g, out)
+                    self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",
                     len(self.graphs), self.sizes, self.buckets, self.query_lens)
@@ -140,8 +150,9 @@ class DecodeGraphs:
         if b > n:
             self.slots[t : b * q].fill_(-1)
             self.seq_lens[n:b].fill_(q)
-        g, out = self.graphs[key]
+        g, out, greedy = self.graphs[key]
         g.replay()
+        self.last_greedy = greedy[:n] if greedy is not None else None
         return out[:t]
 
 

@@ -39,6 +39,9 @@ class DeviceState:
         self.output_counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
         self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
+        from workers.sampling_inputs import OptionTensors  # (imports this module)
+
+        self.option_tensors = OptionTensors()  # the sampling options' device tensors, reused
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:
         """Draft-model distributions of the drafts in flight (sampled rows need them to verify)."""

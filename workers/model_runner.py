@@ -15,7 +15,7 @@ from workers.device_state import DeviceState
 from workers.distributed import TPGroup
 from workers.models.loader import load_model
 from workers.sampler import sample
-from workers.sampling_inputs import build_sampling_batch, has_penalties
+from workers.sampling_inputs import build_sampling_batch
 from workers.step_inputs import build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,8 +176,10 @@ class ModelRunner:
         start_ev = self._record_event()
         inp = build_step_inputs(plan, st, self.block_size, self.bounds_are_exact)
         key = self.graphs.pick(inp) if self.graphs is not None else None
+        raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)
+            raw_argmax = self.graphs.last_greedy  # q = 1 graphs only: one logits row a sampling row
         else:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
@@ -193,7 +195,7 @@ class ModelRunner:
             s_rows = inp.rows[inp.sample_rows]
             s_pos = seq_lens.long()[inp.sample_rows]  # the position the (bonus) token takes
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
-        so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch)
+        so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch, raw_argmax)
         if inp.max_drafts:
             tokens, n_acc = self.spec.verify(logits, inp, batch, st, s_rows, so.token_ids)
             first_pos = s_pos - inp.num_drafts_d  # position of the row's first new token
@@ -201,7 +203,7 @@ class ModelRunner:
         else:
             tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
         self._commit_tokens(st, s_rows, first_pos, tokens, n_acc,
-                            count=any(has_penalties(o) for o in inp.opts))
+                            count=batch.penalties is not None)
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
             known = first_pos + (n_acc if n_acc is not None else 0) + 1
             self.spec.propose(st, inp, s_rows, known, batch)

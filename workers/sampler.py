@@ -96,14 +96,20 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Sample one token per row of ``logits`` [R, V] (float32)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
+    """Sample one token per row of ``logits`` [R, V] (float32). ``raw_argmax``: the argmax of
+    these very logits, already computed (inside a decode CUDA graph); used only where no
+    penalty or min_tokens mask changes the logits first."""
     raw = logits
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.min_tokens_mask is not None:
         logits = logits.masked_fill(batch.min_tokens_mask, float("-inf"))
-    greedy_ids = argmax(logits)
+    if raw_argmax is not None and logits is raw:
+        greedy_ids = raw_argmax
+    else:
+        greedy_ids = argmax(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
     else:

@@ -104,7 +104,7 @@ class DraftModelProposer:
         starts = inp.meta.num_computed_tokens().long()  # device: KV length before this step
         n_blk = min((max(ubs) + k + bs - 1) // bs, st.block_table_cpu.shape[1])
         block_table = to_device(st.block_table_cpu[inp.rows_cpu, :n_blk], st.device)
-        win, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
+        win, _, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
                               block_table=block_table)
         hidden = self._forward(win, len(q_lens), q_lens, max(ubs))
         if not sample_list:

@@ -13,6 +13,7 @@ its last ``k + 1`` tokens; the indices into those logits are host-known too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -33,14 +34,20 @@ class Window:
     capacity: torch.Tensor  # device int64 [num_reqs]: positions the row's blocks can hold
 
 
-def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_lens: list[int], ubs: list[int],
-                 starts: torch.Tensor, block_size: int, bounds_are_exact: bool,
+def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int], q_lens: list[int],
+                 ubs: list[int], starts: torch.Tensor | None, block_size: int, bounds_are_exact: bool,
                  block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
-                 packed_extra: list[torch.Tensor] | None = None) -> tuple[Window, list[torch.Tensor]]:
+                 packed_extra: list[torch.Tensor] | None = None
+                 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
     allocated blocks are -1 (skipped), so lookahead writes can never touch another row's KV.
-    ``packed_extra`` host tensors ride along in the same copy and come back on the device."""
+
+    Everything host-made travels in ONE pinned copy (each copy costs the host tens of us):
+    the window's lengths, ``packed_extra`` (returned on the device), the block table when
+    not given (its int32 rows reinterpreted as int64 words, so no cast kernel), and the
+    device ``rows`` when given as None (then ``starts`` None means the rows' ``num_computed``).
+    Returns the window, the extras and the device rows."""
     dev, bs = st.device, block_size
     n_reqs = len(rows_cpu)
     q_lens_cpu = torch.tensor(q_lens, dtype=torch.int64)
@@ -54,14 +61,30 @@ def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_len
     if capacity is None:
         parts.append(torch.tensor([st.num_blocks_cpu[r] * bs for r in rows_cpu], dtype=torch.int64))
     extra = packed_extra or []
-    packed = to_device(torch.cat(parts + extra), dev)
-    split = list(torch.split(packed, [p.numel() for p in parts + extra]))
+    n_own = len(parts)
+    tail = []
+    if rows is None:
+        tail.append(torch.tensor(rows_cpu, dtype=torch.int64))
+    n_blk = (max_ub + bs - 1) // bs
+    width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
+    if block_table is None:
+        table = st.block_table_cpu[rows_cpu, :width]
+        if table.shape[1] < width:  # the table's last column: pad the word
+            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        tail.append(table.contiguous().view(torch.int64).flatten())
+    packed = to_device(torch.cat(parts + extra + tail), dev)
+    split = list(torch.split(packed, [p.numel() for p in parts + extra + tail]))
     q_lens_d, token_req, offsets = split[:3]
     if capacity is None:
         capacity = split[3]
+    back = split[n_own : n_own + len(extra)]
+    tail_d = split[n_own + len(extra):]
+    if rows is None:
+        rows = tail_d.pop(0)
+    if starts is None:
+        starts = st.num_computed[rows]
     if block_table is None:
-        n_blk = (max_ub + bs - 1) // bs
-        block_table = to_device(st.block_table_cpu[rows_cpu, :n_blk], dev)
+        block_table = tail_d.pop(0).view(torch.int32).view(n_reqs, width)[:, :n_blk]
     positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
         starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs,
         every_request_has_tokens=min(q_lens) >= 1)
@@ -72,7 +95,7 @@ def build_window(st: DeviceState, rows: torch.Tensor, rows_cpu: list[int], q_len
         max_query_len=int(q_lens_cpu.max()), max_seq_len_upper_bound=max_ub,
         bounds_are_exact=bounds_are_exact,
     )
-    return Window(input_ids, positions, meta, block_table, capacity), split[len(parts):]
+    return Window(input_ids, positions, meta, block_table, capacity), back, rows
 
 
 @dataclass
@@ -101,7 +124,6 @@ class StepInputs:
 
 
 def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool) -> StepInputs:
-    dev = st.device
     rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
     for i, r in enumerate(plan.rows):
         row = st.row_of[r.handle]
@@ -114,27 +136,25 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
         if r.sample:
             sample_idx.append(i)
             drafts.append(r.num_draft_tokens)
-    ends = torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1
+    ends = list(accumulate(q_lens))  # one past each request's last token (host ints: no tensor)
     k_max = max(drafts, default=0)
     logits_idx, bonus_idx, spec_idx, draft_tok = [], [], [], []
     for i, k in zip(sample_idx, drafts):
-        end = int(ends[i])
+        end = ends[i] - 1
         base = len(logits_idx)
         logits_idx.extend(range(end - k, end + 1))
         bonus_idx.append(base + k)
         if k_max:
             spec_idx.append([base + min(j, k) for j in range(k_max)])
             draft_tok.append([end - k + 1 + min(j, k - 1) if k else end for j in range(k_max)])
-    extra = [torch.tensor(rows_cpu, dtype=torch.int64), torch.tensor(logits_idx, dtype=torch.int64),
-             torch.tensor(bonus_idx, dtype=torch.int64), torch.tensor(sample_idx, dtype=torch.int64)]
+    extra = [torch.tensor(logits_idx, dtype=torch.int64), torch.tensor(bonus_idx, dtype=torch.int64),
+             torch.tensor(sample_idx, dtype=torch.int64)]
     if k_max:
         extra += [torch.tensor(spec_idx, dtype=torch.int64).flatten(),
                   torch.tensor(draft_tok, dtype=torch.int64).flatten(), torch.tensor(drafts, dtype=torch.int64)]
-    rows_host = torch.tensor(rows_cpu, dtype=torch.int64)
-    # the rows must be on the device before the window gathers with them: send them first
-    rows = to_device(rows_host, dev)
-    win, back = build_window(st, rows, rows_cpu, q_lens, ubs, st.num_computed[rows], block_size,
-                             bounds_are_exact, packed_extra=extra[1:])
+    # the rows, the block table and the extras ride in the window's one copy
+    win, back, rows = build_window(st, None, rows_cpu, q_lens, ubs, None, block_size,
+                                   bounds_are_exact, packed_extra=extra)
     logits_i, bonus_i, sample_rows = back[:3]
     inp = StepInputs(
         step_id=plan.step_id, input_ids=win.input_ids, positions=win.positions, meta=win.meta, rows=rows,

@@ -1,0 +1,113 @@
+"""The decode step's host path: one packed copy for the step inputs, reused sampling-option
+tensors, and the sampler's precomputed greedy argmax (what a decode CUDA graph hands it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference import prepare_inputs_reference
+from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
+from workers import step_inputs
+from workers.device_state import DeviceState
+from workers.sampler import PenaltyBatch, SamplingBatch, apply_penalties, sample
+from workers.sampling_inputs import build_sampling_batch
+from workers.step_inputs import build_step_inputs
+
+BS = 4
+GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
+
+
+def _opts(**kw) -> SamplingOptions:
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=1, repetition_penalty=1.0,
+                presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, min_tokens_stop_ids=[],
+                num_logprobs=-1)
+    base.update(kw)
+    return SamplingOptions(**base)
+
+
+def _state(spec, max_blocks=9):
+    """spec: [(computed, q_len, bound)]; block ids are distinct per row and position."""
+    st = DeviceState(8, max_blocks * BS, max_blocks, 50, torch.device("cpu"))
+    for h, (computed, q, ub) in enumerate(spec):
+        st.add(NewRequest(h, [3 + (h * 5 + i) % 40 for i in range(computed + q)], [], GREEDY,
+                          [100 * (h + 1) + b for b in range(-(-ub // BS))]))
+        st.num_computed[st.row_of[h]] = computed
+    return st
+
+
+@pytest.mark.parametrize("spec", [
+    [(6, 1, 7)],  # 2 blocks: an even table width
+    [(9, 1, 10), (3, 1, 4)],  # 3 blocks: odd, padded to a whole int64 word
+    [(0, 5, 5), (30, 1, 31), (2, 3, 6)],  # mixed prefill + decode
+    [(35, 1, 36)],  # 9 blocks = the whole table: the pad column lies past its end
+], ids=["even", "odd", "mixed", "full-width"])
+def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
+    st = _state(spec)
+    copies = []
+    real = step_inputs.to_device
+    monkeypatch.setattr(step_inputs, "to_device", lambda t, dev: copies.append(t.numel()) or real(t, dev))
+    plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
+    inp = build_step_inputs(plan, st, BS, True)
+    assert len(copies) == 1, "rows, block table, lengths and indices travel in one copy"
+    rows_cpu = [st.row_of[h] for h in range(len(spec))]
+    assert inp.rows.tolist() == rows_cpu
+    n_blk = -(-max(ub for _, _, ub in spec) // BS)
+    want_table = st.block_table_cpu[rows_cpu, :n_blk]
+    assert inp.meta.block_table.dtype == torch.int32
+    assert torch.equal(inp.meta.block_table, want_table)
+    q = torch.tensor([q for _, q, _ in spec])
+    token_req = torch.repeat_interleave(torch.arange(len(spec)), q)
+    offsets = torch.cat([torch.arange(n) for n in q.tolist()])
+    cap = torch.tensor([st.num_blocks_cpu[r] * BS for r in rows_cpu])
+    want = prepare_inputs_reference(st.num_computed[inp.rows].long(), inp.rows, token_req, offsets, q, cap,
+                                    st.token_ids, want_table, BS)
+    for got, ref in zip((inp.positions, inp.input_ids, inp.meta.seq_lens, inp.meta.slot_mapping), want):
+        assert torch.equal(got, ref)
+    ends = q.cumsum(0) - 1
+    assert inp.logits_idx.tolist() == ends.tolist() and inp.sample_rows.tolist() == list(range(len(spec)))
+
+
+def test_sampling_option_tensors_are_reused_only_for_the_same_requests(monkeypatch):
+    st = DeviceState(4, 16, 4, 50, torch.device("cpu"))
+    a, b = _opts(temperature=0.5, top_k=3, seed=7), _opts(repetition_penalty=1.3, seed=9)
+    built = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *x, **k: built.append(1) or real(*x, **k))
+    rows, pos = torch.tensor([0, 1]), torch.tensor([5, 6])
+    first = build_sampling_batch([a, b], st, rows, pos)
+    n = len(built)
+    again = build_sampling_batch([a, b], st, rows, pos)
+    assert len(built) == n, "the same option objects: no new tensors"
+    assert again.temperature is first.temperature and again.top_k is first.top_k
+    assert not again.all_greedy and again.any_top_k_top_p and again.penalties is not None
+    swapped = build_sampling_batch([b, a], st, rows, pos)
+    assert swapped.temperature.tolist() == [0.0, 0.5] and swapped.seeds.tolist() == [9, 7]
+    equal_not_same = build_sampling_batch([_opts(), _opts()], st, rows, pos)  # new objects
+    assert equal_not_same.all_greedy and equal_not_same.penalties is None
+    assert equal_not_same.temperature.tolist() == [0.0, 0.0]
+    assert build_sampling_batch([a], st, rows[:1], pos[:1]).temperature.tolist() == [0.5]
+
+
+def _batch(n, **kw):
+    base = dict(temperature=torch.zeros(n), top_p=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
+                min_p=torch.zeros(n), seeds=torch.arange(n), positions=torch.zeros(n, dtype=torch.int64),
+                all_greedy=True, any_top_k_top_p=False, any_min_p=False)
+    base.update(kw)
+    return SamplingBatch(**base)
+
+
+def test_sampler_takes_the_precomputed_argmax_only_for_unmodified_logits():
+    logits = torch.randn(3, 11)
+    marker = torch.full((3,), -1)  # no token id: shows which argmax was used
+    assert sample(logits, _batch(3), raw_argmax=marker).token_ids.tolist() == [-1, -1, -1]
+    assert torch.equal(sample(logits, _batch(3)).token_ids, logits.argmax(-1))
+    forbid = torch.zeros(3, 11, dtype=torch.bool)
+    forbid[:, logits.argmax(-1)] = True
+    masked = sample(logits, _batch(3, min_tokens_mask=forbid), raw_argmax=marker).token_ids
+    assert torch.equal(masked, logits.masked_fill(forbid, float("-inf")).argmax(-1))
+    pen = PenaltyBatch(repetition=torch.full((3,), 2.0), presence=torch.zeros(3), frequency=torch.zeros(3),
+                       output_counts=torch.zeros(3, 11, dtype=torch.int32),
+                       prompt_mask=torch.ones(3, 11, dtype=torch.bool))
+    got = sample(logits, _batch(3, penalties=pen), raw_argmax=marker).token_ids
+    assert torch.equal(got, apply_penalties(logits, pen).argmax(-1))
