@@ -53,15 +53,24 @@ def _prepare_inputs_kernel(
 
 
 def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                          block_size: int, block: int = 256):
+                          block_size: int, block: int = 256, out=None):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
-    slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference."""
+    slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
+    gives the first four (contiguous, those shapes and dtypes) to write into."""
     n_tokens, n_reqs = token_req.shape[0], rows.shape[0]
     dev = token_req.device
-    positions = torch.empty(n_tokens, dtype=torch.int64, device=dev)
-    input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
-    slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
-    seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
+    if out is not None:
+        positions, input_ids, seq_lens, slots = out
+        for t, n, dt in ((positions, n_tokens, torch.int64), (input_ids, n_tokens, torch.int64),
+                         (seq_lens, n_reqs, torch.int32), (slots, n_tokens, torch.int64)):
+            if t.shape != (n,) or t.dtype != dt or t.stride(0) != 1:
+                raise ValueError(f"prepare_inputs out: want a contiguous [{n}] {dt}, got "
+                                 f"{tuple(t.shape)} {t.dtype} stride {t.stride()}")
+    else:
+        positions = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+        input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+        slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
+        seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
     qsl = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
     if n_tokens == 0:
         qsl.zero_()

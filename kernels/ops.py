@@ -188,18 +188,25 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
 
 
 def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                   block_size: int, every_request_has_tokens: bool = True):
+                   block_size: int, every_request_has_tokens: bool = True, out=None):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
     each request's ``seq_len`` and query start from its tokens, so a request without query
-    tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference."""
+    tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference.
+    ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
+    static inputs, so a replay needs no copies); the results are those tensors."""
     if _use_triton(token_req) and every_request_has_tokens:
         from kernels.input_prep import prepare_inputs_triton
 
         return prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
-                                     block_table, block_size)
-    return reference.prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
-                                              token_ids, block_table, block_size)
+                                     block_table, block_size, out=out)
+    res = reference.prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
+                                             token_ids, block_table, block_size)
+    if out is None:
+        return res
+    for dst, src in zip(out, res):
+        dst.copy_(src)
+    return (*out, res[4])
 
 
 def argmax(x):

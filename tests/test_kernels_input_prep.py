@@ -62,4 +62,20 @@ def test_prepare_inputs_positions_past_the_token_table():
         assert torch.equal(g_, w)
 
 
+def test_prepare_inputs_writes_into_given_buffers():
+    """``out`` (a CUDA graph's static inputs): the results land in those tensors, views of
+    longer buffers, and nothing past them is touched; a wrong dtype is refused."""
+    case = make_case([1] * 5, seed=9)
+    n, t = 5, 5
+    bufs = [torch.full((t + 3,), -7, dtype=torch.int64), torch.full((t + 3,), -7, dtype=torch.int64),
+            torch.full((n + 3,), -7, dtype=torch.int32), torch.full((t + 3,), -7, dtype=torch.int64)]
+    out = (bufs[0][:t], bufs[1][:t], bufs[2][:n], bufs[3][:t])
+    got = ip.prepare_inputs_triton(*case, block=4, out=out)
+    for g_, o, w in zip(got, out, ref.prepare_inputs_reference(*case)):
+        assert g_ is o and torch.equal(g_, w)
+    assert all((b[-3:] == -7).all() for b in bufs)
+    with pytest.raises(ValueError, match="contiguous"):
+        ip.prepare_inputs_triton(*case, out=(out[0], out[1], out[2].long(), out[3]))
+
+
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

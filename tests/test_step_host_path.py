@@ -111,3 +111,26 @@ def test_sampler_takes_the_precomputed_argmax_only_for_unmodified_logits():
                        prompt_mask=torch.ones(3, 11, dtype=torch.bool))
     got = sample(logits, _batch(3, penalties=pen), raw_argmax=marker).token_ids
     assert torch.equal(got, apply_penalties(logits, pen).argmax(-1))
+
+
+def test_step_inputs_built_into_the_decode_graph_buffers():
+    """With graphs, a uniform decode step picks its graph from host values and its inputs are
+    written into the graphs' static buffers (no copies before the replay); a prefill step
+    picks none. The values equal a build without graphs."""
+    from workers.cuda_graphs import DecodeGraphs
+
+    spec = [(9, 1, 10), (3, 1, 4), (20, 1, 21)]
+    graphs = DecodeGraphs(None, None, 8, 36, BS, 9, torch.device("cpu"), True)
+    plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
+    got = build_step_inputs(plan, _state(spec), BS, True, graphs)
+    want = build_step_inputs(plan, _state(spec), BS, True)
+    assert got.graph_key == (4, graphs.buckets[0], 1) and want.graph_key is None
+    for name, buf in (("positions", graphs.positions), ("input_ids", graphs.input_ids)):
+        assert getattr(got, name).data_ptr() == buf.data_ptr()
+        assert torch.equal(getattr(got, name), getattr(want, name))
+    assert got.meta.seq_lens.data_ptr() == graphs.seq_lens.data_ptr()
+    assert got.meta.slot_mapping.data_ptr() == graphs.slots.data_ptr()
+    assert torch.equal(got.meta.seq_lens, want.meta.seq_lens)
+    assert torch.equal(got.meta.slot_mapping, want.meta.slot_mapping)
+    prefill = StepPlan(step_id=2, rows=[ScheduledRow(0, 5, 5, [], True)])
+    assert build_step_inputs(prefill, _state([(0, 5, 5)]), BS, True, graphs).graph_key is None

@@ -128,13 +128,26 @@ class DecodeGraphs:
         return (b, L, q)
 
     def pick(self, inputs: StepInputs) -> tuple[int, int, int] | None:
+        """The graph of a built step (see ``pick_step``)."""
+        return self.pick_step(inputs.q_lens, inputs.num_drafts, len(inputs.sample_rows_cpu),
+                              inputs.meta.max_seq_len_upper_bound)
+
+    def pick_step(self, q_lens: list[int], num_drafts: list[int], num_sampling: int,
+                  bound: int) -> tuple[int, int, int] | None:
         """A step fits when every row has the same query length and samples at every token
-        (plain decode, or verification with the same draft count in every row)."""
-        if len(inputs.sample_rows_cpu) != len(inputs.q_lens):
+        (plain decode, or verification with the same draft count in every row). Host values
+        only, so a step can pick its graph before its inputs are built."""
+        if num_sampling != len(q_lens):
             return None
-        if any(k + 1 != q for k, q in zip(inputs.num_drafts, inputs.q_lens)):
+        if any(k + 1 != q for k, q in zip(num_drafts, q_lens)):
             return None
-        return self.pick_shape(inputs.meta.num_reqs, inputs.q_lens, inputs.meta.max_seq_len_upper_bound)
+        return self.pick_shape(len(q_lens), q_lens, bound)
+
+    def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
+        """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` rows and ``t``
+        tokens, inside the graphs' static inputs: a step that writes them there (see
+        ``kernels.ops.prepare_inputs``'s ``out``) needs no copy before its replay."""
+        return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
 
     def run(self, inputs, key: tuple[int, int, int]) -> torch.Tensor:
         """Replay; returns the outputs of the real tokens (in batch order). ``inputs`` has
@@ -142,10 +155,10 @@ class DecodeGraphs:
         b, _, q = key
         m = inputs.meta
         n, t = m.num_reqs, m.num_actual_tokens
-        self.input_ids[:t].copy_(inputs.input_ids)
-        self.positions[:t].copy_(inputs.positions)
-        self.seq_lens[:n].copy_(m.seq_lens)
-        self.slots[:t].copy_(m.slot_mapping)
+        for dst, src in ((self.input_ids, inputs.input_ids), (self.positions, inputs.positions),
+                         (self.seq_lens, m.seq_lens), (self.slots, m.slot_mapping)):
+            if src.data_ptr() != dst.data_ptr():  # not already written in place
+                dst[: src.shape[0]].copy_(src)
         self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
         if b > n:
             self.slots[t : b * q].fill_(-1)

@@ -174,8 +174,8 @@ class ModelRunner:
         if not plan.rows:
             return PendingStep(plan.step_id, self.tp.rank, t0)
         start_ev = self._record_event()
-        inp = build_step_inputs(plan, st, self.block_size, self.bounds_are_exact)
-        key = self.graphs.pick(inp) if self.graphs is not None else None
+        inp = build_step_inputs(plan, st, self.block_size, self.bounds_are_exact, self.graphs)
+        key = inp.graph_key
         raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)

@@ -37,7 +37,7 @@ class Window:
 def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int], q_lens: list[int],
                  ubs: list[int], starts: torch.Tensor | None, block_size: int, bounds_are_exact: bool,
                  block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
-                 packed_extra: list[torch.Tensor] | None = None
+                 packed_extra: list[torch.Tensor] | None = None, out: tuple | None = None
                  ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -47,7 +47,8 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     the window's lengths, ``packed_extra`` (returned on the device), the block table when
     not given (its int32 rows reinterpreted as int64 words, so no cast kernel), and the
     device ``rows`` when given as None (then ``starts`` None means the rows' ``num_computed``).
-    Returns the window, the extras and the device rows."""
+    ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
+    CUDA graph's static inputs). Returns the window, the extras and the device rows."""
     dev, bs = st.device, block_size
     n_reqs = len(rows_cpu)
     q_lens_cpu = torch.tensor(q_lens, dtype=torch.int64)
@@ -87,7 +88,7 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
         block_table = tail_d.pop(0).view(torch.int32).view(n_reqs, width)[:, :n_blk]
     positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
         starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs,
-        every_request_has_tokens=min(q_lens) >= 1)
+        every_request_has_tokens=min(q_lens) >= 1, out=out)
     meta = AttentionMetadata(
         query_start_loc=qsl_d, query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
@@ -121,9 +122,13 @@ class StepInputs:
     draft_token_idx: torch.Tensor | None = None  # [S, K] token index of each draft (clamped)
     num_drafts_d: torch.Tensor | None = None  # [S] on the device
     window: Window | None = None
+    graph_key: tuple[int, int, int] | None = None  # the decode graph it replays, picked while built
 
 
-def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool) -> StepInputs:
+def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool,
+                      graphs=None) -> StepInputs:
+    """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
+    the inputs straight into its static buffers (``StepInputs.graph_key``)."""
     rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
     for i, r in enumerate(plan.rows):
         row = st.row_of[r.handle]
@@ -152,9 +157,11 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
     if k_max:
         extra += [torch.tensor(spec_idx, dtype=torch.int64).flatten(),
                   torch.tensor(draft_tok, dtype=torch.int64).flatten(), torch.tensor(drafts, dtype=torch.int64)]
+    key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs)) if graphs is not None else None
+    out = graphs.static_inputs(len(rows_cpu), ends[-1]) if key is not None else None
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(st, None, rows_cpu, q_lens, ubs, None, block_size,
-                                   bounds_are_exact, packed_extra=extra)
+                                   bounds_are_exact, packed_extra=extra, out=out)
     logits_i, bonus_i, sample_rows = back[:3]
     inp = StepInputs(
         step_id=plan.step_id, input_ids=win.input_ids, positions=win.positions, meta=win.meta, rows=rows,
@@ -162,7 +169,7 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
         sample_rows=sample_rows, sample_rows_cpu=sample_idx, handles=[plan.rows[i].handle for i in sample_idx],
         opts=[st.sampling[rows_cpu[i]] for i in sample_idx],
         is_uniform_decode=len(q_lens) == win.meta.num_actual_tokens and len(sample_idx) == len(q_lens),
-        num_drafts=drafts, max_drafts=k_max, window=win,
+        num_drafts=drafts, max_drafts=k_max, window=win, graph_key=key,
     )
     if k_max:
         s = len(sample_idx)
