@@ -29,14 +29,16 @@ def _prepare_inputs_kernel(
     positions_ptr, input_ids_ptr, seq_lens_ptr, slots_ptr, qsl_ptr,
     n_tokens, n_reqs, n_blk, stride_tok, stride_bt, max_pos,
     KV_BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    STARTS_BY_ROW: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_tokens
     wait_and_release(USE_PDL)
     r = tl.load(token_req_ptr + t, mask=ok, other=0)
     off = tl.load(offsets_ptr + t, mask=ok, other=0)
-    pos = tl.load(starts_ptr + r, mask=ok, other=0).to(tl.int64) + off
     row = tl.load(rows_ptr + r, mask=ok, other=0)
+    # STARTS_BY_ROW: starts_ptr is the per-row num_computed, indexed by the device row
+    pos = tl.load(starts_ptr + (row if STARTS_BY_ROW else r), mask=ok, other=0).to(tl.int64) + off
     ids = tl.load(token_ids_ptr + row * stride_tok + tl.minimum(pos, max_pos), mask=ok, other=0)
     page = tl.minimum(pos // KV_BLOCK_SIZE, n_blk - 1)
     blk = tl.load(block_table_ptr + r * stride_bt + page, mask=ok, other=0).to(tl.int64)
@@ -53,10 +55,16 @@ def _prepare_inputs_kernel(
 
 
 def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                          block_size: int, block: int = 256, out=None):
+                          block_size: int, block: int = 256, out=None, num_computed=None):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
-    gives the first four (contiguous, those shapes and dtypes) to write into."""
+    gives the first four (contiguous, those shapes and dtypes) to write into. ``starts``
+    None: request ``r`` starts at ``num_computed[rows[r]]``."""
+    by_row = starts is None
+    if by_row:
+        if num_computed is None:
+            raise ValueError("prepare_inputs: give starts or num_computed")
+        starts = num_computed
     n_tokens, n_reqs = token_req.shape[0], rows.shape[0]
     dev = token_req.device
     if out is not None:
@@ -80,7 +88,7 @@ def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, to
         starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
         positions, input_ids, seq_lens, slots, qsl,
         n_tokens, n_reqs, block_table.shape[1], token_ids.stride(0), block_table.stride(0),
-        token_ids.shape[1] - 1, KV_BLOCK_SIZE=block_size, BLOCK=block, num_warps=4,
+        token_ids.shape[1] - 1, KV_BLOCK_SIZE=block_size, BLOCK=block, STARTS_BY_ROW=by_row, num_warps=4,
         **pdl.launch_kwargs(token_req),
     )
     return positions, input_ids, seq_lens, slots, qsl

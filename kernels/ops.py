@@ -188,18 +188,23 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
 
 
 def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                   block_size: int, every_request_has_tokens: bool = True, out=None):
+                   block_size: int, every_request_has_tokens: bool = True, out=None,
+                   num_computed=None):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
     each request's ``seq_len`` and query start from its tokens, so a request without query
     tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference.
     ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
-    static inputs, so a replay needs no copies); the results are those tensors."""
+    static inputs, so a replay needs no copies); the results are those tensors.
+    ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
+    no gather launch)."""
     if _use_triton(token_req) and every_request_has_tokens:
         from kernels.input_prep import prepare_inputs_triton
 
         return prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
-                                     block_table, block_size, out=out)
+                                     block_table, block_size, out=out, num_computed=num_computed)
+    if starts is None:
+        starts = num_computed[rows]
     res = reference.prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
                                              token_ids, block_table, block_size)
     if out is None:

@@ -109,8 +109,9 @@ def test_input_prep_and_rope_kv_compile():
     from kernels.rope_kv import _rope_kv_kernel
 
     i32 = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
-    _compile(_prepare_inputs_kernel, dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True), i32,
-             default_ptr="*i64")
+    for by_row in (False, True):
+        _compile(_prepare_inputs_kernel, dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True,
+                                              STARTS_BY_ROW=by_row), i32, default_ptr="*i64")
     _compile(_rope_kv_kernel, dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, KV_BLOCK_SIZE=16,
                                    Q_NORM=True, K_NORM=True, USE_PDL=True),
              {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}, floats=("eps",))

@@ -62,6 +62,22 @@ def test_prepare_inputs_positions_past_the_token_table():
         assert torch.equal(g_, w)
 
 
+def test_prepare_inputs_reads_starts_from_num_computed_by_row():
+    """``starts`` None: request r starts at ``num_computed[rows[r]]`` (rows are a permutation
+    of a longer table, so indexing by request instead of by row would differ)."""
+    starts, rows, token_req, offsets, q, cap, token_ids, bt, bs = make_case([2, 1, 4], seed=5)
+    num_computed = torch.randint(0, 30, (token_ids.shape[0],), dtype=torch.int32,
+                                 generator=torch.Generator().manual_seed(1))
+    num_computed[rows] = starts
+    got = ip.prepare_inputs_triton(None, rows, token_req, offsets, q, cap, token_ids, bt, bs,
+                                   block=4, num_computed=num_computed)
+    want = ref.prepare_inputs_reference(starts, rows, token_req, offsets, q, cap, token_ids, bt, bs)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_, w)
+    with pytest.raises(ValueError, match="num_computed"):
+        ip.prepare_inputs_triton(None, rows, token_req, offsets, q, cap, token_ids, bt, bs)
+
+
 def test_prepare_inputs_writes_into_given_buffers():
     """``out`` (a CUDA graph's static inputs): the results land in those tensors, views of
     longer buffers, and nothing past them is touched; a wrong dtype is refused."""

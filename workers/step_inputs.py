@@ -37,7 +37,7 @@ class Window:
 def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int], q_lens: list[int],
                  ubs: list[int], starts: torch.Tensor | None, block_size: int, bounds_are_exact: bool,
                  block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
-                 packed_extra: list[torch.Tensor] | None = None, out: tuple | None = None
+                 packed_extra: list[list[int]] | None = None, out: tuple | None = None
                  ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -46,54 +46,55 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     Everything host-made travels in ONE pinned copy (each copy costs the host tens of us):
     the window's lengths, ``packed_extra`` (returned on the device), the block table when
     not given (its int32 rows reinterpreted as int64 words, so no cast kernel), and the
-    device ``rows`` when given as None (then ``starts`` None means the rows' ``num_computed``).
+    device ``rows`` when given as None. ``starts`` None: the rows' ``num_computed``, read by
+    the input kernel itself.
     ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
     CUDA graph's static inputs). Returns the window, the extras and the device rows."""
     dev, bs = st.device, block_size
     n_reqs = len(rows_cpu)
-    q_lens_cpu = torch.tensor(q_lens, dtype=torch.int64)
-    qsl_cpu = torch.zeros(n_reqs + 1, dtype=torch.int64)
-    torch.cumsum(q_lens_cpu, 0, out=qsl_cpu[1:])
-    n_tokens = int(qsl_cpu[-1])
+    # host ints as lists (each torch op on small CPU tensors costs more than the Python)
+    qsl = [0, *accumulate(q_lens)]
+    n_tokens = qsl[-1]
     max_ub = max(ubs)
-    token_req_cpu = torch.repeat_interleave(torch.arange(n_reqs), q_lens_cpu)
-    offsets_cpu = torch.arange(n_tokens) - qsl_cpu[:-1][token_req_cpu]
-    parts = [q_lens_cpu, token_req_cpu, offsets_cpu]
+    token_req = [r for r, q in enumerate(q_lens) for _ in range(q)]
+    offsets = [i for q in q_lens for i in range(q)]
+    lists = [q_lens, token_req, offsets]
     if capacity is None:
-        parts.append(torch.tensor([st.num_blocks_cpu[r] * bs for r in rows_cpu], dtype=torch.int64))
+        lists.append([st.num_blocks_cpu[r] * bs for r in rows_cpu])
     extra = packed_extra or []
-    n_own = len(parts)
-    tail = []
+    n_own = len(lists)
     if rows is None:
-        tail.append(torch.tensor(rows_cpu, dtype=torch.int64))
+        extra = extra + [rows_cpu]
+    ints = [v for part in lists + extra for v in part]
+    sizes = [len(part) for part in lists + extra]
+    parts = [torch.tensor(ints, dtype=torch.int64)]
     n_blk = (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
     if block_table is None:
         table = st.block_table_cpu[rows_cpu, :width]
         if table.shape[1] < width:  # the table's last column: pad the word
             table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        tail.append(table.contiguous().view(torch.int64).flatten())
-    packed = to_device(torch.cat(parts + extra + tail), dev)
-    split = list(torch.split(packed, [p.numel() for p in parts + extra + tail]))
-    q_lens_d, token_req, offsets = split[:3]
+        parts.append(table.contiguous().view(torch.int64).flatten())
+        sizes.append(parts[-1].numel())
+    packed = to_device(torch.cat(parts) if len(parts) > 1 else parts[0], dev)
+    split = list(torch.split(packed, sizes))
+    q_lens_d, token_req_d, offsets_d = split[:3]
     if capacity is None:
         capacity = split[3]
-    back = split[n_own : n_own + len(extra)]
-    tail_d = split[n_own + len(extra):]
+    back = split[n_own : n_own + len(packed_extra or [])]
     if rows is None:
-        rows = tail_d.pop(0)
-    if starts is None:
-        starts = st.num_computed[rows]
+        rows = split[n_own + len(back)]
     if block_table is None:
-        block_table = tail_d.pop(0).view(torch.int32).view(n_reqs, width)[:, :n_blk]
+        block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
     positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
-        starts, rows, token_req, offsets, q_lens_d, capacity, st.token_ids, block_table, bs,
-        every_request_has_tokens=min(q_lens) >= 1, out=out)
+        starts, rows, token_req_d, offsets_d, q_lens_d, capacity, st.token_ids, block_table, bs,
+        every_request_has_tokens=min(q_lens) >= 1, out=out,
+        num_computed=st.num_computed if starts is None else None)
     meta = AttentionMetadata(
-        query_start_loc=qsl_d, query_start_loc_cpu=qsl_cpu.int(), seq_lens=seq_lens,
+        query_start_loc=qsl_d, query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32), seq_lens=seq_lens,
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
         slot_mapping=slot_mapping, positions=positions, num_reqs=n_reqs, num_actual_tokens=n_tokens,
-        max_query_len=int(q_lens_cpu.max()), max_seq_len_upper_bound=max_ub,
+        max_query_len=max(q_lens), max_seq_len_upper_bound=max_ub,
         bounds_are_exact=bounds_are_exact,
     )
     return Window(input_ids, positions, meta, block_table, capacity), back, rows
@@ -152,11 +153,9 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
         if k_max:
             spec_idx.append([base + min(j, k) for j in range(k_max)])
             draft_tok.append([end - k + 1 + min(j, k - 1) if k else end for j in range(k_max)])
-    extra = [torch.tensor(logits_idx, dtype=torch.int64), torch.tensor(bonus_idx, dtype=torch.int64),
-             torch.tensor(sample_idx, dtype=torch.int64)]
+    extra = [logits_idx, bonus_idx, sample_idx]
     if k_max:
-        extra += [torch.tensor(spec_idx, dtype=torch.int64).flatten(),
-                  torch.tensor(draft_tok, dtype=torch.int64).flatten(), torch.tensor(drafts, dtype=torch.int64)]
+        extra += [[v for r in spec_idx for v in r], [v for r in draft_tok for v in r], drafts]
     key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs)) if graphs is not None else None
     out = graphs.static_inputs(len(rows_cpu), ends[-1]) if key is not None else None
     # the rows, the block table and the extras ride in the window's one copy
