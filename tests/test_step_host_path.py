@@ -134,3 +134,18 @@ def test_step_inputs_built_into_the_decode_graph_buffers():
     assert torch.equal(got.meta.slot_mapping, want.meta.slot_mapping)
     prefill = StepPlan(step_id=2, rows=[ScheduledRow(0, 5, 5, [], True)])
     assert build_step_inputs(prefill, _state([(0, 5, 5)]), BS, True, graphs).graph_key is None
+
+
+def test_pinned_pool_reuses_only_returned_buffers_of_the_same_size_and_dtype():
+    from workers.model_runner import PinnedPool
+
+    pool = PinnedPool()
+    a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.float64)
+    pool.give(a, "ev-a")
+    pool.give(b, "ev-b")
+    assert pool.take(4, torch.int64) == (a, "ev-a")
+    assert pool.take(4, torch.float64) == (b, "ev-b")
+    assert not pool._free[(4, torch.int64)], "a buffer handed out is gone from the pool"
+    for i in range(12):
+        pool.give(torch.zeros(3), i)
+    assert len(pool._free[(3, torch.float32)]) == 8

@@ -56,6 +56,7 @@ class ModelRunner:
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
         self._last_end_ev = None
+        self._pinned = PinnedPool()
 
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
@@ -208,7 +209,7 @@ class ModelRunner:
             known = first_pos + (n_acc if n_acc is not None else 0) + 1
             self.spec.propose(st, inp, s_rows, known, batch)
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
-        pending.start_copy(self.device)
+        pending.start_copy(self.device, self._pinned)
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
@@ -252,6 +253,27 @@ class ModelRunner:
         self.model = UbatchedModel(self.model, threshold, self.tp)
 
 
+class PinnedPool:
+    """Pinned host buffers (with their CUDA event) for the sampled tokens' copy, reused step
+    after step: a fresh pinned tensor and event cost the host more than the copy itself. A
+    buffer comes back only from ``PendingStep.result``, after its event was waited for and
+    its contents read, so no copy can still be writing into a buffer handed out again."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, torch.dtype], list] = {}
+
+    def take(self, numel: int, dtype: torch.dtype):
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=True), torch.cuda.Event()
+
+    def give(self, buf, event) -> None:
+        free = self._free.setdefault((buf.numel(), buf.dtype), [])
+        if len(free) < 8:  # at most a few steps are in flight; drop the rest
+            free.append((buf, event))
+
+
 class PendingStep:
     """A launched step whose sampled tokens are being copied to pinned host memory."""
 
@@ -261,10 +283,11 @@ class PendingStep:
         self.handles, self.opts, self.so = handles or [], opts or [], so
         self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
         self.event = None
+        self.pool: PinnedPool | None = None  # where host_packed returns once read
         self.launch_s = 0.0  # host time of launch(), set when it returns
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
-    def start_copy(self, device: torch.device) -> None:
+    def start_copy(self, device: torch.device, pool: PinnedPool | None = None) -> None:
         so = self.so
         if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
             tensors = [self.tokens.flatten()]
@@ -276,9 +299,13 @@ class PendingStep:
         if device.type == "cpu":
             self.host_packed = packed
             return
-        self.host_packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        if pool is None:
+            self.host_packed, self.event = torch.empty(packed.shape, dtype=packed.dtype,
+                                                       pin_memory=True), torch.cuda.Event()
+        else:
+            self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
+        self.pool = pool
         self.host_packed.copy_(packed, non_blocking=True)
-        self.event = torch.cuda.Event()
         self.event.record()
 
     def _packed_parts(self) -> list[torch.Tensor]:
@@ -320,6 +347,9 @@ class PendingStep:
                     top_lp = host[4][i * kmax : i * kmax + k].tolist() if k else []
                     lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
                 out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
+            if self.pool is not None:  # waited for and read: the buffer may be reused
+                self.pool.give(self.host_packed, self.event)
+                self.pool = None
         out.worker_time_s = time.perf_counter() - self.t0
         out.host_launch_s = self.launch_s
         if self.timeline is not None:  # all three events have completed: no wait here
