@@ -356,7 +356,7 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
 
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
     conf_out["skinny_max_m_effective"] = getattr(ops, "SKINNY_MAX_M", None)
-    use_pdl = pdl.enabled(torch.empty(0, device=bench.device))
+    use_pdl = pdl.mode() if bench.device.type == "cuda" else "n/a"  # auto: batch-1 passes only
     return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
             "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"], "pdl": use_pdl},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,

@@ -25,8 +25,13 @@ write-after-read hazard either. Kernels launched without the attribute
 is safe. Inside a CUDA graph capture the dependency is recorded as a
 programmatic edge (CUDA 12.3+).
 
-Opt-in: ``SYNCLESS_PDL=1``, optionally limited to forward passes of at most
-``SYNCLESS_PDL_MAX_TOKENS`` tokens. Measured on an H200 (triton 3.6, CUDA graphs):
+``SYNCLESS_PDL``: ``auto`` (the default) uses PDL only inside declared forward passes of
+one token (batch-1 decode; ``SYNCLESS_PDL_MAX_TOKENS`` moves that limit), ``1`` in every
+pass of at most ``SYNCLESS_PDL_MAX_TOKENS`` tokens (unset: any) and in the sampler, ``0``
+nowhere. Why auto: once the batch-1 step stopped being host-bound, PDL made it faster in
+every cell of one same-run A/B (2026-12-04f, H200): Llama-3.1-8B -1.9 % (ctx 512) and
+-3.0 % (4096), Qwen3-0.6B -8.5 % and -4.2 %; at batch 8 it made the 0.6B 8 % and 4 %
+slower. Earlier measurements, while the host still set the pace:
 a chain of 200 tiny kernels costs 0.70 us a kernel with PDL against 0.99 us
 without, but whole decode steps gain little and not reliably: Llama-3.1-8B batch 1
 -2.0 % in one run and +0.3 % in another, batch 8 +1 %; Qwen3-0.6B -4 % at batch 128,
@@ -60,8 +65,24 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 _OFF = ("0", "false", "off", "no")
 
 
+_ON = ("1", "true", "on", "yes")
+AUTO_MAX_TOKENS = 1  # auto mode: passes of at most this many tokens (batch-1 decode)
+
+
+def mode() -> str:
+    """``SYNCLESS_PDL`` as ``"auto"`` (unset or ``auto``), ``"on"`` or ``"off"``."""
+    raw = os.environ.get("SYNCLESS_PDL", "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in _ON:
+        return "on"
+    if raw in _OFF:
+        return "off"
+    raise ValueError(f"SYNCLESS_PDL must be auto, 1 or 0, got {raw!r}")
+
+
 def _env_allows() -> bool:
-    return os.environ.get("SYNCLESS_PDL", "0").strip().lower() not in _OFF
+    return mode() != "off"
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,6 +120,8 @@ def _env_bytes_or_count(name: str) -> int:
 def _token_limit_allows() -> bool:
     limit = _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
     tokens = getattr(_scope, "tokens", None)
+    if mode() == "auto":  # only inside a declared pass, of at most the limit (default 1)
+        return tokens is not None and tokens <= (limit if limit > 0 else AUTO_MAX_TOKENS)
     return limit <= 0 or tokens is None or tokens <= limit
 
 

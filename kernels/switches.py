@@ -22,5 +22,11 @@ KERNEL_SWITCHES = (
 
 def kernel_env_vars() -> dict[str, str]:
     """The switches set in this process's environment: for a worker's ``runtime_env`` on
-    the driver, and what a worker sees (``WorkerActor.describe``)."""
+    the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL switch
+    raises ``ValueError`` here, at start-up, rather than at a kernel launch mid-serving."""
+    from kernels import pdl
+
+    pdl.mode()
+    pdl._env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
+    pdl.l2_prefetch_row_bytes()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

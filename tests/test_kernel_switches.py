@@ -44,3 +44,15 @@ def test_boolean_switches_parse_strictly(monkeypatch, name, getter, default):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             read()
+
+
+def test_malformed_pdl_switches_fail_at_start_up(monkeypatch):
+    for name in KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SYNCLESS_PDL", "maybe")
+    with pytest.raises(ValueError, match="SYNCLESS_PDL must be auto, 1 or 0"):
+        kernel_env_vars()
+    monkeypatch.setenv("SYNCLESS_PDL", "auto")
+    monkeypatch.setenv("SYNCLESS_PDL_MAX_TOKENS", "x")
+    with pytest.raises(ValueError, match="SYNCLESS_PDL_MAX_TOKENS must be a non-negative integer"):
+        kernel_env_vars()

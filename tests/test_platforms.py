@@ -127,6 +127,7 @@ def test_pdl_never_applies_off_gpu(monkeypatch):
 
     from kernels import pdl
 
-    for value in ("1", "0"):
+    for value in ("1", "0", "auto"):
         monkeypatch.setenv("SYNCLESS_PDL", value)
-        assert pdl.launch_kwargs(torch.zeros(1)) == {"USE_PDL": False}
+        with pdl.step_tokens(1):
+            assert pdl.launch_kwargs(torch.zeros(1)) == {"USE_PDL": False}
