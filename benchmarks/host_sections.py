@@ -128,7 +128,8 @@ def _cell(bench, timers: SectionTimers, batch: int, ctx: int) -> dict[str, Any]:
 def table(cells: list[dict[str, Any]]) -> str:
     labels = [label for _, _, label in SECTIONS]
     done = [c for c in cells if "skipped" not in c]
-    head = f"{'section (us a step)':28s}" + "".join(f"  b{c['batch_size']}/{c['context_len']:<6d}" for c in done)
+    head = f"{'section (us a step)':28s}" + "".join(f"{'b%d/%d' % (c['batch_size'], c['context_len']):>12s}"
+                                                    for c in done)
     rows = [head]
     for label in ["step", "busy"] + labels:
         vals = []
