@@ -349,7 +349,8 @@ class PendingStep:
                 out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
             if self.pool is not None:  # waited for and read: the buffer may be reused
                 self.pool.give(self.host_packed, self.event)
-                self.pool = None
+                # they may belong to a later step now: a second result() must fail, not read them
+                self.pool = self.host_packed = self.event = None
         out.worker_time_s = time.perf_counter() - self.t0
         out.host_launch_s = self.launch_s
         if self.timeline is not None:  # all three events have completed: no wait here
