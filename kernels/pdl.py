@@ -63,8 +63,6 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GDC = False
 
 _OFF = ("0", "false", "off", "no")
-
-
 _ON = ("1", "true", "on", "yes")
 AUTO_MAX_TOKENS = 1  # auto mode: passes of at most this many tokens (batch-1 decode)
 
@@ -79,10 +77,6 @@ def mode() -> str:
     if raw in _OFF:
         return "off"
     raise ValueError(f"SYNCLESS_PDL must be auto, 1 or 0, got {raw!r}")
-
-
-def _env_allows() -> bool:
-    return mode() != "off"
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,10 +111,11 @@ def _env_bytes_or_count(name: str) -> int:
     return int(raw)
 
 
-def _token_limit_allows() -> bool:
+def _token_limit_allows(pdl_mode: str | None = None) -> bool:
+    """Whether the declared pass is short enough for PDL under ``pdl_mode`` (read when None)."""
     limit = _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
     tokens = getattr(_scope, "tokens", None)
-    if mode() == "auto":  # only inside a declared pass, of at most the limit (default 1)
+    if (pdl_mode or mode()) == "auto":  # only inside a declared pass, of at most the limit (default 1)
         return tokens is not None and tokens <= (limit if limit > 0 else AUTO_MAX_TOKENS)
     return limit <= 0 or tokens is None or tokens <= limit
 
@@ -131,9 +126,19 @@ def l2_prefetch_row_bytes() -> int:
     return _env_bytes_or_count("SYNCLESS_L2_PREFETCH")
 
 
+def validate_switches() -> None:
+    """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
+    mode()
+    _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
+    l2_prefetch_row_bytes()
+
+
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device use PDL."""
-    if not (HAVE_GDC and t.is_cuda and _env_allows() and _token_limit_allows()):
+    if not (HAVE_GDC and t.is_cuda):
+        return False
+    pdl_mode = mode()  # read once: this runs at every eager kernel launch
+    if pdl_mode == "off" or not _token_limit_allows(pdl_mode):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False

@@ -26,7 +26,5 @@ def kernel_env_vars() -> dict[str, str]:
     raises ``ValueError`` here, at start-up, rather than at a kernel launch mid-serving."""
     from kernels import pdl
 
-    pdl.mode()
-    pdl._env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
-    pdl.l2_prefetch_row_bytes()
+    pdl.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

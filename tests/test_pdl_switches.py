@@ -10,7 +10,7 @@ from kernels.skinny_gemm import _l2_prefetch_bytes
 def test_auto_mode_is_the_default_and_covers_one_token_passes_only(monkeypatch):
     monkeypatch.delenv("SYNCLESS_PDL", raising=False)
     monkeypatch.delenv("SYNCLESS_PDL_MAX_TOKENS", raising=False)
-    assert pdl.mode() == "auto" and pdl._env_allows()
+    assert pdl.mode() == "auto"
     assert not pdl._token_limit_allows()  # outside a declared pass (the sampler): off
     with pdl.step_tokens(1):
         assert pdl._token_limit_allows()
@@ -22,8 +22,8 @@ def test_auto_mode_is_the_default_and_covers_one_token_passes_only(monkeypatch):
     for raw, want in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("off", "off")):
         monkeypatch.setenv("SYNCLESS_PDL", raw)
         assert pdl.mode() == want
-    monkeypatch.setenv("SYNCLESS_PDL", "0")
-    assert not pdl._env_allows()
+    monkeypatch.setenv("SYNCLESS_PDL", "auto")
+    assert pdl._token_limit_allows("on")  # a mode read once by the caller wins over the env
     monkeypatch.setenv("SYNCLESS_PDL", "sometimes")
     with pytest.raises(ValueError, match="SYNCLESS_PDL must be auto, 1 or 0, got 'sometimes'"):
         pdl.mode()
