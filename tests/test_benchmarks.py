@@ -488,27 +488,3 @@ def test_roofline_table_lines(tmp_path, capsys):
         "llama-3.1-8b-off         b8    ctx4096  4.900 ms ratio 1.360 kern     0.0 us attn+rope    0.0"]
     main([str(path)])
     assert capsys.readouterr().out.splitlines() == lines
-
-
-def test_host_sections_times_the_step_and_restores_the_functions(tmp_path):
-    """In-process on the CPU (tiny shape): every timed section appears, inclusive sections
-    nest (launch >= build_step_inputs >= prepare_inputs), and the wrapped functions are the
-    originals again afterwards."""
-    from benchmarks import host_sections
-    from workers.model_runner import ModelRunner, PendingStep
-
-    launch, start_copy = ModelRunner.launch, PendingStep.start_copy
-    out = tmp_path / "hs.json"
-    res = host_sections.main(["--shape", "tiny", "--batch-sizes", "1,3", "--context-lens", "16",
-                              "--warmup", "1", "--iters", "4", "--output", str(out)])
-    assert ModelRunner.launch is launch and PendingStep.start_copy is start_copy
-    assert load(out)["cells"] == json.loads(json.dumps(res["cells"]))
-    assert [c["batch_size"] for c in res["cells"]] == [1, 3]
-    for c in res["cells"]:
-        s = c["sections_us"]
-        assert c["step_us"] > 0 and c["busy_us"] == pytest.approx(c["step_us"] - s.get("wait", 0.0))
-        assert s["launch"] >= s["build_step_inputs"] >= s["prepare_inputs"] > 0
-        assert c["calls_per_step"]["launch"] == pytest.approx(1.0)
-        assert "graph replay" not in s  # no CUDA graphs on the CPU
-    table = host_sections.table(res["cells"])
-    assert "build_step_inputs" in table and "b3/16" in table

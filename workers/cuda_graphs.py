@@ -22,7 +22,6 @@ import torch
 
 from kernels import ops
 from metadata.attention_metadata import AttentionMetadata
-from workers.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +125,6 @@ class DecodeGraphs:
             return None
         self.replays += 1
         return (b, L, q)
-
-    def pick(self, inputs: StepInputs) -> tuple[int, int, int] | None:
-        """The graph of a built step (see ``pick_step``)."""
-        return self.pick_step(inputs.q_lens, inputs.num_drafts, len(inputs.sample_rows_cpu),
-                              inputs.meta.max_seq_len_upper_bound)
 
     def pick_step(self, q_lens: list[int], num_drafts: list[int], num_sampling: int,
                   bound: int) -> tuple[int, int, int] | None:

@@ -61,10 +61,10 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     lists = [q_lens, token_req, offsets]
     if capacity is None:
         lists.append([st.num_blocks_cpu[r] * bs for r in rows_cpu])
-    extra = packed_extra or []
-    n_own = len(lists)
+    extra = list(packed_extra or [])
+    n_own, n_extra = len(lists), len(extra)
     if rows is None:
-        extra = extra + [rows_cpu]
+        extra.append(rows_cpu)
     ints = [v for part in lists + extra for v in part]
     sizes = [len(part) for part in lists + extra]
     parts = [torch.tensor(ints, dtype=torch.int64)]
@@ -81,9 +81,9 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     q_lens_d, token_req_d, offsets_d = split[:3]
     if capacity is None:
         capacity = split[3]
-    back = split[n_own : n_own + len(packed_extra or [])]
+    back = split[n_own : n_own + n_extra]
     if rows is None:
-        rows = split[n_own + len(back)]
+        rows = split[n_own + n_extra]
     if block_table is None:
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
     positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
