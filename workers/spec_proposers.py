@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.device_state import DeviceState, to_device
+from workers.device_state import DeviceState
 from workers.rejection_sampler import STREAM_DRAFT
 from kernels.ops import exponential_race
 from workers.sampler import sampling_probs
@@ -103,9 +103,10 @@ class DraftModelProposer:
         ubs = [u + s for u, s in zip(inp.ubs, samples)]
         starts = inp.meta.num_computed_tokens().long()  # device: KV length before this step
         n_blk = min((max(ubs) + k + bs - 1) // bs, st.block_table_cpu.shape[1])
-        block_table = to_device(st.block_table_cpu[inp.rows_cpu, :n_blk], st.device)
+        # the block table (wide enough for the k lookahead drafts) rides in the window's copy
         win, _, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
-                              block_table=block_table)
+                                 table_blocks=n_blk)
+        block_table = win.block_table
         hidden = self._forward(win, len(q_lens), q_lens, max(ubs))
         if not sample_list:
             return  # a step without sampling rows only advances the draft's KV

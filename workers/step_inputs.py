@@ -37,8 +37,8 @@ class Window:
 def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int], q_lens: list[int],
                  ubs: list[int], starts: torch.Tensor | None, block_size: int, bounds_are_exact: bool,
                  block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
-                 packed_extra: list[list[int]] | None = None, out: tuple | None = None
-                 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
+                 packed_extra: list[list[int]] | None = None, out: tuple | None = None,
+                 table_blocks: int | None = None) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
     allocated blocks are -1 (skipped), so lookahead writes can never touch another row's KV.
@@ -49,7 +49,9 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     device ``rows`` when given as None. ``starts`` None: the rows' ``num_computed``, read by
     the input kernel itself.
     ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
-    CUDA graph's static inputs). Returns the window, the extras and the device rows."""
+    CUDA graph's static inputs). ``table_blocks``: the packed block table's width (default:
+    the blocks of the largest bound; a lookahead needs more). Returns the window (its
+    ``block_table`` on the device), the extras and the device rows."""
     dev, bs = st.device, block_size
     n_reqs = len(rows_cpu)
     # host ints as lists (each torch op on small CPU tensors costs more than the Python)
@@ -68,7 +70,7 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     ints = [v for part in lists + extra for v in part]
     sizes = [len(part) for part in lists + extra]
     parts = [torch.tensor(ints, dtype=torch.int64)]
-    n_blk = (max_ub + bs - 1) // bs
+    n_blk = table_blocks if table_blocks is not None else (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
     if block_table is None:
         table = st.block_table_cpu[rows_cpu, :width]
