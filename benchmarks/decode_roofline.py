@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-iters", type=int, default=10)
     p.add_argument("--placement", choices=("auto", "local", "ray"), default="auto",
                    help="auto: a Ray task inside `ray job submit`, else in-process")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many devices (one Ray actor per rank; NCCL on "
+                        "GPUs, gloo on CPUs); the roofline is per rank: its weight and KV shards "
+                        "over its own measured copy bandwidth")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--skinny-max-m", type=int, default=None,
                    help="decode batches up to this size use the fused Triton skinny GEMM "
@@ -127,7 +131,7 @@ def _sampling(temperature: float = 0.0, seed: int = 0):
 class Bench:
     """One ModelRunner, one KV cache, reused by every cell."""
 
-    def __init__(self, conf: dict[str, Any]):
+    def __init__(self, conf: dict[str, Any], device, tp=None):
         import torch
 
         from metadata.config import EngineConfig
@@ -137,11 +141,10 @@ class Bench:
         from workers.models.arch import load_arch
 
         self.conf = conf
-        want = conf["device"]
-        cuda = torch.cuda.is_available() and want != "cpu"
-        if want == "cuda" and not cuda:
-            raise SystemExit("--device cuda: no CUDA device visible")
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        tp = tp or TPGroup()
+        self.tp = tp
+        self.device = device
+        cuda = device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
         arch = load_arch(conf["model_dir"])
@@ -158,10 +161,10 @@ class Bench:
         opts.update(model=conf["model_dir"], load_format=conf["load_format"], device=self.device.type,
                     max_num_seqs=max(conf["batch_sizes"]), max_model_len=max_len, block_size=bs,
                     dtype=conf["dtype"], enforce_eager=conf["cuda_graphs"] == "off",
-                    gpu_memory_utilization=conf["gpu_memory_utilization"])
+                    gpu_memory_utilization=conf["gpu_memory_utilization"], tensor_parallel_size=tp.size)
         self.cfg = EngineConfig.from_options(**opts)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(self.cfg, conf["model_dir"], self.device, TPGroup(), max_len)
+        self.runner = ModelRunner(self.cfg, conf["model_dir"], self.device, tp, max_len)
         self.load_s = time.perf_counter() - t0
         self.blocks_per_req = {c: -(-(c + steps + 1) // bs) for c in conf["context_lens"]}
         need = max(b * self.blocks_per_req[c] for b in conf["batch_sizes"] for c in conf["context_lens"])
@@ -172,7 +175,7 @@ class Bench:
             fit = max(1, budget // per_block)
         else:
             fit = need
-        self.num_blocks = self.runner.init_kv_cache(min(need, fit))
+        self.num_blocks = self.runner.init_kv_cache(_min_over_ranks(min(need, fit), tp, self.device))
         self.kv_bytes_per_token = per_block // bs
         self.graphs = "off"
         if conf["cuda_graphs"] == "on":
@@ -315,28 +318,53 @@ def device_split(kernel_us: float, step_ms: float, roofline_ms: float) -> dict[s
             "device_idle_fraction": max(0.0, 1.0 - kernel_us / 1e3 / step_ms)}
 
 
-def measure(conf: dict[str, Any]) -> dict[str, Any]:
-    """Everything that touches the device (runs in a Ray task or in-process)."""
+def _min_over_ranks(n: int, tp, device) -> int:
+    """The KV blocks every rank of the TP group can hold (one collective at start-up, so
+    all ranks skip the same cells and stay in lockstep)."""
+    if tp.size == 1:
+        return n
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(t.item())
+
+
+def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
+    """Everything that touches the device (runs in a Ray task or in-process; with ``tp``,
+    on every rank of the group, see benchmarks/decode_tp.py)."""
     from tqdm.auto import tqdm
 
     import torch
 
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() and conf["device"] != "cpu" else torch.device("cpu")
+    dev = device
+    if dev is None:
+        want_cuda = conf["device"] != "cpu"
+        if conf["device"] == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible")
+        dev = torch.device("cuda", 0) if torch.cuda.is_available() and want_cuda else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    quiet = tp is not None and tp.rank != 0  # one rank reports progress
     mib = conf["bandwidth_mib"] or (2048 if dev.type == "cuda" else 256)
     bw = measure_bandwidth(dev, mib << 20, conf["bandwidth_iters"])
-    print(f"copy bandwidth on {dev}: {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    if not quiet:
+        print(f"copy bandwidth on {dev}: {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
     conf = dict(conf, bandwidth_bytes_per_s=bw["bandwidth_bytes_per_s"])
     if conf.get("skinny_max_m") is not None:
         from kernels import ops
 
         ops.SKINNY_MAX_M = conf["skinny_max_m"]
     conf["profile_cells"] = {tuple(c) for c in conf.get("profile_cells", ())}
-    bench = Bench(conf)
+    bench = Bench(conf, dev, tp)
     cells = []
     grid = [(b, c) for c in conf["context_lens"] for b in conf["batch_sizes"]]
-    for b, c in tqdm(grid, desc="cells (batch, context)", dynamic_ncols=True):
+    for b, c in tqdm(grid, desc="cells (batch, context)", dynamic_ncols=True, disable=quiet):
         cell = bench.cell(b, c)
         cells.append(cell)
+        if quiet:
+            continue
         if "skipped" in cell:
             tqdm.write(f"batch {b:4d} context {c:6d}: skipped, {cell['skipped']}")
         else:
@@ -360,6 +388,7 @@ def measure(conf: dict[str, Any]) -> dict[str, Any]:
     return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
             "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"], "pdl": use_pdl},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
+            "tensor_parallel_size": bench.tp.size, "tp_rank": bench.tp.rank,
             "kv_bytes_per_token": bench.kv_bytes_per_token, "model_load_s": bench.load_s,
             "engine_config": bench.cfg.to_dict(), "worker_hardware": common.hardware_info()}
 
@@ -387,7 +416,11 @@ def plot(result: dict[str, Any], path) -> None:
     common.save_figure(fig, path)
 
 
-def _run_placed(conf: dict[str, Any], placement: str) -> dict[str, Any]:
+def _run_placed(conf: dict[str, Any], placement: str, tp_size: int = 1) -> dict[str, Any]:
+    if tp_size > 1:
+        from benchmarks import decode_tp
+
+        return decode_tp.run(conf, tp_size)
     use_ray = placement == "ray" or (placement == "auto" and common.in_ray_job())
     if not use_ray:
         return dict(measure(conf), placement="in-process")
@@ -415,9 +448,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "profile_steps": args.profile_steps, "temperature": args.temperature}
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if args.tensor_parallel_size < 1:
+        raise SystemExit(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1 and args.placement == "local":
+        raise SystemExit("--tensor-parallel-size > 1 runs one Ray actor per rank; drop --placement local")
     if not args.temperature >= 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
-    res = _run_placed(conf, args.placement)
+    res = _run_placed(conf, args.placement, args.tensor_parallel_size)
     result = common.record("decode_roofline", args, config=conf, **res)
     common.write_json(out_path, result)
     if png:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Stop 22 device runs (issue 8, tensor parallelism; nvidia-h200-x2). Usage: bash THIS [tptests|tpdecode|tpthroughput]...
+#   tptests       tests/test_gpu_tensor_parallel.py (NCCL TP=n vs TP=1 vs transformers)
+#   tpdecode      decode_roofline, Llama-3.1-8B shape, at TP=1 and TP=2 (NCCL_DEBUG=INFO: the transport)
+#   tpthroughput  offline throughput, Llama-3.1-8B shape, at TP=1 and TP=2, the same per-GPU batch
+# Env: TP_SIZES (default "1 2"), DECODE_B1/DECODE_B2 (batches per TP size), DECODE_CTX (512,4096).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
+for what in "$@"; do
+  t0=$(date +%s)
+  case $what in
+    tptests) timeout ${TESTS_TIMEOUT:-400} python -m pytest -q -m gpu tests/test_gpu_tensor_parallel.py -rs \
+               2>&1 | tee -a "$OUT/tp-tests.log" | tail -6;;
+    tpdecode)
+      for tp in ${TP_SIZES:-1 2}; do
+        var=DECODE_B$tp; bs=${!var:-1,8,32,128,256}
+        NCCL_DEBUG=INFO timeout ${DECODE_TIMEOUT:-240} python -m benchmarks.decode_roofline --shape llama-3.1-8b \
+          --batch-sizes "$bs" --context-lens "${DECODE_CTX:-512,4096}" --warmup 3 --iters 15 \
+          --tensor-parallel-size $tp --output "$OUT/decode-tp$tp.json" >> "$OUT/decode.log" 2>&1 \
+          || tail -20 "$OUT/decode.log"
+      done
+      grep -E "NCCL INFO (Channel|Connected|NCCL version|comm .* nRanks)" "$OUT/decode.log" | sort | uniq -c \
+        | sort -rn | head -12
+      ;;
+    tpthroughput)
+      for tp in ${TP_SIZES:-1 2}; do
+        timeout ${TPUT_TIMEOUT:-240} python -m benchmarks.throughput --shape llama-3.1-8b --input-len 512 \
+          --output-len 256 --num-prompts $((256 * tp)) --max-num-seqs $((256 * tp)) \
+          --max-num-batched-tokens $((8192 * tp)) --max-model-len 1024 --async-scheduling \
+          --tensor-parallel-size $tp --output "$OUT/throughput-tp$tp.json" >> "$OUT/throughput.log" 2>&1 \
+          || tail -20 "$OUT/throughput.log"
+      done
+      ;;
+    *) echo "unknown target $what"; exit 2;;
+  esac
+  echo "$what: $(( $(date +%s) - t0 )) s"
+done

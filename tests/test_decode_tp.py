@@ -1,0 +1,50 @@
+"""The decode benchmark at tensor-parallel size 2: two Ray actors over gloo on the CPU."""
+
+import pytest
+
+from benchmarks import decode_roofline
+from benchmarks.decode_tp import device_kind_for
+
+
+def _run(tmp_path, tp: int) -> dict:
+    out = tmp_path / f"tp{tp}.json"
+    return decode_roofline.main([
+        "--shape", "tiny", "--batch-sizes", "1,2", "--context-lens", "16,64", "--warmup", "1", "--iters", "2",
+        "--bandwidth-mib", "16", "--cuda-graphs", "off", "--device", "cpu", "--placement", "ray",
+        "--tensor-parallel-size", str(tp), "--output", str(out)])
+
+
+def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
+    one, two = _run(tmp_path, 1), _run(tmp_path, 2)
+    assert two["tensor_parallel_size"] == 2 and two["tp_rank"] == 0
+    assert two["placement"] == "2 Ray actors (1 CPU each), gloo"
+    assert len(two["rank_bandwidth_bytes_per_s"]) == 2
+    assert one["tensor_parallel_size"] == 1 and "rank_bandwidth_bytes_per_s" not in one
+    cells1 = {(c["batch_size"], c["context_len"]): c for c in one["cells"]}
+    cells2 = {(c["batch_size"], c["context_len"]): c for c in two["cells"]}
+    assert set(cells1) == set(cells2) == {(1, 16), (2, 16), (1, 64), (2, 64)}
+    for key, c2 in cells2.items():
+        c1 = cells1[key]
+        # each rank holds half the KV heads: half the KV bytes a step reads
+        assert c2["kv_bytes"] * 2 == c1["kv_bytes"]
+        # every matrix is sharded (norms are replicated, so a little over half)
+        assert 0.5 * c1["weight_bytes"] < c2["weight_bytes"] < 0.6 * c1["weight_bytes"]
+        assert len(c2["rank_step_ms_median"]) == 2 and all(t > 0 for t in c2["rank_step_ms_median"])
+        assert c2["step_ms_median"] == c2["rank_step_ms_median"][0]
+    assert two["engine_config"]["parallel"]["tensor_parallel_size"] == 2
+
+
+def test_decode_tp_device_choice():
+    assert device_kind_for({"device": "auto"}, 2, 2.0) == "cuda"
+    assert device_kind_for({"device": "auto"}, 2, 1.0) == "cpu"
+    assert device_kind_for({"device": "cpu"}, 2, 8.0) == "cpu"
+    with pytest.raises(SystemExit, match="1 GPU"):
+        device_kind_for({"device": "cuda"}, 2, 1.0)
+
+
+def test_decode_tp_rejects_bad_sizes(tmp_path):
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        decode_roofline.main(["--shape", "tiny", "--tensor-parallel-size", "0", "--output", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="drop --placement local"):
+        decode_roofline.main(["--shape", "tiny", "--tensor-parallel-size", "2", "--placement", "local",
+                              "--output", str(tmp_path / "x.json")])
