@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop 22 device runs (issue 8, tensor parallelism; nvidia-h200-x2). Usage: bash THIS [tptests|tpdecode|tpthroughput]...
+# Stop 22 device runs (issue 8, tensor parallelism; nvidia-h200-x2). Usage: bash THIS [tptests|tpdecode|tpprofile|tpthroughput]...
 #   tptests       tests/test_gpu_tensor_parallel.py (NCCL TP=n vs TP=1 vs transformers)
 #   tpdecode      decode_roofline, Llama-3.1-8B shape, at TP=1 and TP=2 (NCCL_DEBUG=INFO: the transport)
 #   tpthroughput  offline throughput, Llama-3.1-8B shape, at TP=1 and TP=2, the same per-GPU batch
@@ -24,6 +24,15 @@ for what in "$@"; do
       done
       grep -E "NCCL INFO (Channel|Connected|NCCL version|comm .* nRanks)" "$OUT/decode.log" | sort | uniq -c \
         | sort -rn | head -12
+      ;;
+    tpprofile)  # one profiled cell per TP size: kernel time by name (NCCL's share)
+      for tp in ${TP_SIZES:-1 2}; do
+        timeout 150 python -m benchmarks.decode_roofline --shape llama-3.1-8b --batch-sizes ${PROF_B:-1} \
+          --context-lens 512 --warmup 3 --iters 10 --profile ${PROF_B:-1},512 --profile-steps 3 \
+          --tensor-parallel-size $tp --output "$OUT/profile-tp$tp.json" >> "$OUT/profile.log" 2>&1 \
+          || tail -20 "$OUT/profile.log"
+      done
+      grep -E "profile:|^ +[0-9.]+ us" "$OUT/profile.log" | head -40
       ;;
     tpthroughput)
       for tp in ${TP_SIZES:-1 2}; do
