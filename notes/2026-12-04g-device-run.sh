@@ -47,3 +47,5 @@ for what in "$@"; do
   esac
   echo "$what: $(( $(date +%s) - t0 )) s"
 done
+ls "$OUT"/decode-tp*.json "$OUT"/throughput-tp*.json >/dev/null 2>&1 && \
+  python -m benchmarks.tp_scaling $(ls "$OUT"/decode-tp*.json "$OUT"/throughput-tp*.json 2>/dev/null)

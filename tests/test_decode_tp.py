@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks import decode_roofline
+from benchmarks import decode_roofline, tp_scaling
 from benchmarks.decode_tp import device_kind_for
 
 
@@ -32,6 +32,29 @@ def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
         assert len(c2["rank_step_ms_median"]) == 2 and all(t > 0 for t in c2["rank_step_ms_median"])
         assert c2["step_ms_median"] == c2["rank_step_ms_median"][0]
     assert two["engine_config"]["parallel"]["tensor_parallel_size"] == 2
+    # the scaling table pairs TP=2 batch 2 with TP=1 batch 1 (the same per-GPU batch)
+    rows = tp_scaling.decode_rows([one, two])
+    assert {(r["context_len"], r["batch_size"], r["tp1_batch_size"]) for r in rows} == {(16, 2, 1), (64, 2, 1)}
+    for r in rows:
+        c1, c2 = cells1[(1, r["context_len"])], cells2[(2, r["context_len"])]
+        assert r["efficiency"] == pytest.approx(c2["tokens_per_s"] / (2 * c1["tokens_per_s"]))
+    lines = tp_scaling.report([str(tmp_path / "tp1.json"), str(tmp_path / "tp2.json")])
+    assert any(line.strip().startswith("TP2 ctx16") and "(b1" in line for line in lines), lines
+
+
+def _tput(tp, prompts, seqs, tok_s):
+    return {"benchmark": "throughput", "output_tokens_per_second": tok_s,
+            "args": {"tensor_parallel_size": None if tp == 1 else tp, "num_prompts": prompts, "max_num_seqs": seqs}}
+
+
+def test_tp_scaling_throughput_pairs_only_equal_per_gpu_load():
+    rows = tp_scaling.throughput_rows([_tput(1, 256, 256, 1000.0), _tput(2, 512, 512, 1500.0),
+                                       _tput(4, 512, 512, 2000.0)])
+    by_tp = {r["tp"]: r for r in rows}
+    assert by_tp[2]["efficiency"] == pytest.approx(1500 / 2000)
+    assert "efficiency" not in by_tp[4] and "efficiency" not in by_tp[1]  # TP=4 ran 2x, not 4x, the load
+    with pytest.raises(SystemExit, match="no TP=1"):
+        tp_scaling.decode_rows([{"tensor_parallel_size": 2, "cells": []}])
 
 
 def test_decode_tp_device_choice():
