@@ -39,8 +39,10 @@ class RankBench:
         device = self.platform.torch_device()
         if device.type == "cpu":
             torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(device)
         tp = init_distributed(self.platform.collective_backend, init_method, self.rank, self.world_size,
-                              self.world_size)
+                              self.world_size, device=device)
         try:
             return measure(conf, tp=tp, device=device)
         finally:

@@ -17,14 +17,19 @@ KERNEL_SWITCHES = (
     "SYNCLESS_FUSED_MLP",       # one-launch batch-1 MLP block (kernels.ops.mlp_block)
     "SYNCLESS_ROPE_IN_ATTENTION",  # decode: rope + KV write inside attention (kernels.ops)
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
+    "SYNCLESS_TP_ALLREDUCE",    # nccl | symm: small TP all-reduces (workers.symm_all_reduce)
+    "SYNCLESS_TP_SYMM_MAX_BYTES",  # ... the symmetric buffer's size
 )
 
 
 def kernel_env_vars() -> dict[str, str]:
     """The switches set in this process's environment: for a worker's ``runtime_env`` on
-    the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL switch
-    raises ``ValueError`` here, at start-up, rather than at a kernel launch mid-serving."""
+    the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL or TP
+    all-reduce switch raises ``ValueError`` here, at start-up, rather than at a kernel
+    launch mid-serving."""
     from kernels import pdl
+    from workers import symm_all_reduce
 
     pdl.validate_switches()
+    symm_all_reduce.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

@@ -22,6 +22,12 @@ for what in "$@"; do
           --tensor-parallel-size $tp --output "$OUT/decode-tp$tp.json" >> "$OUT/decode.log" 2>&1 \
           || tail -20 "$OUT/decode.log"
       done
+      if [ -n "${SYMM_AB:-}" ]; then  # the same TP=2 cells with the symmetric-memory all-reduce
+        SYNCLESS_TP_ALLREDUCE=symm timeout ${DECODE_TIMEOUT:-240} python -m benchmarks.decode_roofline \
+          --shape llama-3.1-8b --batch-sizes "${DECODE_B2:-1,8,32,128,256}" --context-lens "${DECODE_CTX:-512,4096}" \
+          --warmup 3 --iters 15 --tensor-parallel-size 2 --output "$OUT/symm-decode-tp2.json" \
+          >> "$OUT/decode.log" 2>&1 || tail -20 "$OUT/decode.log"
+      fi
       grep -E "NCCL INFO (Channel|Connected|NCCL version|comm .* nRanks)" "$OUT/decode.log" | sort | uniq -c \
         | sort -rn | head -12
       ;;

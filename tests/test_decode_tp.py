@@ -17,6 +17,7 @@ def _run(tmp_path, tp: int) -> dict:
 def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
     one, two = _run(tmp_path, 1), _run(tmp_path, 2)
     assert two["tensor_parallel_size"] == 2 and two["tp_rank"] == 0
+    assert two["tp_all_reduce"] == "torch.distributed" and one["tp_all_reduce"] == "none"
     assert two["placement"] == "2 Ray actors (1 CPU each), gloo"
     assert len(two["rank_bandwidth_bytes_per_s"]) == 2
     assert one["tensor_parallel_size"] == 1 and "rank_bandwidth_bytes_per_s" not in one

@@ -73,7 +73,9 @@ class WorkerActor:
 
     def stats(self) -> dict:
         model = self.runner.model if self.runner is not None else None
-        return {"ubatched_steps": getattr(model, "num_split_steps", 0)}
+        symm = self.runner is not None and self.runner.tp.symm is not None
+        return {"ubatched_steps": getattr(model, "num_split_steps", 0),
+                "tp_all_reduce": "symm" if symm else self.platform.collective_library}
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""
@@ -100,7 +102,7 @@ class WorkerActor:
         tp = TPGroup(self.rank, self.world_size)
         if self.world_size > 1:
             tp = init_distributed(self.platform.collective_backend, dist_init_method, self.rank,
-                                  self.world_size, self.tp_size)
+                                  self.world_size, self.tp_size, device=device)
         self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len)
         self._probe_blocks = self.runner.init_kv_cache() if self.cfg.cache.num_kv_blocks is None else None
         return self._probe_blocks or self.cfg.cache.num_kv_blocks
