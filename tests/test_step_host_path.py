@@ -47,9 +47,17 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     copies = []
     real = step_inputs.to_device
     monkeypatch.setattr(step_inputs, "to_device", lambda t, dev: copies.append(t.numel()) or real(t, dev))
+    kernel_args = []
+    real_prep = step_inputs.ops.prepare_inputs
+    monkeypatch.setattr(step_inputs.ops, "prepare_inputs",
+                        lambda *a, **k: kernel_args.extend(a) or real_prep(*a, **k))
     plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
     inp = build_step_inputs(plan, st, BS, True)
     assert len(copies) == 1, "rows, block table, lengths and indices travel in one copy"
+    # every view of the packed copy starts on 16 bytes: Triton specialises kernels on pointer
+    # alignment, so a batch-parity-dependent offset would compile new variants mid-serving
+    views = [t for t in kernel_args if isinstance(t, torch.Tensor)] + [inp.window.capacity]
+    assert len(views) >= 6 and all(t.data_ptr() % 16 == 0 for t in views), [t.data_ptr() % 16 for t in views]
     rows_cpu = [st.row_of[h] for h in range(len(spec))]
     assert inp.rows.tolist() == rows_cpu
     n_blk = -(-max(ub for _, _, ub in spec) // BS)
