@@ -131,7 +131,7 @@ def _sampling(temperature: float = 0.0, seed: int = 0):
 class Bench:
     """One ModelRunner, one KV cache, reused by every cell."""
 
-    def __init__(self, conf: dict[str, Any], device, tp=None):
+    def __init__(self, conf: dict[str, Any], device=None, tp=None):
         import torch
 
         from metadata.config import EngineConfig
@@ -143,7 +143,7 @@ class Bench:
         self.conf = conf
         tp = tp or TPGroup()
         self.tp = tp
-        self.device = device
+        self.device = device = device if device is not None else pick_device(conf)
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
@@ -318,6 +318,16 @@ def device_split(kernel_us: float, step_ms: float, roofline_ms: float) -> dict[s
             "device_idle_fraction": max(0.0, 1.0 - kernel_us / 1e3 / step_ms)}
 
 
+def pick_device(conf: dict[str, Any]):
+    """``conf["device"]``: ``cpu``, ``cuda`` (an error without one) or ``auto``."""
+    import torch
+
+    if conf["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    cuda = torch.cuda.is_available() and conf["device"] != "cpu"
+    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
 def _min_over_ranks(n: int, tp, device) -> int:
     """The KV blocks every rank of the TP group can hold (one collective at start-up, so
     all ranks skip the same cells and stay in lockstep)."""
@@ -338,12 +348,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
 
     import torch
 
-    dev = device
-    if dev is None:
-        want_cuda = conf["device"] != "cpu"
-        if conf["device"] == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible")
-        dev = torch.device("cuda", 0) if torch.cuda.is_available() and want_cuda else torch.device("cpu")
+    dev = device if device is not None else pick_device(conf)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     quiet = tp is not None and tp.rank != 0  # one rank reports progress
