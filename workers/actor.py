@@ -23,6 +23,7 @@ from metadata.config import EngineConfig
 from metadata.wire import StepResult, decode_result, encode
 from kernels.switches import kernel_env_vars
 from placement.platforms import select_platform
+from workers.compile_watch import CompileWatch
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class WorkerActor:
         self.sync_check = SyncCheck(self.cfg.sync_check)
         self.runner = None
         self.loop = None
+        self.compile_watch = CompileWatch(rank)
 
     # ---------------------------------------------------------------- info
     def ping(self) -> dict:
@@ -75,6 +77,7 @@ class WorkerActor:
         model = self.runner.model if self.runner is not None else None
         symm = self.runner is not None and self.runner.tp.symm is not None
         return {"ubatched_steps": getattr(model, "num_split_steps", 0),
+                "kernel_variants_after_start": len(self.compile_watch.variants),
                 "tp_all_reduce": "symm" if symm else self.platform.collective_library}
 
     def rendezvous(self) -> str:
@@ -120,6 +123,8 @@ class WorkerActor:
         if threshold is not None:
             self.runner.enable_ubatching(threshold)
         self.loop = StepLoop(self.runner, self.sync_check, self.rank)
+        if self.platform.torch_device_type == "cuda":
+            self.compile_watch.install()  # from here on, a new kernel variant is a warning
         # Everything alive now (model, caches, imported modules) lives as long as the worker:
         # keep it out of the cyclic collector, whose full passes over it stall steps for 100+ ms.
         gc.collect()

@@ -1,0 +1,72 @@
+"""Report every Triton kernel variant a worker needs after start-up.
+
+Triton compiles (or loads from its disk cache) a kernel the first time a process launches
+it with a new specialisation: other constexprs, or a pointer or integer argument whose
+16-byte divisibility differs. Compiling takes 0.5-2 s on the GPU host, inside whatever
+step launched it. Start-up (graph capture, ``ModelRunner.warm_up``) should leave nothing
+to compile, so after it every new variant is logged as a warning naming the kernel and
+its specialisation, and counted (``WorkerActor.stats``): a regression such as the
+parity-dependent pointer alignment of notes/2026-12-04g-h200-results.md shows up as a
+log line instead of a slow first minute of serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class CompileWatch:
+    """Installs itself as Triton's JIT cache hook (chaining any earlier hook)."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.variants: list[str] = []
+        self._lock = threading.Lock()
+        self._previous = None
+        self._installed = False
+
+    def install(self) -> bool:
+        """False where this Triton has no JIT cache hook (nothing is watched then)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+            return False
+        self._previous = runtime.jit_cache_hook
+        runtime.jit_cache_hook = self._hook
+        self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = self._previous
+            self._installed = False
+
+    def _hook(self, *args: Any, **kwargs: Any):
+        what = describe_variant(kwargs)
+        with self._lock:
+            self.variants.append(what)
+        logger.warning("rank %d: Triton kernel variant needed after start-up (compiled or loaded "
+                       "mid-serving): %s", self.rank, what)
+        if self._previous is not None:
+            return self._previous(*args, **kwargs)
+        return None  # never skip the compile
+
+
+def describe_variant(kwargs: dict[str, Any]) -> str:
+    """The hook's ``repr`` (kernel, launch options and argument specialisations) when given,
+    else the function's name."""
+    text = kwargs.get("repr")
+    if text:
+        return str(text)[:600]
+    fn = kwargs.get("fn")
+    name = getattr(getattr(fn, "fn", fn), "__qualname__", None) or "<unknown kernel>"
+    return str(name)
