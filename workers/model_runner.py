@@ -128,10 +128,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile what the first sampled step would otherwise compile mid-serving (Triton JIT).
-        One row suffices: the sampling kernels are not specialised on sizes."""
-        if self.device.type == "cuda":
-            self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
+        """Compile what the first steps would otherwise compile mid-serving (Triton JIT): the
+        sampling kernels (one row suffices: they are not specialised on sizes), then a
+        scratch request's prefill and decode step through ``execute`` (the eager path's
+        input and attention variants; a fresh machine compiled them inside the first
+        request, notes/2026-12-04g-h200-results.md). The scratch KV blocks keep garbage,
+        which nothing reads: every position's KV is written before attention reads it.
+        Every TP rank runs the same plans, so their collectives pair up."""
+        if self.device.type != "cuda":
+            return
+        self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
+        self._scratch_request_steps()
+
+    def _scratch_request_steps(self) -> None:
+        from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
+
+        bs, n = self.block_size, min(2 * self.block_size + 1, self.max_model_len - 2)
+        blocks = -(-(n + 1) // bs)
+        if n < 1 or blocks > self.num_blocks:
+            return  # a cache too small to hold it: the first request compiles instead
+        greedy = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+        handle = -1  # the driver's handles are >= 0
+        prompt = [i % self.arch.vocab_size for i in range(n)]
+        plans = [
+            StepPlan(step_id=-3, new_requests=[NewRequest(handle, prompt, [], greedy, list(range(blocks)))],
+                     rows=[ScheduledRow(handle, n, n, [], True)]),
+            StepPlan(step_id=-2, rows=[ScheduledRow(handle, 1, n + 1, [], True)]),
+            StepPlan(step_id=-1, finished_handles=[handle]),
+        ]
+        for plan in plans:
+            res = self.execute(plan)
+            if res.error:
+                raise RuntimeError(f"warm-up step failed: {res.error}")
 
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.cfg.enforce_eager:

@@ -1,0 +1,58 @@
+"""The warm-up's scratch request (prefill + decode through ``execute``, run on GPUs before
+serving) leaves nothing behind: its row is released and later requests get exactly the
+tokens and logits of a runner that never ran it. Run here on the CPU, where ``warm_up``
+itself skips it (nothing to compile)."""
+
+import torch
+
+from metadata.config import EngineConfig
+from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
+
+BS = 8
+GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+
+
+def _runner(model_dir):
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig.from_options(num_kv_blocks=12, block_size=BS, max_num_seqs=4)
+    r = ModelRunner(cfg, str(model_dir), torch.device("cpu"), TPGroup(), 128)
+    r.init_kv_cache(12)
+    r.logits = []
+    inner = r.model.compute_logits
+    r.model.compute_logits = lambda h: r.logits.append(inner(h)) or r.logits[-1]
+    return r
+
+
+def _serve(r):
+    """A request on the blocks the scratch request used (0-2), prefill then 3 decode steps."""
+    prompt = [5, 9, 17, 33, 2, 41, 7, 11, 13, 60, 3]
+    plans = [StepPlan(1, new_requests=[NewRequest(7, prompt, [], GREEDY, [2, 0, 1])],
+                      rows=[ScheduledRow(7, len(prompt), len(prompt), [], True)])]
+    plans += [StepPlan(2 + k, rows=[ScheduledRow(7, 1, len(prompt) + 1 + k, [], True)]) for k in range(3)]
+    return [r.execute(p).outputs[0].token_ids for p in plans]
+
+
+def test_scratch_request_leaves_no_trace(ckpt_dir):
+    torch.set_num_threads(1)
+    model = ckpt_dir("llama")
+    warmed, fresh = _runner(model), _runner(model)
+    warmed._scratch_request_steps()
+    assert len(warmed.logits) == 2  # its prefill and its decode step really ran
+    assert -1 not in warmed.state.row_of  # the scratch row is released
+    warmed.logits.clear()
+    assert _serve(warmed) == _serve(fresh)
+    for a, b in zip(warmed.logits, fresh.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_scratch_request_skipped_when_the_cache_is_too_small(ckpt_dir):
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig.from_options(num_kv_blocks=2, block_size=BS, max_num_seqs=2)
+    r = ModelRunner(cfg, str(ckpt_dir("llama")), torch.device("cpu"), TPGroup(), 128)
+    r.init_kv_cache(2)
+    r._scratch_request_steps()  # needs 3 blocks: returns without a step
+    assert not r.state.row_of
