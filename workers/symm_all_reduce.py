@@ -10,7 +10,9 @@ writes the sum to a fresh output: it runs on the current stream, never waits on 
 host, and captures into CUDA graphs.
 
 Chosen by the kernel switch ``SYNCLESS_TP_ALLREDUCE``: ``nccl`` (the default) or
-``symm``. ``SYNCLESS_TP_SYMM_MAX_BYTES`` (default 2 MiB) sizes the buffer; larger
+``symm`` (experimental: written while no multi-GPU machine was lent, so not yet run on GPUs;
+tests/test_gpu_tensor_parallel.py and ``SYMM_AB=1`` in notes/2026-12-04g-device-run.sh
+check and time it). ``SYNCLESS_TP_SYMM_MAX_BYTES`` (default 2 MiB) sizes the buffer; larger
 tensors (prefill) and the overlapped micro-batches keep using NCCL. Multicast is not
 used (the one-shot kernel needs only peer access), so ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
 stays set.
