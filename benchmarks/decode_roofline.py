@@ -395,7 +395,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
             "tensor_parallel_size": bench.tp.size, "tp_rank": bench.tp.rank,
             "tp_all_reduce": "symm" if bench.tp.symm is not None else
-                             ("torch.distributed" if bench.tp.size > 1 else "none"),
+                             ("collective backend" if bench.tp.size > 1 else "none"),
             "kv_bytes_per_token": bench.kv_bytes_per_token, "model_load_s": bench.load_s,
             "engine_config": bench.cfg.to_dict(), "worker_hardware": common.hardware_info()}
 

@@ -62,6 +62,19 @@ def device_kind_for(conf: dict[str, Any], tp_size: int, cluster_gpus: float) -> 
     return "cpu"
 
 
+def _first_failure_or_all(ray, refs: list) -> list[dict[str, Any]]:
+    """Every rank's result, raising the first rank's error as soon as it arrives (the other
+    ranks would otherwise sit in a collective until torch.distributed's timeout)."""
+    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            results[rank_of[ref]] = ray.get(ref)
+    return results
+
+
 def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
     import ray
 
@@ -73,23 +86,27 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
     kind = device_kind_for(conf, tp_size, ray.cluster_resources().get("GPU", 0))
     timeout = float(conf.get("start_timeout_s", 300))
-    placement = place_workers(Layout(tp_size, 1), kind, timeout, name="decode-tp")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **actor_env_vars(kind), **kernel_env_vars()}
+           **actor_env_vars(kind), **kernel_env_vars()}  # a malformed switch fails before placing
     gpu = kind != "cpu"
-    cls = ray.remote(RankBench)
-    actors = [cls.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
-                          scheduling_strategy=placement.scheduling_strategy(rank), max_restarts=0)
-              .remote(kind, rank, tp_size) for rank in range(tp_size)]
+    placement = place_workers(Layout(tp_size, 1), kind, timeout, name="decode-tp")
+    actors = []
     try:
+        cls = ray.remote(RankBench)
+        actors = [cls.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
+                              runtime_env={"env_vars": env},
+                              scheduling_strategy=placement.scheduling_strategy(rank), max_restarts=0)
+                  .remote(kind, rank, tp_size) for rank in range(tp_size)]
         init = ray.get(actors[0].rendezvous.remote(), timeout=timeout)
-        results = ray.get([a.measure.remote(conf, init) for a in actors])
+        results = _first_failure_or_all(ray, [a.measure.remote(conf, init) for a in actors])
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
         placement.remove()
     out = dict(results[0])
+    if out["tp_all_reduce"] != "symm":  # the names WorkerActor.stats uses
+        out["tp_all_reduce"] = "NCCL" if gpu else "gloo"
     out["placement"] = f"{tp_size} Ray actors ({'1 GPU' if gpu else '1 CPU'} each), " \
                        f"{'NCCL' if gpu else 'gloo'}"
     out["rank_bandwidth_bytes_per_s"] = [r["bandwidth"]["bandwidth_bytes_per_s"] for r in results]

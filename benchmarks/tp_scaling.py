@@ -30,15 +30,33 @@ def throughput_tp(result: dict[str, Any]) -> int:
     return int(result["args"].get("tensor_parallel_size") or 1)
 
 
+def max_num_seqs(result: dict[str, Any]) -> int | None:
+    """The engine's effective ``max_num_seqs`` (its config, defaults applied), else the flag."""
+    cfg = (result.get("config") or {}).get("engine_config") or {}
+    return (cfg.get("scheduler") or {}).get("max_num_seqs") or result["args"].get("max_num_seqs")
+
+
+def by_tp(results: list[dict[str, Any]], tp_of) -> dict[int, dict[str, Any]]:
+    """One result a TP size; two of the same size (an A/B) are compared one pair at a time."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in results:
+        n = tp_of(r)
+        if n in out:
+            raise SystemExit(f"two results at TP={n} among the files: pass one per TP size "
+                             "(an A/B of the same size is two invocations)")
+        out[n] = r
+    return out
+
+
 def decode_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per TP=n (n > 1) cell that has a TP=1 cell at the same per-GPU batch."""
-    by_tp = {decode_tp(r): r for r in results}
-    if 1 not in by_tp:
+    tps = by_tp(results, decode_tp)
+    if 1 not in tps:
         raise SystemExit("no TP=1 decode result among the files: nothing to scale against")
-    base = {(c["batch_size"], c["context_len"]): c for c in by_tp[1]["cells"] if "tokens_per_s" in c}
+    base = {(c["batch_size"], c["context_len"]): c for c in tps[1]["cells"] if "tokens_per_s" in c}
     rows = []
-    for n in sorted(t for t in by_tp if t > 1):
-        for c in by_tp[n]["cells"]:
+    for n in sorted(t for t in tps if t > 1):
+        for c in tps[n]["cells"]:
             if "tokens_per_s" not in c or c["batch_size"] % n:
                 continue
             one = base.get((c["batch_size"] // n, c["context_len"]))
@@ -62,15 +80,16 @@ def batch1_latency(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def throughput_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_tp = {throughput_tp(r): r for r in results}
-    one = by_tp.get(1)
+    tps = by_tp(results, throughput_tp)
+    one = tps.get(1)
     rows = []
-    for n, r in sorted(by_tp.items()):
+    for n, r in sorted(tps.items()):
+        seqs = max_num_seqs(r)
         row = {"tp": n, "output_tokens_per_s": r["output_tokens_per_second"],
-               "num_prompts": r["args"]["num_prompts"], "max_num_seqs": r["args"].get("max_num_seqs")}
-        if one is not None and n > 1:
+               "num_prompts": r["args"]["num_prompts"], "max_num_seqs": seqs}
+        if one is not None and n > 1 and seqs is not None and max_num_seqs(one) is not None:
             same_load = (r["args"]["num_prompts"] == n * one["args"]["num_prompts"]
-                         and (r["args"].get("max_num_seqs") or 0) == n * (one["args"].get("max_num_seqs") or 0))
+                         and seqs == n * max_num_seqs(one))
             if same_load:
                 row["efficiency"] = r["output_tokens_per_second"] / (n * one["output_tokens_per_second"])
         rows.append(row)

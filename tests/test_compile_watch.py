@@ -31,11 +31,8 @@ def test_watch_records_logs_and_chains(caplog):
 
 
 def test_variant_description_without_a_repr():
-    class Fn:
-        __qualname__ = "_rms_norm_kernel"
+    from triton.runtime.jit import JitFunctionInfo
 
-    class Jit:
-        fn = Fn
-
-    assert describe_variant({"fn": Jit()}) == "_rms_norm_kernel"
+    info = JitFunctionInfo("kernels.rms_norm", "_rms_norm_kernel", None)
+    assert describe_variant({"fn": info}) == "_rms_norm_kernel"
     assert describe_variant({}) == "<unknown kernel>"

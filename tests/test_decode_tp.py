@@ -17,7 +17,7 @@ def _run(tmp_path, tp: int) -> dict:
 def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
     one, two = _run(tmp_path, 1), _run(tmp_path, 2)
     assert two["tensor_parallel_size"] == 2 and two["tp_rank"] == 0
-    assert two["tp_all_reduce"] == "torch.distributed" and one["tp_all_reduce"] == "none"
+    assert two["tp_all_reduce"] == "gloo" and one["tp_all_reduce"] == "none"
     assert two["placement"] == "2 Ray actors (1 CPU each), gloo"
     assert len(two["rank_bandwidth_bytes_per_s"]) == 2
     assert one["tensor_parallel_size"] == 1 and "rank_bandwidth_bytes_per_s" not in one
@@ -43,9 +43,12 @@ def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
     assert any(line.strip().startswith("TP2 ctx16") and "(b1" in line for line in lines), lines
 
 
-def _tput(tp, prompts, seqs, tok_s):
-    return {"benchmark": "throughput", "output_tokens_per_second": tok_s,
-            "args": {"tensor_parallel_size": None if tp == 1 else tp, "num_prompts": prompts, "max_num_seqs": seqs}}
+def _tput(tp, prompts, seqs, tok_s, engine_seqs=None):
+    r = {"benchmark": "throughput", "output_tokens_per_second": tok_s,
+         "args": {"tensor_parallel_size": None if tp == 1 else tp, "num_prompts": prompts, "max_num_seqs": seqs}}
+    if engine_seqs is not None:  # what the engine ran with (its config: defaults applied)
+        r["config"] = {"engine_config": {"scheduler": {"max_num_seqs": engine_seqs}}}
+    return r
 
 
 def test_tp_scaling_throughput_pairs_only_equal_per_gpu_load():
@@ -54,6 +57,11 @@ def test_tp_scaling_throughput_pairs_only_equal_per_gpu_load():
     by_tp = {r["tp"]: r for r in rows}
     assert by_tp[2]["efficiency"] == pytest.approx(1500 / 2000)
     assert "efficiency" not in by_tp[4] and "efficiency" not in by_tp[1]  # TP=4 ran 2x, not 4x, the load
+    # neither run set --max-num-seqs: both ran the default 256, so TP=2's per-GPU load differs
+    rows = tp_scaling.throughput_rows([_tput(1, 256, None, 1000.0, 256), _tput(2, 512, None, 1500.0, 256)])
+    assert all("efficiency" not in r for r in rows)
+    with pytest.raises(SystemExit, match="two results at TP=2"):
+        tp_scaling.throughput_rows([_tput(2, 512, 512, 1.0), _tput(2, 512, 512, 2.0)])
     with pytest.raises(SystemExit, match="no TP=1"):
         tp_scaling.decode_rows([{"tensor_parallel_size": 2, "cells": []}])
 

@@ -109,5 +109,5 @@ def test_gpu_tp2_symm_all_reduce_matches_tp1(ray_local, llama_ckpt, max_seqs, mo
     monkeypatch.setenv("SYNCLESS_TP_ALLREDUCE", "symm")  # forwarded to the worker actors
     tp2, info = _generate(llama_ckpt, prompts, 2, max_num_seqs=max_seqs)
     _check_nccl_ranks(info, 2)
-    assert all(i["tp_all_reduce"] == "symm" for i in info), info
+    assert all(i["tp_all_reduce"] == "symm" and i["tp_symm_all_reduces"] > 0 for i in info), info
     assert tp2 == tp1

@@ -41,12 +41,38 @@ def test_symm_asked_on_cpu_warns_and_keeps_gloo(monkeypatch, caplog):
     assert sar.maybe_create("nccl", None, torch.device("cuda", 0)) is None  # default: never built
 
 
-def test_fits_only_small_contiguous_cuda_tensors():
+class _FakeCuda:
+    """Just the tensor attributes ``fits`` reads (no CUDA tensor exists on this machine)."""
+
+    is_cuda = True
+
+    def __init__(self, numel, dtype=torch.bfloat16, offset=0, contiguous=True):
+        self._n, self.dtype, self._off, self._c = numel, dtype, offset, contiguous
+
+    def numel(self):
+        return self._n
+
+    def element_size(self):
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    def storage_offset(self):
+        return self._off
+
+    def is_contiguous(self):
+        return self._c
+
+
+def test_fits_only_small_aligned_contiguous_cuda_tensors():
     fast = sar.SymmAllReduce.__new__(sar.SymmAllReduce)  # the size rule alone, no buffer
     fast.max_bytes = 8192
+    assert fast.fits(_FakeCuda(4096))  # 8 KB of bf16: a batch-1 decode activation of an 8B model
+    assert fast.fits(_FakeCuda(2048, torch.float32))
+    assert not fast.fits(_FakeCuda(4097))  # over the buffer
+    assert not fast.fits(_FakeCuda(64, torch.float16))  # the one-shot kernel has no fp16
+    assert not fast.fits(_FakeCuda(64, offset=3))  # 6 bytes into its storage: misaligned
+    assert not fast.fits(_FakeCuda(7))  # 14 bytes: not a multiple of 16
+    assert not fast.fits(_FakeCuda(64, contiguous=False))
     assert not fast.fits(torch.zeros(4, 16))  # CPU tensors never go to the symmetric path
-    meta = torch.empty(2, 2048, dtype=torch.bfloat16, device="meta")
-    assert not fast.fits(meta)  # not CUDA either
 
 
 def test_tp_group_of_one_is_the_identity():

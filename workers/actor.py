@@ -75,10 +75,11 @@ class WorkerActor:
 
     def stats(self) -> dict:
         model = self.runner.model if self.runner is not None else None
-        symm = self.runner is not None and self.runner.tp.symm is not None
+        symm = self.runner.tp.symm if self.runner is not None else None
         return {"ubatched_steps": getattr(model, "num_split_steps", 0),
+                "tp_symm_all_reduces": symm.calls if symm is not None else 0,
                 "kernel_variants_after_start": len(self.compile_watch.variants),
-                "tp_all_reduce": "symm" if symm else self.platform.collective_library}
+                "tp_all_reduce": "symm" if symm is not None else self.platform.collective_library}
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""

@@ -67,6 +67,6 @@ def describe_variant(kwargs: dict[str, Any]) -> str:
     text = kwargs.get("repr")
     if text:
         return str(text)[:600]
-    fn = kwargs.get("fn")
-    name = getattr(getattr(fn, "fn", fn), "__qualname__", None) or "<unknown kernel>"
-    return str(name)
+    fn = kwargs.get("fn")  # triton's JitFunctionInfo(module, name, jit_function)
+    name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__qualname__", None)
+    return str(name or "<unknown kernel>")

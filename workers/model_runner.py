@@ -130,9 +130,11 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile what the first steps would otherwise compile mid-serving (Triton JIT): the
         sampling kernels (one row suffices: they are not specialised on sizes), then a
-        scratch request's prefill and decode step through ``execute`` (the eager path's
-        input and attention variants; a fresh machine compiled them inside the first
-        request, notes/2026-12-04g-h200-results.md). The scratch KV blocks keep garbage,
+        scratch request's prefill and decode step through ``execute`` (the eager prefill
+        path's input and attention variants, which a fresh machine compiled inside the first
+        request, notes/2026-12-04g-h200-results.md; the decode step replays a captured graph
+        unless graphs are off). Mixed and spec-verify shapes are not run here: if they need
+        a new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
         which nothing reads: every position's KV is written before attention reads it.
         Every TP rank runs the same plans, so their collectives pair up."""
         if self.device.type != "cuda":
@@ -157,9 +159,8 @@ class ModelRunner:
             StepPlan(step_id=-1, finished_handles=[handle]),
         ]
         for plan in plans:
-            res = self.execute(plan)
-            if res.error:
-                raise RuntimeError(f"warm-up step failed: {res.error}")
+            self.execute(plan)
+        self._last_end_ev = None  # the first real step's device-idle gap starts with it
 
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.cfg.enforce_eager:

@@ -70,13 +70,14 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     # every segment starts on a 16-byte boundary (an even count of int64 words): Triton
     # specialises a kernel on each pointer's 16-byte alignment, so segments whose offsets
     # followed the batch's parity compiled new kernel variants mid-serving
-    ints, sizes = [], []
+    ints, sizes, keep = [], [], []
     for part in lists + extra:
         ints.extend(part)
-        pad = len(part) & 1
-        if pad:
+        keep.append(len(sizes))
+        sizes.append(len(part))
+        if len(part) & 1:
             ints.append(0)
-        sizes += [len(part), pad]
+            sizes.append(1)
     parts = [torch.tensor(ints, dtype=torch.int64)]
     n_blk = table_blocks if table_blocks is not None else (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
@@ -85,9 +86,11 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
         if table.shape[1] < width:  # the table's last column: pad the word
             table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
         parts.append(table.contiguous().view(torch.int64).flatten())
-        sizes += [parts[-1].numel(), 0]
+        keep.append(len(sizes))
+        sizes.append(parts[-1].numel())
     packed = to_device(torch.cat(parts) if len(parts) > 1 else parts[0], dev)
-    split = list(torch.split(packed, sizes)[::2])  # the segments, without their pads
+    views = torch.split(packed, sizes)
+    split = [views[i] for i in keep]  # the segments, without their pads
     q_lens_d, token_req_d, offsets_d = split[:3]
     if capacity is None:
         capacity = split[3]

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 SWITCH = "SYNCLESS_TP_ALLREDUCE"
 MAX_BYTES_SWITCH = "SYNCLESS_TP_SYMM_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 << 20
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel dispatches on (no fp16)
 
 
 def backend_choice() -> str:
@@ -77,15 +77,20 @@ class SymmAllReduce:
         self.max_bytes = nbytes
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self.calls = 0  # how many all-reduces took this path (WorkerActor.stats)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous()
-                and x.numel() * x.element_size() <= self.max_bytes)
+        """Small, contiguous, a dispatched dtype, and 16-byte aligned like the buffer (the
+        kernel checks that the input's alignment matches its symmetric buffer's)."""
+        nbytes = x.numel() * x.element_size()
+        return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and nbytes <= self.max_bytes
+                and nbytes % 16 == 0 and (x.storage_offset() * x.element_size()) % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, out)
+        self.calls += 1  # host-side count: in a captured graph, once per capture
         return out
 
 
