@@ -157,3 +157,15 @@ def test_pinned_pool_reuses_only_returned_buffers_of_the_same_size_and_dtype():
     for i in range(12):
         pool.give(torch.zeros(3), i)
     assert len(pool._free[(3, torch.float32)]) == 8
+
+
+def test_packed_extras_come_back_whole_and_aligned():
+    from workers.step_inputs import build_window
+
+    st = _state([(9, 1, 10), (3, 2, 5), (0, 3, 3)])
+    rows_cpu = [st.row_of[h] for h in range(3)]
+    extras = [[7], [1, 2, 3], [4, 5], [9, 8, 7, 6, 5]]  # odd and even lengths
+    win, back, rows = build_window(st, None, rows_cpu, [1, 2, 3], [10, 5, 3], None, BS, True,
+                                   packed_extra=extras)
+    assert [t.tolist() for t in back] == extras and rows.tolist() == rows_cpu
+    assert all(t.data_ptr() % 16 == 0 for t in [*back, rows, win.capacity, win.block_table])
