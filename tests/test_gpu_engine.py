@@ -168,6 +168,27 @@ def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
 
 
 @cuda
+def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt):
+    """Start-up (graph capture, warm-up) leaves nothing for Triton to compile while serving:
+    mixed prefill/decode steps, sampled and greedy rows, logprobs, penalties, aborts."""
+    import ray
+
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(model=str(gpu_ckpt), dtype="bfloat16", async_scheduling=True, max_model_len=1024,
+              num_kv_blocks=60, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
+    try:
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12, ignore_eos=True,
+                                 logprobs=2 if i % 3 == 0 else None,
+                                 presence_penalty=0.5 if i % 4 == 0 else 0.0) for i in range(12)]
+        llm.generate([{"prompt_token_ids": p} for p in _prompts() * 2], params, use_tqdm=False)
+        stats = ray.get([w.stats.remote() for w in llm.engine.executor.workers], timeout=60)
+    finally:
+        llm.shutdown()
+    assert all(s["kernel_variants_after_start"] == 0 for s in stats), stats
+
+
+@cuda
 def test_planted_sync_is_caught(gpu_ckpt):
     """A `.item()` planted inside a step raises SyncError naming the call site."""
     from metadata.config import EngineConfig
