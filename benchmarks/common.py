@@ -251,3 +251,26 @@ def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}", flush=True)
+
+
+def measure_matmul_rate(dev) -> dict[str, Any]:
+    """Dense matmul FLOP/s on ``dev`` (bf16 8192^3 on a GPU, fp32 1024^3 on the CPU): the
+    compute ceiling beside the copy bandwidth."""
+    import torch
+
+    n, dtype, iters = (8192, torch.bfloat16, 10) if dev.type == "cuda" else (1024, torch.float32, 3)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    sec = (time.perf_counter() - t) / iters
+    return {"matmul_flops_per_s": 2 * n**3 / sec,
+            "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
+                             f"mean of {iters} after 3 warm-ups"}

@@ -13,7 +13,10 @@ cost), then times decode steps of one token per request, pipelined as under asyn
 scheduling (step k+1 launched before step k's tokens are read; the serial time,
 each step waited for before the next, is reported too). The roofline of a
 step is (weight bytes + KV bytes read) / measured bandwidth; ``ratio`` is the
-measured step time over it (1.0 = at the roofline).
+measured step time over it (1.0 = at the roofline). ``floor_ratio`` divides by a floor taken
+phase by phase instead (``phase_floor_s``: GEMMs at the larger of their weight read and their
+FLOPs over a matmul rate measured in the same run, then the KV read), which large batches
+of large models reach before the memory roofline.
 
 Inside ``ray job submit`` (or with ``--placement ray``) the measurement runs in
 a Ray task holding one GPU (one CPU on a CPU-only cluster); otherwise in-process.
@@ -232,6 +235,8 @@ class Bench:
         bw = conf["bandwidth_bytes_per_s"]
         step_s = statistics.median(piped)
         roof_s = (w_bytes + kv_bytes) / bw
+        mm = conf.get("matmul_flops_per_s")  # absent: a caller that measured no matmul rate
+        floor_s = phase_floor_s(w_bytes, kv_bytes, runner.dtype.itemsize, batch, bw, mm) if mm else roof_s
         if profile:
             profile.update(device_split(profile["kernel_us_per_step"], step_s * 1e3, roof_s * 1e3))
         return {**base, "step_ms_median": step_s * 1e3, "step_ms_mean": statistics.fmean(piped) * 1e3,
@@ -239,6 +244,7 @@ class Bench:
                 "serial_step_ms_median": statistics.median(serial) * 1e3,
                 "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "roofline_ms": roof_s * 1e3,
                 "ratio": step_s / roof_s, "serial_ratio": statistics.median(serial) / roof_s,
+                "phase_floor_ms": floor_s * 1e3, "floor_ratio": step_s / floor_s,
                 "achieved_bandwidth_bytes_per_s": (w_bytes + kv_bytes) / step_s,
                 "tokens_per_s": batch / step_s, **({"profile": profile} if profile else {})}
 
@@ -307,6 +313,15 @@ class Bench:
                 "top": kernels[:40]}
 
 
+def phase_floor_s(weight_bytes: int, kv_bytes: int, dtype_bytes: int, batch: int, bandwidth: float,
+                  matmul_flops: float) -> float:
+    """A step's floor phase by phase: the GEMMs at the larger of their weight read and
+    their FLOPs (2 x weights x rows) over the measured matmul rate, then attention at its
+    KV read. Above the memory roofline once the GEMMs turn compute-bound (8B at b256)."""
+    gemm_s = max(weight_bytes / bandwidth, 2 * batch * weight_bytes / dtype_bytes / matmul_flops)
+    return gemm_s + kv_bytes / bandwidth
+
+
 def device_split(kernel_us: float, step_ms: float, roofline_ms: float) -> dict[str, float]:
     """What a profiled cell's step is made of: ``kernel_ratio`` = kernel time per step over
     the roofline (the ratio with a host that never made the device wait) and
@@ -356,7 +371,8 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
     bw = measure_bandwidth(dev, mib << 20, conf["bandwidth_iters"])
     if not quiet:
         print(f"copy bandwidth on {dev}: {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
-    conf = dict(conf, bandwidth_bytes_per_s=bw["bandwidth_bytes_per_s"])
+    mm = common.measure_matmul_rate(dev)
+    conf = dict(conf, bandwidth_bytes_per_s=bw["bandwidth_bytes_per_s"], matmul_flops_per_s=mm["matmul_flops_per_s"])
     if conf.get("skinny_max_m") is not None:
         from kernels import ops
 
@@ -375,7 +391,8 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
         else:
             tqdm.write(f"batch {b:4d} context {c:6d}: step {cell['step_ms_median']:8.3f} ms (serial "
                        f"{cell['serial_step_ms_median']:8.3f}), roofline {cell['roofline_ms']:8.3f} ms, "
-                       f"ratio {cell['ratio']:6.2f} (serial {cell['serial_ratio']:5.2f})")
+                       f"ratio {cell['ratio']:6.2f} (serial {cell['serial_ratio']:5.2f}, to the phase "
+                       f"floor {cell['floor_ratio']:5.2f})")
             prof = cell.get("profile")
             if prof:
                 tqdm.write(f"  profile: {prof['kernel_us_per_step']:.1f} us of kernels per step, "
@@ -390,7 +407,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
     conf_out["skinny_max_m_effective"] = getattr(ops, "SKINNY_MAX_M", None)
     use_pdl = pdl.mode() if bench.device.type == "cuda" else "n/a"  # auto: batch-1 passes only
-    return {"bandwidth": bw, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
+    return {"bandwidth": bw, "matmul": mm, "cells": cells, "device": str(bench.device), "dtype": str(bench.runner.dtype),
             "kernel_options": {"skinny_max_m": conf_out["skinny_max_m_effective"], "pdl": use_pdl},
             "cuda_graphs": bench.graphs, "num_kv_blocks": bench.num_blocks,
             "tensor_parallel_size": bench.tp.size, "tp_rank": bench.tp.rank,

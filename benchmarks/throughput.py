@@ -83,23 +83,8 @@ def measure_ceilings(device: str) -> dict[str, Any]:
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     bw = measure_bandwidth(dev, (2048 if dev.type == "cuda" else 128) << 20, 10 if dev.type == "cuda" else 3)
-    n, dtype, iters = (8192, torch.bfloat16, 10) if dev.type == "cuda" else (1024, torch.float32, 3)
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    sec = (time.perf_counter() - t) / iters
     return {"bandwidth_bytes_per_s": bw["bandwidth_bytes_per_s"], "bandwidth_method": bw["method"],
-            "matmul_flops_per_s": 2 * n**3 / sec,
-            "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
-                             f"mean of {iters} after 3 warm-ups"}
+            **common.measure_matmul_rate(dev)}
 
 
 def workload_roofline(arch, dtype_bytes: int, tp: int, prompt_lens: list[int], output_lens: list[int],
