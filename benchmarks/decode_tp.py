@@ -78,7 +78,7 @@ def _first_failure_or_all(ray, refs: list) -> list[dict[str, Any]]:
 def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
     import ray
 
-    from placement import actor_env_vars
+    from placement import actor_env_vars, select_platform
     from placement.placement_groups import Layout, place_workers
     from kernels.switches import kernel_env_vars
 
@@ -104,11 +104,11 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
         for a in actors:
             ray.kill(a, no_restart=True)
         placement.remove()
+    collective = select_platform(kind).collective_library  # the name WorkerActor.stats uses
     out = dict(results[0])
-    if out["tp_all_reduce"] != "symm":  # the names WorkerActor.stats uses
-        out["tp_all_reduce"] = "NCCL" if gpu else "gloo"
-    out["placement"] = f"{tp_size} Ray actors ({'1 GPU' if gpu else '1 CPU'} each), " \
-                       f"{'NCCL' if gpu else 'gloo'}"
+    if out["tp_all_reduce"] != "symm":
+        out["tp_all_reduce"] = collective
+    out["placement"] = f"{tp_size} Ray actors ({'1 GPU' if gpu else '1 CPU'} each), {collective}"
     out["rank_bandwidth_bytes_per_s"] = [r["bandwidth"]["bandwidth_bytes_per_s"] for r in results]
     for i, cell in enumerate(out["cells"]):
         if "step_ms_median" in cell:

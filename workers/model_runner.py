@@ -316,7 +316,7 @@ class PendingStep:
         self.launch_s = 0.0  # host time of launch(), set when it returns
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
-    def start_copy(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+    def start_copy(self, device: torch.device, pool: PinnedPool) -> None:
         so = self.so
         if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
             tensors = [self.tokens.flatten()]
@@ -328,11 +328,7 @@ class PendingStep:
         if device.type == "cpu":
             self.host_packed = packed
             return
-        if pool is None:
-            self.host_packed, self.event = torch.empty(packed.shape, dtype=packed.dtype,
-                                                       pin_memory=True), torch.cuda.Event()
-        else:
-            self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
+        self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
         self.pool = pool
         self.host_packed.copy_(packed, non_blocking=True)
         self.event.record()
