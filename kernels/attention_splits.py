@@ -72,11 +72,27 @@ class LaunchConfig(NamedTuple):
     num_splits: int  # grid axis 2
 
 
+def floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: int, block_d: int,
                   max_query_len: int, max_seq_len_upper_bound: int,
-                  num_sms: int = 132) -> LaunchConfig:
+                  num_sms: int = 132, eager: bool = False) -> LaunchConfig:
     """The attention launch's tiles and split count, from CPU values only (the batch shape,
-    the padded GQA group ``group_p``, the padded head dim ``block_d`` and the bounds)."""
+    the padded GQA group ``group_p``, the padded head dim ``block_d`` and the bounds).
+
+    ``eager`` (a launch outside any CUDA graph): the shape comes from a small fixed set, so
+    that eager steps of any batch and length reuse a few compiled variants. Windows of 2 to
+    ``DECODE_MAX_Q`` tokens take the prefill shape (the one start-up's scratch prefill
+    compiles; ``max_query_len`` is an upper bound, so raising it is always valid), and the
+    split count of one-token windows is rounded down to a power of two (any count is exact:
+    a split divides its row's real length). Graph captures keep the exact, tuned shapes:
+    their variants are compiled at capture. Without this, an eager mixed step whose longest
+    window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and
+    split count, H200 2026-12-04g)."""
+    if eager and 1 < max_query_len <= DECODE_MAX_Q:
+        max_query_len = DECODE_MAX_Q + 1
     ctas_per_sm = CTAS_PER_SM
     block_n = 64 if block_d <= 128 else 32
     if max_query_len <= DECODE_MAX_Q:
@@ -101,6 +117,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         num_warps, num_stages = (8 if block_m >= 128 else 4), 2
     splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
                                num_sms, ctas_per_sm)
+    if eager:
+        splits = floor_pow2(splits)
     return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages,
                         splits)
 

@@ -28,14 +28,15 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention(
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, query_start_loc_cpu,
-    max_query_len: int, max_seq_len_upper_bound: int, scale: float,
+    max_query_len: int, max_seq_len_upper_bound: int, scale: float, eager: bool = False,
 ) -> torch.Tensor:
+    """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``)."""
     if _use_triton(q):
         from kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-            max_query_len, max_seq_len_upper_bound, scale,
+            max_query_len, max_seq_len_upper_bound, scale, eager=eager,
         )
     return reference.paged_attention_reference(
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, query_start_loc_cpu,
@@ -78,7 +79,8 @@ def rope_in_attention_enabled() -> bool:
 def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                        block_table, seq_lens, query_start_loc, query_start_loc_cpu,
                        max_query_len: int, max_seq_len_upper_bound: int, scale: float,
-                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6,
+                       eager: bool = False):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
@@ -94,11 +96,12 @@ def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot
                           k_norm_weight, eps)
         return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens,
                                       query_start_loc, 1, max_seq_len_upper_bound, scale,
-                                      rope=rope)
+                                      rope=rope, eager=eager)
     q = rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                           q_norm_weight, k_norm_weight, eps)
     return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                           query_start_loc_cpu, max_query_len, max_seq_len_upper_bound, scale)
+                           query_start_loc_cpu, max_query_len, max_seq_len_upper_bound, scale,
+                           eager=eager)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

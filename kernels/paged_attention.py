@@ -347,6 +347,7 @@ def paged_attention_triton(
     fused_reduce: bool | None = None,
     config: dict | None = None,
     rope: DecodeRope | None = None,
+    eager: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
@@ -361,7 +362,8 @@ def paged_attention_triton(
     >= the real values; they only size grids and pick configs. ``num_splits``
     overrides the split-KV heuristic (tests, benchmarks). Decode-shaped splits
     merge their partials in the last arriving program (``fused_reduce``, default
-    on) instead of a second launch. ``config`` overrides ``block_n`` /
+    on) instead of a second launch. ``eager``: a launch outside any CUDA graph takes its
+    shape from the small fixed set of ``launch_config(eager=True)``. ``config`` overrides ``block_n`` /
     ``num_warps`` / ``num_stages`` (benchmarks). Rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten.
     """
@@ -384,7 +386,7 @@ def paged_attention_triton(
         return out
 
     lc = launch_config(num_reqs, num_tokens, hkv, group_p, block_d, max_query_len,
-                       max_seq_len_upper_bound, _device_sms(q.device))
+                       max_seq_len_upper_bound, _device_sms(q.device), eager=eager)
     one_qblock, grid0, block_q, block_m = lc.one_qblock, lc.grid0, lc.block_q, lc.block_m
     block_n, num_warps, num_stages = lc.block_n, lc.num_warps, lc.num_stages
     if config:

@@ -35,6 +35,11 @@ class AttentionMetadata:
     max_seq_len_upper_bound: int
     bounds_are_exact: bool
     """True when no speculative decoding runs: the upper bounds are then exact."""
+    eager: bool = False
+    """True for a pass that runs outside any CUDA graph. Its kernels then take launch shapes
+    from a small fixed set (``kernels.attention_splits.launch_config``), so that steps of
+    any batch and length reuse the variants compiled at start-up instead of compiling new
+    ones mid-serving; captured graphs keep their tuned exact shapes."""
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -75,4 +80,5 @@ class AttentionMetadata:
             max_query_len=self.max_query_len,
             max_seq_len_upper_bound=self.max_seq_len_upper_bound,
             bounds_are_exact=self.bounds_are_exact,
+            eager=self.eager,
         )

@@ -45,3 +45,63 @@ def test_launch_config_of_verify_and_prefill_batches():
     prefill = launch_config(2, 1000, 8, 4, 128, DECODE_MAX_Q + 1, 4124)
     assert not prefill.one_qblock and prefill.num_splits == 1
     assert prefill.grid0 == 1000 // prefill.block_q + 2
+
+
+def _shape(lc):
+    """What a launch compiles on (grid0 is a runtime size)."""
+    return lc._replace(grid0=0)
+
+
+@pytest.mark.parametrize("hkv,group_p", [(8, 4), (8, 2), (2, 4), (1, 8)])
+def test_eager_launches_take_few_shapes(hkv, group_p):
+    """Outside CUDA graphs every window of 2..DECODE_MAX_Q tokens takes the prefill shape, and
+    one-token windows use power-of-two split counts: the eager launches of every batch size
+    and length bound fit a handful of compiled variants. Graph launches keep the tuned split
+    counts (b8 at a 1,024 bound: 5)."""
+    from kernels.attention_splits import DECODE_MAX_Q, launch_config
+
+    prefill = _shape(launch_config(3, 300, hkv, group_p, 128, DECODE_MAX_Q + 1, 1024, eager=True))
+    bounds = list(range(1, 9000, 37)) + [512, 1024, 2048, 2049, 4096, 4097, 8192]
+    one_token = set()
+    for reqs in range(1, 257):
+        for q in range(2, DECODE_MAX_Q + 1):
+            lc = launch_config(reqs, reqs * q, hkv, group_p, 128, q, 4096, eager=True)
+            assert _shape(lc) == prefill, (reqs, q)
+            assert lc.grid0 >= reqs * q // lc.block_q + reqs - 1  # covers every query block
+        for bound in bounds:
+            lc = launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, eager=True)
+            assert lc.num_splits & (lc.num_splits - 1) == 0, (reqs, bound, lc.num_splits)
+            one_token.add(_shape(lc))
+    assert len(one_token) <= 2 * 7  # two tile widths x split counts 1, 2, 4, ..., 64
+    exact = {launch_config(8, 8, 8, 4, 128, 1, 1024).num_splits,
+             launch_config(8, 8, 8, 4, 128, 1, 1024, eager=True).num_splits}
+    assert exact == {5, 4}
+
+
+def test_eager_flag_reaches_the_attention_launch(monkeypatch):
+    """``AttentionMetadata.eager`` of a pass decides the launch shape: a 6-token window in an
+    eager pass launches the prefill shape, the same window in a graph capture one query block
+    a request."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    from kernels import ops
+    from kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    reqs, q_len, hkv, d, bound = 2, 6, 2, 64, 100
+    q = torch.zeros(reqs * q_len, 4 * hkv, d)
+    cache = torch.zeros(16, 16, hkv, d)
+    table = torch.zeros(reqs, 8, dtype=torch.int32)
+    seq = torch.full((reqs,), bound, dtype=torch.int32)
+    qsl = torch.arange(0, reqs * q_len + 1, q_len, dtype=torch.int32)
+    for eager in (True, False):
+        ops.paged_attention(q, cache, cache, table, seq, qsl, qsl, q_len, bound, d ** -0.5,
+                            eager=eager)
+    (g_eager, kw_eager), (g_graph, kw_graph) = launches
+    assert not kw_eager["ONE_QBLOCK_PER_REQ"] and kw_eager["NUM_SPLITS"] == 1
+    assert kw_graph["ONE_QBLOCK_PER_REQ"] and g_graph[0] == reqs

@@ -168,11 +168,6 @@ def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
 
 
 @cuda
-@pytest.mark.xfail(strict=True, reason=(
-    "known, found by this test on the H200 (notes/2026-12-04g-h200-results.md section 3): an "
-    "eager mixed step whose longest window is 5-16 tokens launches the decode-shaped "
-    "attention with a BLOCK_Q and NUM_SPLITS (constexprs) that warm-up and graph capture never "
-    "ran, so Triton compiles it mid-serving; strict: remove this mark once it passes"))
 def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt):
     """Start-up (graph capture, warm-up) leaves nothing for Triton to compile while serving:
     mixed prefill/decode steps, sampled and greedy rows, logprobs, penalties."""

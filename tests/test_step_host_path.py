@@ -133,6 +133,8 @@ def test_step_inputs_built_into_the_decode_graph_buffers():
     got = build_step_inputs(plan, _state(spec), BS, True, graphs)
     want = build_step_inputs(plan, _state(spec), BS, True)
     assert got.graph_key == (4, graphs.buckets[0], 1) and want.graph_key is None
+    # an eager pass takes the attention's fixed eager shapes; a graph keeps its tuned ones
+    assert want.meta.eager and not graphs._meta(4, graphs.buckets[0], 1).eager
     for name, buf in (("positions", graphs.positions), ("input_ids", graphs.input_ids)):
         assert getattr(got, name).data_ptr() == buf.data_ptr()
         assert torch.equal(getattr(got, name), getattr(want, name))

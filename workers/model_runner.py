@@ -99,7 +99,7 @@ class ModelRunner:
                                     device=self.device),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             positions=pos, num_reqs=1, num_actual_tokens=n, max_query_len=n,
-            max_seq_len_upper_bound=n, bounds_are_exact=True,
+            max_seq_len_upper_bound=n, bounds_are_exact=True, eager=True,
         )
         with torch.inference_mode():
             h = self.model(ids, pos, meta, dummy)

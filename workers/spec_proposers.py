@@ -135,7 +135,7 @@ class DraftModelProposer:
                 seq_lens_upper_bound=torch.tensor([u + i + 1 for u in s_ubs], dtype=torch.int32),
                 block_table=bt, slot_mapping=slots, positions=pos, num_reqs=n, num_actual_tokens=n,
                 max_query_len=1, max_seq_len_upper_bound=max(s_ubs) + i + 1,
-                bounds_are_exact=self.bounds_are_exact,
+                bounds_are_exact=self.bounds_are_exact, eager=True,  # graphs use their own
             )
             hidden = self._forward(_Inputs(tok, pos, meta), n, [1] * n, meta.max_seq_len_upper_bound)
             logits = self.model.compute_logits(hidden)

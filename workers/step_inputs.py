@@ -108,7 +108,7 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
         seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
         slot_mapping=slot_mapping, positions=positions, num_reqs=n_reqs, num_actual_tokens=n_tokens,
         max_query_len=max(q_lens), max_seq_len_upper_bound=max_ub,
-        bounds_are_exact=bounds_are_exact,
+        bounds_are_exact=bounds_are_exact, eager=True,  # a graph replay uses its own metadata
     )
     return Window(input_ids, positions, meta, block_table, capacity), back, rows
 

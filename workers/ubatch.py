@@ -73,7 +73,7 @@ def slice_metadata(meta: AttentionMetadata, tok_lo: int, tok_hi: int,
         slot_mapping=meta.slot_mapping[tok_lo:tok_hi], positions=meta.positions[tok_lo:tok_hi],
         num_reqs=r_hi - r_lo + 1, num_actual_tokens=n,
         max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()), max_seq_len_upper_bound=max_ub,
-        bounds_are_exact=meta.bounds_are_exact,
+        bounds_are_exact=meta.bounds_are_exact, eager=meta.eager,
     )
 
 

@@ -85,7 +85,7 @@ class Attention(nn.Module):
             meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 1e-6,
+            self.q_norm.eps if self.q_norm is not None else 1e-6, eager=meta.eager,
         )
         return o.reshape(t, nq)
 

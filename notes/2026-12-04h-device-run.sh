@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Stop 23 device runs (issue 3, one H200). Usage: bash THIS [tests|throughput|grid|probe]...
+#   tests       GPU engine tests (greedy == transformers, sync check, no kernel variant after start-up)
+#   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
+#               as the baseline in the same run (BASELINE=none skips it)
+#   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
+# Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
+#   SHAPES, TESTS (test files), EXTRA (extra env for the grid, e.g. "SYNCLESS_EPILOGUE_NORM=0").
+set -uo pipefail
+export PYTHONUNBUFFERED=1 SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for what in "$@"; do
+  t0=$(date +%s)
+  case $what in
+    tests) timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py} -rs \
+             2>&1 | tee -a "$OUT/gpu-tests.log" | tail -8;;
+    throughput)
+      base="--baseline hf"; [ "${BASELINE:-hf}" = none ] && base=""
+      timeout ${TPUT_TIMEOUT:-330} python -m benchmarks.throughput --shape qwen3-0.6b --input-len 512 --output-len 256 \
+        --num-prompts 256 --max-model-len 1024 --async-scheduling $base --output "$OUT/throughput.json" \
+        > "$OUT/throughput.log" 2>&1 || tail -20 "$OUT/throughput.log"
+      grep -E "^Throughput|achieved|baseline|speedup|roofline|mid-serving" "$OUT/throughput.log" | cut -c1-200 | head -12;;
+    grid)
+      for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
+        env ${EXTRA:-} timeout ${GRID_TIMEOUT:-250} python -m benchmarks.decode_roofline --shape "$shape" \
+          --batch-sizes "${BATCHES:-1,8,32,128,256}" --context-lens "${CTX:-512,4096}" --warmup 3 --iters 10 \
+          --placement local --output "$OUT/grid-$shape${TAG:-}.json" >> "$OUT/grid.log" 2>&1 || tail -8 "$OUT/grid.log"
+      done
+      python - "$OUT" "${TAG:-}" <<'PY'
+import json, sys, glob
+out, tag = sys.argv[1], sys.argv[2]
+for f in sorted(glob.glob(f"{out}/grid-*{tag}.json")):
+    d = json.load(open(f))
+    print(f.split("/")[-1], "copy TB/s", round(d["bandwidth"]["bandwidth_bytes_per_s"] / 1e12, 3))
+    for c in d["cells"]:
+        if "skipped" in c:
+            print(f"  b{c['batch_size']:>4} ctx{c['context_len']:>5}  skipped"); continue
+        print(f"  b{c['batch_size']:>4} ctx{c['context_len']:>5}  {c['step_ms_median']:7.3f} ms  ratio {c['ratio']:.3f}"
+              f"  floor_ratio {c.get('floor_ratio', float('nan')):.3f}")
+PY
+      ;;
+    *) echo "unknown target $what"; exit 2;;
+  esac
+  echo "$what: $(( $(date +%s) - t0 )) s"
+done
