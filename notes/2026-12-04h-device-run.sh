@@ -4,6 +4,8 @@
 #   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
 #               as the baseline in the same run (BASELINE=none skips it)
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
+#   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
+#               prologue / no attention (timing only)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
 #   SHAPES, TESTS (test files), EXTRA (extra env for the grid, e.g. "SYNCLESS_EPILOGUE_NORM=0").
 set -uo pipefail
@@ -39,6 +41,16 @@ for f in sorted(glob.glob(f"{out}/grid-*{tag}.json")):
               f"  floor_ratio {c.get('floor_ratio', float('nan')):.3f}")
 PY
       ;;
+    probe)
+      for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
+        for pr in none nonorm noattn; do
+          PROBE=${pr/none/} timeout 120 python notes/2026-12-04h-norm-probe.py --shape "$shape" \
+            --batch-sizes "${PROBE_B:-1,8}" --context-lens 512 --warmup 3 --iters 10 --placement local \
+            --output "$OUT/probe-$shape-$pr.json" >> "$OUT/probe.log" 2>&1 || tail -8 "$OUT/probe.log"
+          python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], ' '.join(f\"b{c['batch_size']} {c['step_ms_median']:.3f}ms/{c['ratio']:.3f}\" for c in d['cells']))" \
+            "$OUT/probe-$shape-$pr.json" "$shape" "$pr"
+        done
+      done;;
     *) echo "unknown target $what"; exit 2;;
   esac
   echo "$what: $(( $(date +%s) - t0 )) s"
