@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import prefetch_lines_l2, wait_and_release
+from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
     CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
     _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config,
@@ -100,7 +100,7 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
     LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -186,7 +186,10 @@ def _paged_attention_kernel(
             prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
             v_row0 = page0 * stride_vb + in_page0 * stride_vt + kvh * stride_vh
             prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
-    wait_and_release(USE_PDL)
+    if RELEASE_LATE:  # the next kernel launches only as this one's programs finish
+        wait_only(USE_PDL)
+    else:
+        wait_and_release(USE_PDL)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     if ROPE:
         # One query token: rotate (and normalise) the raw q heads and this KV head's new
@@ -316,6 +319,8 @@ def _paged_attention_kernel(
                 tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
                          merged.to(final_ptr.dtype.element_ty), mask=o_mask)
                 tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
+    if RELEASE_LATE:
+        release_only(USE_PDL)
 
 
 def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
@@ -389,6 +394,8 @@ def paged_attention_triton(
                        max_seq_len_upper_bound, _device_sms(q.device), eager=eager)
     one_qblock, grid0, block_q, block_m = lc.one_qblock, lc.grid0, lc.block_q, lc.block_m
     block_n, num_warps, num_stages = lc.block_n, lc.num_warps, lc.num_stages
+    if one_qblock and block_m == 16 and pdl.decode_attention_stages():
+        num_stages = pdl.decode_attention_stages()  # an A/B knob (benchmarks)
     if config:
         block_n = config.get("block_n", block_n)
         num_warps = config.get("num_warps", num_warps)
@@ -435,6 +442,7 @@ def paged_attention_triton(
         **row_lines(head_dim, k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
+        RELEASE_LATE=one_qblock and pdl.attention_release_late(),
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),
     )
     if num_splits > 1 and sem is None:

@@ -126,11 +126,29 @@ def l2_prefetch_row_bytes() -> int:
     return _env_bytes_or_count("SYNCLESS_L2_PREFETCH")
 
 
+def attention_release_late() -> bool:
+    """``SYNCLESS_ATTN_RELEASE=late`` (A/B knob, default ``early``): decode-shaped attention
+    lets the next kernel launch only as each of its programs finishes, not right after its
+    wait, so the next kernel's programs do not share SMs with running attention programs."""
+    raw = os.environ.get("SYNCLESS_ATTN_RELEASE", "").strip().lower()
+    if raw not in ("", "early", "late"):
+        raise ValueError(f"SYNCLESS_ATTN_RELEASE must be early or late, got {raw!r}")
+    return raw == "late"
+
+
+def decode_attention_stages() -> int:
+    """``SYNCLESS_DECODE_ATTN_STAGES`` (A/B knob; 0 or unset: the launch config's): the
+    software-pipelining depth of the one-query-token decode attention (its shared memory)."""
+    return _env_bytes_or_count("SYNCLESS_DECODE_ATTN_STAGES")
+
+
 def validate_switches() -> None:
     """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
     mode()
     _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
     l2_prefetch_row_bytes()
+    attention_release_late()
+    decode_attention_stages()
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -216,8 +234,27 @@ if HAVE_GDC:
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
+    @triton.jit
+    def wait_only(USE_PDL: tl.constexpr):
+        """Step 2 split in two: the wait ..."""
+        if USE_PDL:
+            gdc_wait()
+
+    @triton.jit
+    def release_only(USE_PDL: tl.constexpr):
+        """... and, later (after the wait, so the chain stays transitive), the release."""
+        if USE_PDL:
+            gdc_launch_dependents()
 else:  # pragma: no cover
 
     @triton.jit
     def wait_and_release(USE_PDL: tl.constexpr):
+        pass
+
+    @triton.jit
+    def wait_only(USE_PDL: tl.constexpr):
+        pass
+
+    @triton.jit
+    def release_only(USE_PDL: tl.constexpr):
         pass

@@ -4,6 +4,9 @@
 #   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
 #               as the baseline in the same run (BASELINE=none skips it)
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
+#   attnab      decode_roofline b AB_B (1,8), ctx 512,4096, both shapes: decode attention releasing the
+#               next kernel early (default) / late (SYNCLESS_ATTN_RELEASE=late) x pipelining stages
+#               default / 1 (SYNCLESS_DECODE_ATTN_STAGES=1)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
@@ -41,6 +44,19 @@ for f in sorted(glob.glob(f"{out}/grid-*{tag}.json")):
               f"  floor_ratio {c.get('floor_ratio', float('nan')):.3f}")
 PY
       ;;
+    attnab)
+      for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
+        for v in def late st1 late-st1; do
+          envs="SYNCLESS_ATTN_RELEASE=early"
+          case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
+            late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";; esac
+          env $envs timeout 120 python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${AB_B:-1,8}" \
+            --context-lens "${AB_CTX:-512,4096}" --warmup 3 --iters 10 --placement local \
+            --output "$OUT/ab-$shape-$v.json" >> "$OUT/ab.log" 2>&1 || tail -8 "$OUT/ab.log"
+          python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], ' '.join(f\"b{c['batch_size']}/{c['context_len']} {c['step_ms_median']:.3f}ms/{c['ratio']:.3f}\" for c in d['cells']))" \
+            "$OUT/ab-$shape-$v.json" "$shape" "$v"
+        done
+      done;;
     probe)
       for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
         for pr in none nonorm noattn; do

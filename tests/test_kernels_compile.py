@@ -68,9 +68,10 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode,rope,head_dim", [(True, False, 128), (True, True, 128),
-                                                  (True, True, 32), (False, False, 128)])
-def test_paged_attention_compiles(decode, rope, head_dim):
+@pytest.mark.parametrize("decode,rope,head_dim,late", [
+    (True, False, 128, False), (True, True, 128, False), (True, True, 32, False),
+    (False, False, 128, False), (True, True, 128, True)])
+def test_paged_attention_compiles(decode, rope, head_dim, late):
     from kernels.paged_attention import _paged_attention_kernel
 
     from kernels.paged_attention import row_lines
@@ -80,7 +81,7 @@ def test_paged_attention_compiles(decode, rope, head_dim):
     assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 **lines)
+                 RELEASE_LATE=late, **lines)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
