@@ -246,11 +246,14 @@ def fused_mlp_enabled() -> bool:
 
 
 def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
-              act: str = "silu_and_mul"):
+              act: str = "silu_and_mul", handoff_to=None):
     """``down(act(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
     (tensor parallelism 1, no biases; ``act`` names the gate|up layout). A batch of one
     16-bit row on CUDA with the stacked layout: one launch (``kernels.mlp_block``);
-    otherwise the three ``linear`` calls it fuses."""
+    otherwise the three ``linear`` calls it fuses, where ``kernels.norm_handoff`` applies
+    with the norm done by the producing GEMV (o_proj; and down when ``handoff_to =
+    (next norm weight, eps, next consumer weight)`` names the next layer's input norm and
+    QKV: ``h`` is then a ``PreNormed`` and ``new_residual`` already includes ``h``)."""
     if (act == "silu_and_mul" and _use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1
             and fused_mlp_enabled()
             and attn.dtype in (torch.bfloat16, torch.float16)
@@ -261,7 +264,17 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
         if cfg is not None and mlp_block_ready(attn):
             return mlp_block_triton(attn, wo, residual, norm_weight, eps, w_gate_up, w_down,
                                     config=cfg)
-    o, _ = linear(attn, wo)
-    h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
-                        act=act)
+    from kernels import norm_handoff
+
+    handed = norm_handoff.linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
+    if handed is not None:
+        h, new_res = norm_handoff.linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
+    else:
+        o, _ = linear(attn, wo)
+        h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
+                            act=act)
+    if handoff_to is not None:
+        handed = norm_handoff.linear_handoff(h, w_down, new_res, *handoff_to)
+        if handed is not None:
+            return handed
     return linear(h, w_down)[0], new_res

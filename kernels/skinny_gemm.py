@@ -119,15 +119,45 @@ def _first_tiles(w_rows, mask, up_rows_off, ACT: tl.constexpr):
     return w, wu
 
 
+@triton.jit
+def _handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, stride_rm,
+                  stride_nrm, n_parts, pid, DT: tl.constexpr):
+    """Producer epilogue (``EPI_NORM``): ``s = y + residual`` (stored as the new residual),
+    this program's share of ``sum(s^2)`` (stored at ``ss[m, pid]``) and ``s * g`` in place
+    of ``y``: everything of the next RMSNorm except its ``rstd`` (rounded as the fused
+    prologue rounds)."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
+    s = (y.to(DT).to(tl.float32) + r.to(tl.float32)).to(DT)
+    tl.store(nr_ptr + offs_m[:, None] * stride_nrm + offs_n[None, :], s, mask=ok)
+    sf = tl.where(ok, s.to(tl.float32), 0.0)
+    tl.store(ss_ptr + offs_m * n_parts + pid, tl.sum(sf * sf, 1), mask=m_ok)
+    g = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return (sf * g[None, :]).to(DT)
+
+
+@triton.jit
+def _handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """Consumer side (``PRE_NORMED``): ``rstd`` from the producer's per-program partials."""
+    offs_p = tl.arange(0, BLOCK_P)
+    tot = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        tot += tl.load(ss_ptr + offs_m[:, None] * n_parts + (p0 + offs_p)[None, :],
+                       mask=m_ok[:, None] & ((p0 + offs_p) < n_parts)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(tot, 1) / K + eps)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, nr_ptr,
-    M, N_OUT, K, up_off, eps,
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, nr_ptr, ss_ptr,
+    M, N_OUT, K, up_off, eps, n_parts,
     stride_xm, stride_rm, stride_wn, stride_ym, stride_nrm,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_L2: tl.constexpr = 0, PRELOAD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    EPI_NORM: tl.constexpr = False, PRE_NORMED: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -220,6 +250,10 @@ def _skinny_kernel(
         rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
         y = y * rstd[:, None]
         y_u = y_u * rstd[:, None]
+    if PRE_NORMED:
+        rstd = _handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M, BLOCK_P)
+        y = y * rstd[:, None]
+        y_u = y_u * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACT == 1:
@@ -228,6 +262,9 @@ def _skinny_kernel(
         y, y_u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
         offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_ok = offs_n < N_OUT
+    if EPI_NORM:  # (ACT == 0, no bias: the host checks)
+        y = _handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr,
+                          stride_rm, stride_nrm, n_parts, pid, DT)
     if ACT:
         gate = y.to(DT).to(tl.float32)
         up = y_u.to(DT).to(tl.float32)
@@ -371,25 +408,29 @@ def skinny_linear_triton(
     act: str | None = None,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    prenormed_ss: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns ``(y, new_residual)``; ``new_residual = x + residual`` when a residual is
     given (it requires ``norm_weight``), else None. ``x [M, K]`` with ``M <= MAX_M``,
     ``weight [N, K]`` (``[2I, K]`` for ``act="silu_and_mul"``: gate rows then up rows;
     ``"silu_and_mul_pairs"``: rows ``2n, 2n + 1`` are gate and up of output ``n``; output
     ``[M, I]``).
-    ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened."""
+    ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened.
+    ``prenormed_ss [M, P]`` (``kernels.norm_handoff``): ``x`` is already ``s * g`` of an
+    RMSNorm whose ``sum(s^2)`` is the row sum of these partials; the result is scaled by
+    its ``rstd`` (``eps``) at the end, as the fused prologue would."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert act in ACT_CODES, f"unknown activation {act!r}"
     assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
+    assert prenormed_ss is None or norm_weight is None, "a pre-normed input has its norm"
     m, k = x.shape
     assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
     x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n = weight.shape[0]
     if act is not None:
         assert n % 2 == 0
-    n_out = n // 2 if act is not None else n
-    y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if act is not None else n), dtype=out_dtype or x.dtype,
+                    device=x.device)
     new_res = None
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
@@ -397,8 +438,27 @@ def skinny_linear_triton(
     if m == 0:
         return y, new_res
     if config is None:
-        kind = kind_of(norm_weight is not None, act, out_dtype == torch.float32)
+        kind = kind_of(norm_weight is not None or prenormed_ss is not None, act,
+                       out_dtype == torch.float32)
         config = select_config(m, n, k, kind) or fallback_config(m)
+    r = residual if residual is not None else x
+    launch_skinny(x, weight, bias, y, r, norm_weight, new_res if new_res is not None else x,
+                  prenormed_ss, eps, act, config, has_res=residual is not None,
+                  pre_normed=prenormed_ss is not None)
+    return y, new_res
+
+
+def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None, config: dict,
+                  *, has_res: bool = False, epi_norm: bool = False,
+                  pre_normed: bool = False) -> None:
+    """One ``_skinny_kernel`` launch into ``y`` (tiles from ``config``). ``epi_norm``: ``r``
+    is the residual to add and ``nw`` the next norm's weight, ``nr`` gets the new residual
+    and ``ss [M, grid]`` the sum-of-squares partials; ``pre_normed``: ``ss [M, P]`` holds a
+    producer's partials. Otherwise ``nw`` (may be None) is the fused prologue's norm."""
+    m, k = x.shape
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n = weight.shape[0]
+    n_out = n // 2 if act is not None else n
     cfg = dict(fallback_config(m), **config)
     use_dot = cfg["use_dot"] or m > 1
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
@@ -407,21 +467,25 @@ def skinny_linear_triton(
     pairs = act == "silu_and_mul_pairs"
     if pairs:
         block_n = max(2, block_n)
-    r = residual if residual is not None else x
-    nr = new_res if new_res is not None else x
+    grid = triton.cdiv(n if pairs else n_out, block_n)
+    n_parts = ss.shape[1] if pre_normed else grid if epi_norm else 1
+    if epi_norm:
+        assert act is None and bias is None and ss.shape == (m, grid), "handoff producer shape"
     launch = pdl.launch_kwargs(x)
-    _skinny_kernel[(triton.cdiv(n if pairs else n_out, block_n),)](
-        x, r, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, y, nr,
-        m, n_out, k, n_out, float(eps),
+    _skinny_kernel[(grid,)](
+        x, r, nw if nw is not None else x, weight, bias if bias is not None else weight, y, nr,
+        ss if ss is not None else y,
+        m, n_out, k, n_out, float(eps), n_parts,
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), nr.stride(0),
-        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        HAS_NORM=nw is not None and not epi_norm, HAS_RES=has_res, HAS_BIAS=bias is not None,
         ACT=ACT_CODES[act], USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
         PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k, launch["USE_PDL"]),
         PRELOAD=_preload(cfg, use_dot, launch["USE_PDL"]),
+        EPI_NORM=epi_norm, PRE_NORMED=pre_normed,
+        BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-    return y, new_res
+

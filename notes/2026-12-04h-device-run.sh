@@ -6,7 +6,8 @@
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
 #   attnab      decode_roofline b AB_B (1,8), ctx 512,4096, both shapes: decode attention releasing the
 #               next kernel early (default) / late (SYNCLESS_ATTN_RELEASE=late) x pipelining stages
-#               default / 1 (SYNCLESS_DECODE_ATTN_STAGES=1)
+#               default / 1 (SYNCLESS_DECODE_ATTN_STAGES=1); rope0: rope + KV write in their own launch;
+#               nohandoff: SYNCLESS_NORM_HANDOFF=0 (norms fused into the consumer GEMV's prologue)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
@@ -46,10 +47,11 @@ PY
       ;;
     attnab)
       for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
-        for v in def late st1 late-st1; do
+        for v in ${AB_VARIANTS:-def late st1 late-st1 rope0}; do
           envs="SYNCLESS_ATTN_RELEASE=early"
           case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
-            late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";; esac
+            late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
+            rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";; esac
           env $envs timeout 120 python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${AB_B:-1,8}" \
             --context-lens "${AB_CTX:-512,4096}" --warmup 3 --iters 10 --placement local \
             --output "$OUT/ab-$shape-$v.json" >> "$OUT/ab.log" 2>&1 || tail -8 "$OUT/ab.log"

@@ -34,7 +34,8 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
 
 
 SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=1, BLOCK_M=1, BLOCK_N=4,
-              BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True, PRELOAD=0)
+              BLOCK_K=1024, EVEN_K=True, IEEE=False, UPCAST=False, USE_PDL=True, PRELOAD=0,
+              EPI_NORM=False, PRE_NORMED=False, BLOCK_P=1)
 
 
 @pytest.mark.parametrize("variant", [
@@ -50,11 +51,16 @@ SKINNY = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=1, BLOCK_M=1, BLO
          BLOCK_N=32, BLOCK_K=256),
     dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT=2, BLOCK_M=16, BLOCK_N=32,
          BLOCK_K=256),
+    # the norm handoff at batch 1 under PDL: producer epilogue, pre-normed consumer
+    dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=0, HAS_RES=False,
+         HAS_NORM=False, BLOCK_N=8, EPI_NORM=True),
+    dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=2, HAS_RES=False,
+         HAS_NORM=False, BLOCK_N=8, PRE_NORMED=True, BLOCK_P=512),
 ])
 def test_skinny_gemm_compiles(variant):
     from kernels.skinny_gemm import _skinny_kernel
 
-    _compile(_skinny_kernel, {**SKINNY, **variant}, {}, floats=("eps",))
+    _compile(_skinny_kernel, {**SKINNY, **variant}, {"ss_ptr": "*fp32"}, floats=("eps",))
 
 
 @pytest.mark.parametrize("variant", [

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels import ops, pdl
+from kernels.norm_handoff import PreNormed, linear_prenormed
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch
@@ -118,19 +119,30 @@ class DecoderLayer(nn.Module):
         # o_proj -> norm -> gate|up -> down may run as one block (no all-reduce between)
         self.whole_mlp_block = tp.size == 1 and not arch.mlp_bias
 
-    def forward(self, h, residual, positions, meta, kv, cos_sin):
+    def forward(self, h, residual, positions, meta, kv, cos_sin, next_layer=None):
         """Pre-norm block. Each RMSNorm (with the residual add) is fused into the projection
         that follows it, and SiLU*mul into gate|up; at decode sizes on CUDA that makes six
         launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down
         (five for decode batches of up to 8 tokens: rope+KV write run inside attention);
-        with ``SYNCLESS_FUSED_MLP=1`` at batch 1 (tp 1) the last three are one (``ops.mlp_block``)."""
+        with ``SYNCLESS_FUSED_MLP=1`` at batch 1 (tp 1) the last three are one (``ops.mlp_block``).
+        At batch 1 (tp 1, CUDA) the producing GEMV may do a norm's elementwise part
+        (``kernels.norm_handoff``): ``h`` may then arrive as a ``PreNormed`` with its residual
+        already added, and with ``next_layer`` the output may leave as one."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
+        if isinstance(h, PreNormed):
+            qkv = linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        else:
+            qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
         if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
             ln = self.post_attention_layernorm
+            nxt = None
+            if next_layer is not None:
+                nln = next_layer.input_layernorm
+                nxt = (nln.weight, nln.eps, next_layer.self_attn.qkv_proj.weight)
             return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin),
                                  attn.o_proj.weight, residual, ln.weight, ln.eps,
-                                 mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act)
+                                 mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act,
+                                 handoff_to=nxt)
         h = attn.attend(qkv, positions, meta, kv, cos_sin)
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
                                                       act=mlp.act)
@@ -160,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
         with pdl.step_tokens(input_ids.shape[0]):
             h = self.embed_tokens(input_ids)
             residual = None
-            for layer, kv in zip(self.layers, kv_caches):
-                h, residual = layer(h, residual, positions, meta, kv, self.cos_sin)
+            nxt = list(self.layers[1:]) + [None]
+            for layer, kv, next_layer in zip(self.layers, kv_caches, nxt):
+                h, residual = layer(h, residual, positions, meta, kv, self.cos_sin, next_layer)
             h, _ = self.norm(h, residual)
         return h
 

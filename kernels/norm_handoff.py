@@ -1,0 +1,125 @@
+"""RMSNorm handed from the GEMV that produces its input to the GEMV that consumes it.
+
+A pre-norm decoder at batch 1 runs ``o_proj -> RMSNorm(+ residual) -> gate|up`` and
+``down -> RMSNorm(+ residual) -> QKV``. The skinny GEMM fuses each norm into the
+*consumer's* prologue: every consumer program re-reads ``x``, the residual and the norm
+weight each K chunk and accumulates ``sum(s^2)`` beside its weight stream. Timing probe on
+an H200 (notes/2026-12-04h-h200-results.md): dropping those prologues made the
+Llama-3.1-8B batch-1 step 122 us (2.9 %) faster; the Qwen3-0.6B step did not move.
+
+Here the *producer* does the norm's elementwise part in its epilogue, on the columns it
+owns anyway: ``s = y + residual`` (the new residual), ``s * g`` (the output, rounded where
+the fused prologue rounds) and its share of ``sum(s^2)`` (one fp32 per program). The
+consumer then streams ``s * g`` like a plain GEMV and scales by
+``rstd = rsqrt(sum(partials) / K + eps)`` at the end, as the fused prologue does. The sum
+runs in another order than the prologue's, so results agree within 16-bit tolerance, not
+bit for bit; they are deterministic (no atomics).
+
+Only where both sides are skinny-GEMM launches at ``M = 1`` on CUDA (16-bit) and tensor
+parallelism is 1 (an all-reduce would sit between producer and norm); ``SYNCLESS_NORM_HANDOFF=0``
+turns it off. Everywhere else ``linear_handoff`` returns None and the caller takes the
+fused-prologue path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+
+class PreNormed(NamedTuple):
+    """A hidden state handed over as ``s * g`` (``sg [M, K]``, the norm weight applied,
+    ``rstd`` not yet) with ``sum(s^2)`` split into per-program partials ``ss [M, P]``."""
+
+    sg: torch.Tensor
+    ss: torch.Tensor
+    eps: float
+
+    def materialise(self) -> torch.Tensor:
+        """The normalised hidden state itself (for a consumer without the rstd epilogue)."""
+        k = self.sg.shape[-1]
+        rstd = torch.rsqrt(self.ss.sum(-1, keepdim=True) / k + self.eps)
+        return (self.sg.float() * rstd).to(self.sg.dtype)
+
+
+def enabled() -> bool:
+    raw = os.environ.get("SYNCLESS_NORM_HANDOFF", "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"SYNCLESS_NORM_HANDOFF must be 0 or 1, got {raw!r}")
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and enabled())
+
+
+def linear_handoff_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float, config: dict,
+                          ) -> tuple[PreNormed, torch.Tensor]:
+    """``y = x @ weight^T`` handed over to the next RMSNorm (``norm_weight``, ``eps``) with
+    the residual add: returns ``(PreNormed(s * g, partials), s)``. One skinny launch."""
+    from kernels import skinny_gemm
+
+    m, n = x.shape[0], weight.shape[0]
+    grid = triton.cdiv(n, dict(skinny_gemm.fallback_config(m), **config)["block_n"])
+    sg = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ss = torch.empty((m, grid), dtype=torch.float32, device=x.device)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    skinny_gemm.launch_skinny(x if x.stride(-1) == 1 else x.contiguous(), weight, None, sg,
+                              residual, norm_weight, new_res, ss, eps, None, config,
+                              epi_norm=True)
+    return PreNormed(sg, ss, float(eps)), new_res
+
+
+def linear_handoff(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                   norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
+                   consumer_act: str | None = None) -> tuple[PreNormed, torch.Tensor] | None:
+    """The producer side where it applies (see the module doc; ``consumer`` is the weight
+    that will read the result with ``consumer_act``, and it needs a skinny M = 1 config of
+    its own), else None: the caller runs ``linear`` and fuses the norm into the consumer."""
+    if residual is None or not _applies(x, weight):
+        return None
+    from kernels import skinny_gemm
+
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    cfg = skinny_gemm.select_config(m, n, k, "plain")
+    if cfg is None or cfg.get("kernel") == "gemv" or cfg.get("use_dot"):
+        return None
+    if prenormed_config(consumer, m, consumer_act) is None:
+        return None
+    return linear_handoff_triton(x, weight, residual, norm_weight, eps, cfg)
+
+
+def prenormed_config(weight: torch.Tensor, m: int = 1, act: str | None = None) -> dict | None:
+    """The consumer's skinny config: its fused-norm entry (same tiles, no prologue), or
+    None where that shape runs unfused, on tensor cores or as the persistent GEMV."""
+    from kernels import skinny_gemm
+
+    kind = skinny_gemm.kind_of(True, act, False)
+    cfg = skinny_gemm.select_config(m, weight.shape[0], weight.shape[1], kind)
+    if cfg is None or cfg.get("kernel") == "gemv" or cfg.get("use_dot"):
+        return None
+    return cfg
+
+
+def linear_prenormed(pn: PreNormed, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     act: str | None = None) -> torch.Tensor:
+    """``act(norm(s) @ weight^T + bias)`` from a handed-over ``pn``: one skinny launch that
+    streams ``s * g`` and applies ``rstd`` at the end; elsewhere the norm is materialised."""
+    cfg = prenormed_config(weight, pn.sg.shape[0], act) if pn.sg.is_cuda else None
+    if cfg is None:
+        from kernels import ops
+
+        return ops.linear(pn.materialise(), weight, bias, act=act)[0]
+    from kernels.skinny_gemm import skinny_linear_triton
+
+    return skinny_linear_triton(pn.sg, weight, bias, act=act, eps=pn.eps, config=cfg,
+                                prenormed_ss=pn.ss)[0]
