@@ -19,17 +19,21 @@ KERNEL_SWITCHES = (
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
     "SYNCLESS_TP_ALLREDUCE",    # nccl | symm: small TP all-reduces (workers.symm_all_reduce)
     "SYNCLESS_TP_SYMM_MAX_BYTES",  # ... the symmetric buffer's size
+    "SYNCLESS_NORM_HANDOFF",    # batch 1: RMSNorm done by the producing GEMV (kernels.norm_handoff)
+    "SYNCLESS_ATTN_RELEASE",    # A/B: decode attention releases the next kernel early | late
+    "SYNCLESS_DECODE_ATTN_STAGES",  # A/B: one-token decode attention pipelining depth
 )
 
 
 def kernel_env_vars() -> dict[str, str]:
     """The switches set in this process's environment: for a worker's ``runtime_env`` on
-    the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL or TP
-    all-reduce switch raises ``ValueError`` here, at start-up, rather than at a kernel
+    the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL, norm-handoff or
+    TP all-reduce switch raises ``ValueError`` here, at start-up, rather than at a kernel
     launch mid-serving."""
-    from kernels import pdl
+    from kernels import norm_handoff, pdl
     from workers import symm_all_reduce
 
     pdl.validate_switches()
+    norm_handoff.enabled()
     symm_all_reduce.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

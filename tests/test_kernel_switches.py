@@ -56,3 +56,20 @@ def test_malformed_pdl_switches_fail_at_start_up(monkeypatch):
     monkeypatch.setenv("SYNCLESS_PDL_MAX_TOKENS", "x")
     with pytest.raises(ValueError, match="SYNCLESS_PDL_MAX_TOKENS must be a non-negative integer"):
         kernel_env_vars()
+
+
+def test_malformed_handoff_and_attention_switches_fail_at_start_up(monkeypatch):
+    from kernels import norm_handoff
+
+    for name in KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert norm_handoff.enabled() is True  # measured faster (notes/2026-12-04h)
+    monkeypatch.setenv("SYNCLESS_NORM_HANDOFF", "0")
+    assert norm_handoff.enabled() is False and kernel_env_vars() == {"SYNCLESS_NORM_HANDOFF": "0"}
+    for name, bad, msg in (("SYNCLESS_NORM_HANDOFF", "maybe", "must be 0 or 1"),
+                           ("SYNCLESS_ATTN_RELEASE", "soon", "must be early or late"),
+                           ("SYNCLESS_DECODE_ATTN_STAGES", "two", "non-negative integer")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=msg):
+            kernel_env_vars()
+        monkeypatch.delenv(name)
