@@ -4,16 +4,18 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("reqs,hkv,bound,block_n,splits", [
-    (8, 8, 4124, 64, 9),     # 64 (request, KV head) programs past SHORT_BOUND: 4 a SM
-    (8, 8, 1024, 64, 5),     # the same grid at a short bound: 2 a SM
-    (4, 8, 4124, 128, 9),    # 32 programs: wide tiles at any bound
-    (1, 8, 1024, 128, 8),    # batch 1: wide tiles, one a split
-    (32, 8, 4124, 64, 2),    # 256 programs: narrow tiles, 2 a SM, as before
+@pytest.mark.parametrize("reqs,hkv,bound,block_n,splits,stages", [
+    (8, 8, 4124, 64, 9, 2),     # 64 (request, KV head) programs past SHORT_BOUND: 4 a SM
+    (8, 8, 1024, 64, 5, 2),     # the same grid at a short bound: 2 a SM
+    (4, 8, 4124, 128, 9, 2),    # 32 programs: wide tiles at any bound
+    (1, 8, 1024, 128, 8, 1),    # batch 1: wide tiles, one a split: nothing to pipeline
+    (1, 8, 8192, 128, 32, 2),   # batch 1, long bound: two tiles a split
+    (32, 8, 4124, 64, 2, 2),    # 256 programs: narrow tiles, 2 a SM, as before
 ])
-def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits):
-    """The one-query-token launch's tile width and split count (grid axis 2), from the batch
-    shape and the length bound only."""
+def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits,
+                                                 stages):
+    """The one-query-token launch's tile width, split count (grid axis 2) and pipelining
+    depth, from the batch shape and the length bound only."""
     launches = []
 
     class Recorder:
@@ -31,7 +33,7 @@ def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, 
     qsl = torch.arange(reqs + 1, dtype=torch.int32)
     pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5)
     (grid, kw), = launches
-    assert (kw["BLOCK_N"], grid[2], kw["num_stages"]) == (block_n, splits, 2)
+    assert (kw["BLOCK_N"], grid[2], kw["num_stages"]) == (block_n, splits, stages)
 
 
 def test_launch_config_of_verify_and_prefill_batches():
@@ -72,7 +74,8 @@ def test_eager_launches_take_few_shapes(hkv, group_p):
             lc = launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, eager=True)
             assert lc.num_splits & (lc.num_splits - 1) == 0, (reqs, bound, lc.num_splits)
             one_token.add(_shape(lc))
-    assert len(one_token) <= 2 * 7  # two tile widths x split counts 1, 2, 4, ..., 64
+    # two tile widths x split counts 1, 2, 4, ..., 64 x pipelining depth 1 or 2
+    assert len(one_token) <= 2 * 7 * 2
     exact = {launch_config(8, 8, 8, 4, 128, 1, 1024).num_splits,
              launch_config(8, 8, 8, 4, 128, 1, 1024, eager=True).num_splits}
     assert exact == {5, 4}
