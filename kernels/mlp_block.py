@@ -53,28 +53,8 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import prefetch_l2
-
-if pdl.HAVE_GDC:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def _wait(USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_wait()
-
-    @triton.jit
-    def _release(USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-else:  # pragma: no cover
-
-    @triton.jit
-    def _wait(USE_PDL: tl.constexpr):
-        pass
-
-    @triton.jit
-    def _release(USE_PDL: tl.constexpr):
-        pass
+from kernels.pdl import release_only as _release
+from kernels.pdl import wait_only as _wait
 
 
 @triton.jit

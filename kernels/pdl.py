@@ -234,6 +234,7 @@ if HAVE_GDC:
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
+
     @triton.jit
     def wait_only(USE_PDL: tl.constexpr):
         """Step 2 split in two: the wait ..."""
