@@ -72,6 +72,20 @@ class LaunchConfig(NamedTuple):
     num_splits: int  # grid axis 2
 
 
+def one_token_launch(one_qblock: bool, block_q: int, block_m: int) -> bool:
+    """The swept one-query-token decode launch (its GQA group fits one 16-row tile)."""
+    return one_qblock and block_q == 1 and block_m == 16
+
+
+def one_token_stages(block_n: int, num_splits: int, max_seq_len_upper_bound: int) -> int:
+    """Pipelining depth of the one-token decode launch: 1 when the bound gives at most one
+    tile a split (nothing to pipeline, and no second stage's shared memory), else 2. H200,
+    2026-12-04h, one A/B run with every one-token launch at 1 stage: Llama-3.1-8B b1 ctx 512
+    4.160 vs 4.258 ms, Qwen3-0.6B 0.858 vs 0.879 ms; the cells with 2+ tiles a split
+    (b8; ctx 4096) measured slower at 1 stage, up to 29 %."""
+    return 1 if triton.cdiv(max(1, max_seq_len_upper_bound), block_n) <= num_splits else 2
+
+
 def floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -90,7 +104,9 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     a split divides its row's real length). Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
     window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and
-    split count, H200 2026-12-04g)."""
+    split count, H200 2026-12-04g). The cost: such eager windows lose split-KV (a few
+    long-context rows run one program a KV head), which only eager mixed, verify and draft
+    steps pay."""
     if eager and 1 < max_query_len <= DECODE_MAX_Q:
         max_query_len = DECODE_MAX_Q + 1
     ctas_per_sm = CTAS_PER_SM
@@ -119,11 +135,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
                                num_sms, ctas_per_sm)
     if eager:
         splits = floor_pow2(splits)
-    if one_qblock and block_m == 16 and triton.cdiv(max_seq_len_upper_bound, block_n) <= splits:
-        # At most one tile a split: nothing to pipeline, so no second stage's shared memory
-        # (H200, 2026-12-04h, one A/B run: Llama-3.1-8B b1 ctx 512 4.160 vs 4.258 ms,
-        # Qwen3-0.6B 0.858 vs 0.879; the cells with 2+ tiles a split measured slower so).
-        num_stages = 1
+    if one_token_launch(one_qblock, block_q, block_m):
+        num_stages = one_token_stages(block_n, splits, max_seq_len_upper_bound)
     return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages,
                         splits)
 

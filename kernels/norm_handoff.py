@@ -55,7 +55,9 @@ def enabled() -> bool:
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    from kernels import ops
+
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and ops.SKINNY_MAX_M >= 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and enabled())
 

@@ -55,7 +55,8 @@ from kernels import pdl
 from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
     CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
-    _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config,
+    _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config, one_token_launch,
+    one_token_stages,
 )
 from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
 
@@ -394,15 +395,18 @@ def paged_attention_triton(
                        max_seq_len_upper_bound, _device_sms(q.device), eager=eager)
     one_qblock, grid0, block_q, block_m = lc.one_qblock, lc.grid0, lc.block_q, lc.block_m
     block_n, num_warps, num_stages = lc.block_n, lc.num_warps, lc.num_stages
-    if one_qblock and block_m == 16 and pdl.decode_attention_stages():
-        num_stages = pdl.decode_attention_stages()  # an A/B knob (benchmarks)
+    one_token = one_token_launch(one_qblock, block_q, block_m)
     if config:
         block_n = config.get("block_n", block_n)
         num_warps = config.get("num_warps", num_warps)
-        num_stages = config.get("num_stages", num_stages)
     if num_splits is None:
         num_splits = lc.num_splits
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    if one_token:  # the depth follows the tiles a split gets after any override
+        num_stages = one_token_stages(block_n, num_splits, max_seq_len_upper_bound)
+        num_stages = pdl.decode_attention_stages() or num_stages  # an A/B knob (benchmarks)
+    if config:
+        num_stages = config.get("num_stages", num_stages)
     sem = None
     if num_splits > 1 and one_qblock and fused_reduce is not False:
         sem = _semaphores(q.device, grid0 * hkv)
@@ -414,6 +418,7 @@ def paged_attention_triton(
     else:
         lse, dst, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0  # lse unused
 
+    launch = pdl.launch_kwargs(q)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
@@ -442,8 +447,8 @@ def paged_attention_triton(
         **row_lines(head_dim, k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
-        RELEASE_LATE=one_qblock and pdl.attention_release_late(),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q),
+        RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:
         block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))

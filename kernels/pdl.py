@@ -14,7 +14,8 @@ visible. The protocol every kernel here follows:
    point). The skinny GEMM peels its first K chunk here; the fused-rope decode
    attention prefetches its first K/V tile into L2 (those keys are from earlier
    steps);
-2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch);
+2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch; the
+   one-token decode attention may release at its end instead, ``SYNCLESS_ATTN_RELEASE``);
 3. everything else: activations, the KV cache's loads, every store.
 
 Triggering only *after* our own wait makes the chain transitive: when kernel
@@ -127,9 +128,10 @@ def l2_prefetch_row_bytes() -> int:
 
 
 def attention_release_late() -> bool:
-    """``SYNCLESS_ATTN_RELEASE=late`` (A/B knob, default ``early``): decode-shaped attention
-    lets the next kernel launch only as each of its programs finishes, not right after its
-    wait, so the next kernel's programs do not share SMs with running attention programs."""
+    """``SYNCLESS_ATTN_RELEASE=late`` (A/B knob, default ``early``): each program of the
+    one-token decode attention releases at its end instead of right after its wait. The next
+    kernel launches once every program has released or exited, so in effect after the last
+    attention program's work, and its programs do not share SMs with running attention."""
     raw = os.environ.get("SYNCLESS_ATTN_RELEASE", "").strip().lower()
     if raw not in ("", "early", "late"):
         raise ValueError(f"SYNCLESS_ATTN_RELEASE must be early or late, got {raw!r}")

@@ -24,6 +24,10 @@ Fusions, each removing a launch per layer (and its round trip through HBM):
   ``n`` at ``2n``, up row ``n`` at ``2n + 1``): a program then streams one
   contiguous row set, as a plain GEMV does, and splits the pairs in registers.
 
+* **Norm handoff** (``kernels.norm_handoff``): ``EPI_NORM`` does the next RMSNorm's
+  elementwise part in the epilogue (residual add, ``s * g``, sum-of-squares partials);
+  ``PRE_NORMED`` streams such an ``s * g`` and applies ``rstd`` from the partials at the end.
+
 ``USE_DOT`` picks the tensor-core path (``x`` padded to ``BLOCK_M >= 16`` rows,
 ``tl.dot`` on a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile, loads
 software-pipelined by ``num_stages``); without it (``M == 1`` only) a
@@ -422,7 +426,8 @@ def skinny_linear_triton(
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert act in ACT_CODES, f"unknown activation {act!r}"
     assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
-    assert prenormed_ss is None or norm_weight is None, "a pre-normed input has its norm"
+    assert prenormed_ss is None or (norm_weight is None and prenormed_ss.is_contiguous()
+                                    and prenormed_ss.shape[0] == x.shape[0]), "pre-normed input"
     m, k = x.shape
     assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -488,4 +493,3 @@ def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None
         BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-

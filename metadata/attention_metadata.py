@@ -35,11 +35,13 @@ class AttentionMetadata:
     max_seq_len_upper_bound: int
     bounds_are_exact: bool
     """True when no speculative decoding runs: the upper bounds are then exact."""
-    eager: bool = False
-    """True for a pass that runs outside any CUDA graph. Its kernels then take launch shapes
-    from a small fixed set (``kernels.attention_splits.launch_config``), so that steps of
-    any batch and length reuse the variants compiled at start-up instead of compiling new
-    ones mid-serving; captured graphs keep their tuned exact shapes."""
+    eager: bool = True
+    """True for a pass that runs outside any CUDA graph (the default: the safe side). Its
+    attention launches then take shapes from a small fixed set
+    (``kernels.attention_splits.launch_config``): with graphs on, every eager step reuses
+    the variants compiled at start-up instead of compiling new ones mid-serving (with
+    ``enforce_eager``, one-token steps still compile each power-of-two split count the
+    first time). A CUDA-graph capture passes False and keeps the tuned exact shapes."""
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

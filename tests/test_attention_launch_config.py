@@ -108,3 +108,58 @@ def test_eager_flag_reaches_the_attention_launch(monkeypatch):
     (g_eager, kw_eager), (g_graph, kw_graph) = launches
     assert not kw_eager["ONE_QBLOCK_PER_REQ"] and kw_eager["NUM_SPLITS"] == 1
     assert kw_graph["ONE_QBLOCK_PER_REQ"] and g_graph[0] == reqs
+
+
+def test_one_token_depth_follows_split_overrides(monkeypatch):
+    """The one-stage rule is judged on the tiles a split really gets: a batch-1 launch at a
+    1,024 bound has one 128-key tile a split (1 stage) with its own 8 splits, two with 4."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw["num_stages"])
+
+    from kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    d, hkv, bound = 128, 8, 1024
+    q = torch.zeros(1, 4 * hkv, d, dtype=torch.bfloat16)
+    cache = torch.zeros(bound // 16 + 1, 16, hkv, d, dtype=torch.bfloat16)
+    table = torch.zeros(1, bound // 16 + 1, dtype=torch.int32)
+    seq, qsl = torch.full((1,), bound, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+    for splits in (None, 4):
+        pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5,
+                                  num_splits=splits)
+    assert launches == [1, 2]
+
+
+def test_model_attention_passes_the_eager_flag(monkeypatch):
+    """``Attention.attend_core`` hands ``AttentionMetadata.eager`` to the attention op."""
+    from kernels import ops
+    from metadata.attention_metadata import AttentionMetadata
+    from workers.distributed import TPGroup
+    from workers.models.arch import ModelArch
+    from workers.models.llama import Attention
+
+    arch = ModelArch("LlamaForCausalLM", 64, 32, 64, 1, 4, 2, 8, 1e-6, 10000.0, None, 64,
+                     False, False, False, False, (1,), None, None)
+    attn = Attention(arch, TPGroup(), torch.float32)
+    seen = []
+
+    def record(positions, q, *args, eager=None, **kw):
+        seen.append(eager)
+        return q
+
+    monkeypatch.setattr(ops, "rope_and_attention", record)
+    for eager in (True, False):
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([1], dtype=torch.int32),
+            seq_lens_upper_bound=torch.tensor([1], dtype=torch.int32),
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(1, dtype=torch.int64), positions=torch.zeros(1, dtype=torch.int64),
+            num_reqs=1, num_actual_tokens=1, max_query_len=1, max_seq_len_upper_bound=1,
+            bounds_are_exact=True, eager=eager)
+        attn.attend_core(torch.zeros(1, (4 + 2 * 2) * 8), meta.positions, meta, (None, None), None)
+    assert seen == [True, False]

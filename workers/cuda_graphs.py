@@ -78,6 +78,7 @@ class DecodeGraphs:
             block_table=self.block_table[:b, :n_blk], slot_mapping=self.slots[: b * q],
             positions=self.positions[: b * q], num_reqs=b, num_actual_tokens=b * q, max_query_len=q,
             max_seq_len_upper_bound=bound, bounds_are_exact=self.bounds_are_exact,
+            eager=False,  # captured: the tuned exact launch shapes
         )
 
     def _forward(self, b: int, bound: int, q: int) -> torch.Tensor:
