@@ -7,7 +7,8 @@
 #   attnab      decode_roofline b AB_B (1,8), ctx 512,4096, both shapes: decode attention releasing the
 #               next kernel early (default) / late (SYNCLESS_ATTN_RELEASE=late) x pipelining stages
 #               default / 1 (SYNCLESS_DECODE_ATTN_STAGES=1); rope0: rope + KV write in their own launch;
-#               nohandoff: SYNCLESS_NORM_HANDOFF=0 (norms fused into the consumer GEMV's prologue)
+#               nohandoff: SYNCLESS_NORM_HANDOFF=0 (norms fused into the consumer GEMV's prologue);
+#               ogemv: the 8B o_proj as the persistent GEMV (is the 8B attention's cost its neighbour's?)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
@@ -51,7 +52,8 @@ PY
           envs="SYNCLESS_ATTN_RELEASE=early"
           case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
-            rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";; esac
+            rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
+            ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";; esac
           env $envs timeout 120 python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${AB_B:-1,8}" \
             --context-lens "${AB_CTX:-512,4096}" --warmup 3 --iters 10 --placement local \
             --output "$OUT/ab-$shape-$v.json" >> "$OUT/ab.log" 2>&1 || tail -8 "$OUT/ab.log"
