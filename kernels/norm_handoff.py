@@ -27,7 +27,6 @@ import os
 from typing import NamedTuple
 
 import torch
-import triton
 
 
 class PreNormed(NamedTuple):
@@ -46,12 +45,16 @@ class PreNormed(NamedTuple):
 
 
 def enabled() -> bool:
-    raw = os.environ.get("SYNCLESS_NORM_HANDOFF", "").strip().lower()
-    if raw in ("", "1", "on", "true", "yes"):
-        return True
-    if raw in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"SYNCLESS_NORM_HANDOFF must be 0 or 1, got {raw!r}")
+    """``SYNCLESS_NORM_HANDOFF`` (default on), parsed strictly."""
+    from kernels import ops
+
+    return ops._env_flag("SYNCLESS_NORM_HANDOFF", True)
+
+
+def _streams(cfg: dict | None) -> bool:
+    """Whether a skinny config is the batch-1 FMA streaming loop that carries the handoff
+    (not unfused, not the persistent GEMV, not tensor cores)."""
+    return cfg is not None and cfg.get("kernel") != "gemv" and not cfg.get("use_dot")
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -70,7 +73,7 @@ def linear_handoff_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch
     from kernels import skinny_gemm
 
     m, n = x.shape[0], weight.shape[0]
-    grid = triton.cdiv(n, dict(skinny_gemm.fallback_config(m), **config)["block_n"])
+    grid = skinny_gemm.row_tiles(m, n, config)[1]
     sg = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ss = torch.empty((m, grid), dtype=torch.float32, device=x.device)
@@ -93,9 +96,7 @@ def linear_handoff(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     cfg = skinny_gemm.select_config(m, n, k, "plain")
-    if cfg is None or cfg.get("kernel") == "gemv" or cfg.get("use_dot"):
-        return None
-    if prenormed_config(consumer, m, consumer_act) is None:
+    if not _streams(cfg) or prenormed_config(consumer, m, consumer_act) is None:
         return None
     return linear_handoff_triton(x, weight, residual, norm_weight, eps, cfg)
 
@@ -107,9 +108,7 @@ def prenormed_config(weight: torch.Tensor, m: int = 1, act: str | None = None) -
 
     kind = skinny_gemm.kind_of(True, act, False)
     cfg = skinny_gemm.select_config(m, weight.shape[0], weight.shape[1], kind)
-    if cfg is None or cfg.get("kernel") == "gemv" or cfg.get("use_dot"):
-        return None
-    return cfg
+    return cfg if _streams(cfg) else None
 
 
 def linear_prenormed(pn: PreNormed, weight: torch.Tensor, bias: torch.Tensor | None = None,

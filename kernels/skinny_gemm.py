@@ -468,11 +468,7 @@ def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None
     use_dot = cfg["use_dot"] or m > 1
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
-    block_n = cfg["block_n"]
-    pairs = act == "silu_and_mul_pairs"
-    if pairs:
-        block_n = max(2, block_n)
-    grid = triton.cdiv(n if pairs else n_out, block_n)
+    block_n, grid = row_tiles(m, n, config, act)
     n_parts = ss.shape[1] if pre_normed else grid if epi_norm else 1
     if epi_norm:
         assert act is None and bias is None and ss.shape == (m, grid), "handoff producer shape"
@@ -493,3 +489,14 @@ def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None
         BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
+
+
+
+def row_tiles(m: int, n: int, config: dict, act: str | None = None) -> tuple[int, int]:
+    """``(BLOCK_N, programs)`` of a launch over ``weight [n, K]`` at ``M = m`` (the
+    programs: a handoff producer's count of sum-of-squares partials)."""
+    block_n = dict(fallback_config(m), **config)["block_n"]
+    pairs = act == "silu_and_mul_pairs"
+    if pairs:
+        block_n = max(2, block_n)
+    return block_n, triton.cdiv(n if pairs else (n // 2 if act is not None else n), block_n)
