@@ -199,10 +199,10 @@ def _paged_attention_kernel(
         # (no program of this launch reads that slot).
         DT = q_ptr.dtype.element_ty
         q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM,
-                      HEAD_DIM // 2, DT)
+                      HEAD_DIM // 2, DT, False)
         kn_row = tl.zeros([1], dtype=tl.int64) + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
         k_new = rope_rows(kn_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, eps, cos, sin,
-                          K_NORM, HEAD_DIM // 2, DT).to(k_ptr.dtype.element_ty)
+                          K_NORM, HEAD_DIM // 2, DT, False).to(k_ptr.dtype.element_ty)
         v_new = tl.load(vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d,
                         mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
     else:

@@ -1,0 +1,230 @@
+"""One launch for a whole decoder layer at batch 1: a persistent kernel with grid barriers.
+
+Why: a batch-1 decode step of a small model is ~150 short kernels, and each pays a fixed
+cost (launch, CTA ramp, drain, the first DRAM round trip) that its few MB of weights cannot
+hide. Qwen3-0.6B on the H200 ran at 2.6x its roofline with attention removed altogether
+(notes/2026-12-04h-h200-results.md): the five launches of a layer, not their bytes, set the
+pace. Here one program an SM runs the layer's phases, separated by grid barriers
+(``kernels.grid_sync``), and bulk-prefetches the next phase's weight rows into L2 while the
+current one runs, so HBM keeps streaming across the phase boundaries:
+
+  A  ``qkv = rms_norm(x + residual) @ Wqkv^T`` (each program computes ``rstd`` itself;
+     program 0 stores the new residual ``r1``)
+  B  attention: q/k norm + rotary + KV write + split-KV over device ``seq_lens``, merged
+     by the last split of each KV head (``kernels.decode_layer_phases.attention_phase``)
+  C  ``r2 = attn @ Wo^T + r1``, and each program's partial ``sum(r2^2)``
+  D  ``act = silu_and_mul(rms_norm(r2) @ Wgu^T)``
+  E  ``out = act @ Wd^T``; the layer returns ``(out, r2)`` as the multi-launch path does.
+
+The grid never exceeds what is resident at once (one program an SM), which a grid barrier
+needs. With PDL the kernel prefetches its QKV rows before ``gdc_wait``, then releases the
+next launch. The interpreter (and ``phased=True``) runs each phase as its own launch with
+the barriers compiled out: same device code, sequential programs. No host syncs: the
+split count comes from the CPU length bound, the real length from ``seq_lens``.
+
+``SYNCLESS_DECODE_LAYER=1`` (default off until an H200 run shows it faster) makes the Llama
+family's decoder layer use it at batch 1 (tensor parallelism 1, no biases, 16-bit, CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import grid_sync, pdl
+from kernels.decode_layer_phases import attention_phase, gemv_phase, prefetch_rows, sum_squares
+from kernels.grid_sync import grid_barrier, rearm_counters
+from kernels.pdl import wait_and_release
+
+LOG2E = 1.4426950408889634
+N_BARRIERS = 4  # counters 0..3: after phases A, B, C, D; 4: the exit count; 5..: KV heads
+TILE_ELEMS = 8192  # weight elements a program loads a step (16 KB at 16 bits)
+NUM_WARPS = 8
+MAX_SPLITS = 32
+
+
+class LayerWeights(NamedTuple):
+    """What one decoder layer's kernel reads: norms, fused projections (QKV rows ``q | k |
+    v``; gate|up as ``(gate j, up j)`` row pairs when ``gate_up_pairs``, else stacked), and
+    Qwen3's optional per-head q/k norms."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    gate_up_pairs: bool
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+
+
+@triton.jit(do_not_specialize=["kv_cap"])
+def _decode_layer_kernel(
+    x_ptr, res_ptr, ln1_ptr, wqkv_ptr, qkv_ptr, r1_ptr,
+    k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
+    part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
+    wd_ptr, out_ptr, bar_ptr,
+    H, N_QKV, INTER, gu_up_off, kv_cap, eps, qk_eps, scale_log2, stride_cs,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    ATT_BLOCK_N: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr, GU_ROW_MUL: tl.constexpr, SS_P: tl.constexpr,
+    BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
+    BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+    RUN_A: tl.constexpr, RUN_B: tl.constexpr, RUN_C: tl.constexpr, RUN_D: tl.constexpr,
+    RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr, ESZ: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    HD: tl.constexpr = HQ * HEAD_DIM
+    if RUN_A:  # weights are never written by a kernel of the step: before the PDL wait
+        prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH)
+    wait_and_release(USE_PDL)
+
+    if RUN_A:
+        prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, PREFETCH)
+        ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, BK_QKV)
+        rstd1 = tl.rsqrt(ss1 / H + eps)
+        gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
+                   0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False)
+    grid_barrier(bar_ptr + 0, P, SYNC)
+
+    if RUN_B:
+        prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
+                      ESZ, PREFETCH)
+        attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
+                        cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
+                        bar_ptr + N_BARRIERS + 1, kv_cap, qk_eps, scale_log2, stride_cs,
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                        HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
+                        ATT_BLOCK_N, Q_NORM, K_NORM)
+    grid_barrier(bar_ptr + 1, P, SYNC)
+
+    if RUN_C:
+        prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, PREFETCH)
+        ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
+                         H, HD, 0, BN_O, BK_O, 1, False, False, False, True)
+        tl.store(ss_ptr + pid, ss2)
+    grid_barrier(bar_ptr + 2, P, SYNC)
+
+    if RUN_D:
+        offs_p = tl.arange(0, SS_P)
+        ss_all = tl.load(ss_ptr + offs_p, mask=offs_p < P, other=0.0, cache_modifier=".cg")
+        rstd2 = tl.rsqrt(tl.sum(ss_all, 0) / H + eps)
+        gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
+                   gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False)
+    grid_barrier(bar_ptr + 3, P, SYNC)
+
+    if RUN_E:
+        gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
+                   0, BN_D, BK_D, 1, False, False, False, False)
+    rearm_counters(bar_ptr, N_BARRIERS, P, N_BARRIERS, SYNC)
+
+
+def _blocks(k: int, rows_per_out: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a GEMV over ``k`` columns: chunks of at most 1024 columns
+    (fewer for a short K), rows so a step loads ``TILE_ELEMS`` weights (per gate/up half)."""
+    block_k = min(1024, max(16, triton.next_power_of_2(k)))
+    return max(1, TILE_ELEMS // (block_k * rows_per_out)), block_k
+
+
+def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | None:
+    """Why the one-launch layer cannot run these tensors (None: it can)."""
+    d = w.head_dim
+    if x.dim() != 2 or x.shape[0] != 1:
+        return "needs one token"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {x.dtype}"
+    mats = (w.qkv, w.o, w.gate_up, w.down)
+    if any(m.dtype != x.dtype or not m.is_contiguous() for m in mats):
+        return "weights must be contiguous and of the activations' dtype"
+    if k_cache.dtype != x.dtype or k_cache.stride(-1) != 1:
+        return "KV cache dtype or layout"
+    if d & (d - 1) or not 16 <= d <= 256 or w.num_heads % w.num_kv_heads:
+        return "head_dim must be a power of two in 16..256, heads a multiple of KV heads"
+    if w.qkv.shape[0] != (w.num_heads + 2 * w.num_kv_heads) * d or w.gate_up.shape[0] % 2:
+        return "projection shapes"
+    return None
+
+
+def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, k_cache, v_cache,
+                        slot_mapping, block_table, seq_lens, max_seq_len_upper_bound: int,
+                        scale: float, *, phased: bool | None = None, programs: int | None = None,
+                        splits: int | None = None, block_n: int | None = None):
+    """``(out, new_residual)`` of one decoder layer for one token (request 0 of the step),
+    as ``kernels.reference.decode_layer_reference``; writes the token's K/V to the cache.
+    ``residual`` None: the first layer (``x`` is the residual). ``phased``: one launch a
+    phase (default: on the interpreter or without a counter buffer, which only happens
+    inside a CUDA-graph capture before any eager run). ``programs``/``splits`` override the
+    grid and the split count (tests). Returns None when ``supported`` refuses."""
+    if supported(x, w, k_cache) is not None:
+        return None
+    dev, dt = x.device, x.dtype
+    hq, hk, d = w.num_heads, w.num_kv_heads, w.head_dim
+    h, n_qkv, inter = x.shape[1], w.qkv.shape[0], w.gate_up.shape[0] // 2
+    interpreted = not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    p = programs or (pdl.sm_count(dev) if x.is_cuda else 4)
+    group = hq // hk
+    group_p = triton.next_power_of_2(group)
+    att_block_n = block_n or max(8, 64 // group_p)
+    n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
+                                    triton.cdiv(max_seq_len_upper_bound, att_block_n)))
+    bars = grid_sync.counters(dev, N_BARRIERS + 1 + hk)
+    if bars is None:
+        return None
+    phased = interpreted if phased is None else (phased or interpreted)
+    x = x.contiguous()
+    res = residual.contiguous() if residual is not None else x
+    empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
+    qkv, r1, attn, r2, act, out = (empty(n_qkv), empty(h), empty(hq * d), empty(1, h),
+                                   empty(inter), empty(1, h))
+    part = empty(n_splits, hq, d, dtype=torch.float32)
+    lse = empty(n_splits, hq, dtype=torch.float32)
+    ss = empty(p, dtype=torch.float32)
+    kv_cap = min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]), block_table.shape[1])
+    bn_qkv, bk_qkv = _blocks(h)
+    bn_o, bk_o = _blocks(hq * d)
+    bn_gu, bk_gu = _blocks(h, 2)
+    bn_d, bk_d = _blocks(inter)
+    prefetch = (not interpreted and pdl.rows_prefetchable(x, w.qkv, w.o, w.gate_up, w.down)
+                and all((m.shape[1] * m.element_size()) % 16 == 0
+                        for m in (w.qkv, w.o, w.gate_up, w.down)))
+    args = (
+        x, res, w.input_norm, w.qkv, qkv, r1,
+        k_cache, v_cache, block_table, seq_lens, positions, slot_mapping, cos_sin_cache,
+        w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
+        part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars,
+        h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1],
+        float(w.eps), float(w.qk_eps), float(scale) * LOG2E, cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+    )
+    const = dict(
+        HQ=hq, HK=hk, HEAD_DIM=d, KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P=group_p,
+        SPLITS=n_splits, SPLITS_P=triton.next_power_of_2(n_splits), ATT_BLOCK_N=att_block_n,
+        Q_NORM=w.q_norm is not None, K_NORM=w.k_norm is not None, HAS_RES=residual is not None,
+        GU_ROW_MUL=2 if w.gate_up_pairs else 1, SS_P=triton.next_power_of_2(p),
+        BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,
+        BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, ESZ=x.element_size(), num_warps=NUM_WARPS,
+        num_stages=1,
+    )
+    if phased:
+        for i in range(5):
+            run = {f"RUN_{c}": i == j for j, c in enumerate("ABCDE")}
+            _decode_layer_kernel[(p,)](*args, **const, **run, SYNC=False)
+    else:
+        run = {f"RUN_{c}": True for c in "ABCDE"}
+        _decode_layer_kernel[(p,)](*args, **const, **run, SYNC=True, **pdl.launch_kwargs(x))
+    return out, r2

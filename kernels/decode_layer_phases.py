@@ -1,0 +1,252 @@
+"""The phases of the persistent batch-1 decoder-layer kernel (``kernels.decode_layer``).
+
+Each phase is a device function that one program runs over *its share* of the phase's work
+(row blocks ``pid, pid + P, ...`` of a GEMV; ``(KV head, split)`` items of the attention),
+so the same code serves the one-launch kernel (phases separated by grid barriers) and the
+interpreter's one-launch-a-phase path. Activations that another program of the same launch
+stored are loaded with ``cache_modifier=".cg"`` (see ``kernels.grid_sync``).
+
+Numerics follow the multi-launch path's kernels: the GEMVs round the normalised input to the
+dtype before the ``rstd`` scale (``kernels.gemv``), the attention rotates (and for Qwen3
+normalises) q and the new key in registers as ``kernels.paged_attention``'s decode path does,
+rounds P to the dtype before P @ V, and merges split partials in float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.pdl import prefetch_l2
+from kernels.rope_inline import rope_cos_sin, rope_rows
+
+
+@triton.jit
+def prefetch_rows(w_ptr, pid, P, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MUL: tl.constexpr,
+                  TWO_RANGES: tl.constexpr, ESZ: tl.constexpr, ENABLED: tl.constexpr):
+    """Bulk-prefetch this program's weight rows of a later GEMV phase into L2 (``ENABLED``:
+    sm_90+, compiled, 16-byte aligned rows). Weights are never written by a kernel of the
+    step, so this may run at any time; it keeps HBM streaming across the barriers."""
+    if ENABLED:
+        n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+        for b in range(pid, n_blocks, P):
+            r0 = b * BLOCK_N
+            nrows = tl.minimum(N_OUT - r0, BLOCK_N)
+            prefetch_l2(w_ptr + (r0 * ROW_MUL).to(tl.int64) * K, nrows * (ROW_MUL * K * ESZ))
+            if TWO_RANGES:  # stacked gate|up: the up rows are a second range
+                prefetch_l2(w_ptr + (r0 + up_off).to(tl.int64) * K, nrows * (K * ESZ))
+
+
+@triton.jit
+def sum_squares(x_ptr, r_ptr, s_out_ptr, pid, K, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum(s^2)`` of ``s = x (+ r)`` rounded to the dtype; program 0 stores ``s`` (the new
+    residual) to ``s_out_ptr``."""
+    DT = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    store_end = tl.where(pid == 0, K, 0)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        s = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
+        if HAS_RES:
+            s = (s.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok, other=0.0,
+                                            cache_modifier=".cg").to(tl.float32)).to(DT)
+        tl.store(s_out_ptr + k0 + offs_k, s, mask=(k0 + offs_k) < store_end)
+        sf = s.to(tl.float32)
+        ss += sf * sf
+    return tl.sum(ss, 0)
+
+
+@triton.jit
+def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, K, up_off,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MUL: tl.constexpr,
+               HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+               EPI_RES: tl.constexpr):
+    """This program's row blocks of ``y = act((a @ W^T) * rstd)``, ``a = ((x [+ r]) [* g])``
+    rounded to the dtype. ``ACT``: ``silu(gate) * up`` with gate row ``j * ROW_MUL`` and up
+    row ``j * ROW_MUL + up_off``. ``EPI_RES``: stores ``(y + rin) -> dtype`` instead and
+    returns the sum of its squares over this program's rows (the next norm's partial).
+    The next weight tile is always in flight while this one is multiplied."""
+    DT = w_ptr.dtype.element_ty
+    offs_r = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    KT = tl.cdiv(K, BLOCK_K)
+    n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    total = tl.cdiv(n_blocks - pid, P) * KT  # this program's (row block, K chunk) steps
+    rows = pid * BLOCK_N + offs_r
+    w_ok = (rows < N_OUT)[:, None] & (offs_k < K)[None, :]
+    w_row = w_ptr + (rows * ROW_MUL).to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_nxt = tl.load(w_row, mask=w_ok, other=0.0)
+    wu_nxt = w_nxt
+    if ACT:
+        wu_nxt = tl.load(w_row + up_off * K, mask=w_ok, other=0.0)
+    ss = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in range(0, total):
+        kc = i % KT
+        k0 = kc * BLOCK_K
+        w = w_nxt
+        wu = wu_nxt
+        j = i + 1  # the next step's tile, masked off past this program's last step
+        nrows = (pid + (j // KT) * P) * BLOCK_N + offs_r
+        nk = (j % KT) * BLOCK_K + offs_k
+        row_end = tl.where(j < total, N_OUT, 0)
+        n_ok = (nrows < row_end)[:, None] & (nk < K)[None, :]
+        n_row = w_ptr + (nrows * ROW_MUL).to(tl.int64)[:, None] * K + nk[None, :]
+        w_nxt = tl.load(n_row, mask=n_ok, other=0.0)
+        if ACT:
+            wu_nxt = tl.load(n_row + up_off * K, mask=n_ok, other=0.0)
+
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
+        if HAS_RES:
+            a = (a.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok, other=0.0,
+                                            cache_modifier=".cg").to(tl.float32)).to(DT)
+        if NORM:
+            g = tl.load(g_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * g).to(DT)
+        af = a.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * af
+        if ACT:
+            acc_u += wu.to(tl.float32) * af
+
+        if kc == KT - 1:  # this row block is done: epilogue and store
+            out_rows = (pid + (i // KT) * P) * BLOCK_N + offs_r
+            o_ok = out_rows < N_OUT
+            y = tl.sum(acc, 1) * rstd
+            if ACT:
+                gate = y.to(DT).to(tl.float32)
+                up = (tl.sum(acc_u, 1) * rstd).to(DT).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
+            y = y.to(DT)
+            if EPI_RES:
+                s = (y.to(tl.float32) + tl.load(rin_ptr + out_rows, mask=o_ok, other=0.0,
+                                                cache_modifier=".cg").to(tl.float32)).to(DT)
+                tl.store(y_ptr + out_rows, s, mask=o_ok)
+                sf = tl.where(o_ok, s.to(tl.float32), 0.0)
+                ss += tl.sum(sf * sf, 0)
+            else:
+                tl.store(y_ptr + out_rows, y, mask=o_ok)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return ss
+
+
+@triton.jit
+def attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr,
+                    qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr, cnt_ptr,
+                    kv_cap, qk_eps, scale_log2, stride_cs,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
+    """One query token (request 0) over its paged KV: this program's ``(KV head, split)``
+    items. The step's ``qkv`` row is raw (un-normalised, un-rotated); the split holding the
+    last tile adds the new key from registers and writes the new K/V to the cache (no
+    program reads that slot: the tiles stop before it). Each item stores a float32 partial;
+    the last split of a KV head to arrive merges its group's heads into ``attn`` and
+    re-arms the head's counter. Splits cover the row's *real* length (device ``seq_lens``):
+    a short row uses fewer items and the rest of the programs skip the phase."""
+    DT = qkv_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq_len = tl.load(seq_ptr)
+    ctx_len = tl.maximum(seq_len - 1, 0)  # keys before the new one
+    kv_end = tl.minimum(ctx_len + 1, kv_cap)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, SPLITS))
+    used = tl.cdiv(num_tiles, per_split)
+    cached_end = tl.minimum(ctx_len, kv_end)
+    last_tile = (kv_end - 1) // BLOCK_N
+    new_pos = tl.load(pos_ptr).to(tl.int64)
+    new_slot = tl.load(slot_ptr).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_g = tl.arange(0, GROUP_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_g < GROUP
+    cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HALF)
+    for item in range(pid, HK * used, P):
+        kvh = item // used
+        split = item % used
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        head = kvh * GROUP + offs_g
+        q = rope_rows(qkv_ptr, head * HEAD_DIM, offs_d, row_ok, qw_ptr, qk_eps, cos, sin,
+                      Q_NORM, HALF, DT, True).to(tl.float32)
+        kn_row = tl.zeros([1], dtype=tl.int32) + (HQ + kvh) * HEAD_DIM
+        k_new = rope_rows(qkv_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, qk_eps, cos, sin,
+                          K_NORM, HALF, DT, True)  # [1, D]
+        v_new = tl.load(qkv_ptr + (HQ + HK + kvh) * HEAD_DIM + offs_d, cache_modifier=".cg")
+
+        m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+        for t in range(tile_lo, tile_hi):
+            kv_pos = t * BLOCK_N + offs_n
+            kv_ok = kv_pos < cached_end
+            page = tl.load(bt_ptr + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+            in_page = kv_pos % KV_BLOCK_SIZE
+            k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+            k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+            v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2
+            s = tl.where(row_ok[:, None] & kv_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_lo = p.to(DT).to(tl.float32)  # P rounded to the KV dtype, as the tl.dot path
+            acc = acc * alpha[:, None] + tl.sum(p_lo[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            m_i = m_new
+
+        owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
+        if owner & (ctx_len < kv_end):  # the new key, unless a bound below seq_len hides it
+            s_new = tl.sum(q * k_new.to(tl.float32), 1) * scale_log2
+            s_new = tl.where(row_ok, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p_new = tl.exp2(s_new - m_safe)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + p_new
+            p_lo = p_new.to(DT).to(tl.float32)
+            acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+        if owner & (new_slot >= 0):
+            pg = new_slot // KV_BLOCK_SIZE
+            nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            tl.store(k_ptr + nc + offs_d[None, :], k_new.to(k_ptr.dtype.element_ty))
+            nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
+            tl.store(v_ptr + nv + offs_d, v_new.to(v_ptr.dtype.element_ty))
+
+        has_keys = l_i > 0.0
+        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        tl.store(part_ptr + split * (HQ * HEAD_DIM) + head[:, None] * HEAD_DIM + offs_d[None, :],
+                 o, mask=row_ok[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * HQ + head, lse, mask=row_ok)
+        tl.debug_barrier()  # every thread's partial stores precede the arrival
+        arrived = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if arrived == used - 1:  # the last split of this KV head: merge its group's heads
+            offs_s = tl.arange(0, SPLITS_P)
+            lse_all = tl.load(lse_ptr + offs_s[:, None] * HQ + head[None, :],
+                              mask=(offs_s < used)[:, None] & row_ok[None, :],
+                              other=float("-inf"), cache_modifier=".cg")
+            m_all = tl.max(lse_all, 0)
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
+            merged = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+            for sp in tl.static_range(SPLITS):  # unrolled: every partial's load in flight
+                sp_ok = row_ok & ((offs_g * 0 + sp) < used)
+                w_s = tl.exp2(tl.load(lse_ptr + sp * HQ + head, mask=sp_ok, other=float("-inf"),
+                                      cache_modifier=".cg") - m_all)
+                part = tl.load(part_ptr + sp * (HQ * HEAD_DIM) + head[:, None] * HEAD_DIM
+                               + offs_d[None, :], mask=sp_ok[:, None], other=0.0,
+                               cache_modifier=".cg")
+                merged += w_s[:, None] * part
+            merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+            tl.store(attn_ptr + head[:, None] * HEAD_DIM + offs_d[None, :], merged.to(DT),
+                     mask=row_ok[:, None])
+            tl.atomic_xchg(cnt_ptr + kvh, 0)  # re-armed for the next layer, step or replay

@@ -1,0 +1,71 @@
+"""Grid-wide barriers for persistent kernels (every program resident at once).
+
+A persistent kernel that runs several dependent phases in one launch (``kernels.decode_layer``)
+separates them with ``grid_barrier``: each program publishes its stores (a CTA barrier, then
+one acq_rel arrival on a counter at GPU scope, as ``kernels.paged_attention``'s split merge
+does), then spins until all ``P`` programs have arrived. That is only safe when all ``P``
+programs are resident together: the grid must not exceed what the device holds at once
+(one program an SM here), or the spinning programs wait forever for one that cannot start.
+
+Counters re-arm themselves: after the last phase every program bumps an exit counter, and the
+program that arrives last (all others are past every barrier by then) zeroes them all for
+the next launch or CUDA-graph replay. Data one program stores and another reads after a
+barrier must be loaded with ``cache_modifier=".cg"`` (L2, the coherence point), never from
+a possibly stale L1 line.
+
+The Triton interpreter runs programs one after another, so a spin barrier would never
+release there: interpreted callers launch each phase separately instead (``ENABLED=False``
+compiles the barrier out).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # kept alive: a captured graph may still use an old buffer
+
+
+@triton.jit
+def grid_barrier(bar_ptr, P, ENABLED: tl.constexpr):
+    """All ``P`` programs arrive at counter ``bar_ptr`` before any leaves; their earlier
+    stores are then visible (read them with ``.cg`` loads)."""
+    if ENABLED:
+        tl.debug_barrier()  # every thread's stores precede the release below
+        seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
+        while seen < P:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def rearm_counters(bar_ptr, exit_idx, P, N_COUNTERS: tl.constexpr, ENABLED: tl.constexpr):
+    """After the last barrier: the last program out zeroes counters ``0 .. N_COUNTERS - 1``
+    and the exit counter ``exit_idx`` (every other program is past all barriers)."""
+    if ENABLED:
+        tl.debug_barrier()
+        out = tl.atomic_add(bar_ptr + exit_idx, 1, sem="acq_rel", scope="gpu")
+        if out == P - 1:
+            for i in tl.static_range(N_COUNTERS):
+                tl.atomic_xchg(bar_ptr + i, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(bar_ptr + exit_idx, 0, sem="relaxed", scope="gpu")
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 counter buffer of at least ``n`` entries for ``device``, kept across
+    launches (the kernels re-arm it), or None while a CUDA graph is being captured and no
+    big enough buffer exists yet (allocating then would tie it to the graph's pool): the
+    caller then takes its multi-launch path."""
+    key = (device.type, device.index if device.index is not None else -1)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    _COUNTERS[key] = buf
+    return buf

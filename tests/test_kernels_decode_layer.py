@@ -1,0 +1,114 @@
+"""The one-launch decoder layer (``kernels.decode_layer``) under the interpreter, one launch a
+phase (the interpreter runs programs one after another, so grid barriers cannot spin there),
+against ``kernels.reference.decode_layer_reference``: output, new residual and the KV cache
+written, for GQA ratios 1, 4 and 8, Qwen3's q/k norms, both gate|up layouts, the first layer
+(no residual), block-boundary lengths, several splits with several tiles each, and more row
+blocks than programs. Run in an interpreted child pytest (``tests/interpreted.py``)."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from tests.interpreted import INTERPRETED, delegate_all
+
+if INTERPRETED:
+    from kernels import decode_layer as dl
+else:
+    dl = None  # only the child touches triton
+
+
+def _case(hq, hk, d, h, inter, dtype, seq_len, qk_norm, pairs, first, seed, bs=4, bound=48):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    gamma = lambda n: (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)  # noqa: E731
+    w = dict(
+        input_norm=gamma(h), qkv=rnd((hq + 2 * hk) * d, h, scale=h ** -0.5),
+        o=rnd(h, hq * d, scale=(hq * d) ** -0.5), post_norm=gamma(h),
+        gate_up=rnd(2 * inter, h, scale=h ** -0.5), down=rnd(h, inter, scale=inter ** -0.5),
+        eps=1e-5, num_heads=hq, num_kv_heads=hk, head_dim=d, gate_up_pairs=pairs,
+        q_norm=gamma(d) if qk_norm else None, k_norm=gamma(d) if qk_norm else None,
+        qk_eps=1e-6,
+    )
+    n_blocks = -(-bound // bs) + 3
+    k_cache = rnd(n_blocks, bs, hk, d)
+    v_cache = rnd(n_blocks, bs, hk, d)
+    table = torch.randperm(n_blocks, generator=g)[: -(-bound // bs)].to(torch.int32)[None, :]
+    pos = seq_len - 1
+    slot = torch.tensor([int(table[0, pos // bs]) * bs + pos % bs], dtype=torch.int64)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(64).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
+    return dict(
+        x=rnd(1, h), residual=None if first else rnd(1, h), positions=torch.tensor([pos]),
+        cos_sin_cache=cos_sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot,
+        block_table=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        max_seq_len_upper_bound=bound, scale=d ** -0.5,
+    ), w
+
+
+def _run_both(case, w, **kw):
+    kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+    weights = dl.LayerWeights(**w)
+    got = dl.decode_layer_triton(**dict(case, w=weights), **kw)
+    assert got is not None, dl.supported(case["x"], weights, case["k_cache"])
+    exp = ref.decode_layer_reference(**dict(case, w=weights, k_cache=kc, v_cache=vc))
+    return got, exp, (kc, vc)
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("seq_len", [1, 8, 29])  # first token, a block boundary, 8 tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_matches_reference(hq, hk, seq_len, dtype):
+    case, w = _case(hq, hk, 16, 48, 40, dtype, seq_len, qk_norm=hk == 2, pairs=hk != 1,
+                    first=False, seed=hq * 10 + hk + seq_len)
+    (out, r2), (out_e, r2_e), (kc, vc) = _run_both(case, w, programs=3, splits=3, block_n=4)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    torch.testing.assert_close(r2, r2_e, **tol)
+    torch.testing.assert_close(out, out_e, **tol)
+    torch.testing.assert_close(case["k_cache"], kc, **tol)  # the new K/V went to its slot
+    torch.testing.assert_close(case["v_cache"], vc, **tol)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("programs", [1, 5])
+def test_first_layer_and_both_gate_up_layouts(pairs, programs):
+    """No residual (``x`` is it), stacked or paired gate|up rows, one program doing all the
+    work or five sharing row blocks unevenly; the default split count and tile width."""
+    case, w = _case(8, 2, 16, 40, 24, torch.float32, 21, qk_norm=True, pairs=pairs, first=True,
+                    seed=7 + programs)
+    (out, r2), (out_e, r2_e), _ = _run_both(case, w, programs=programs)
+    torch.testing.assert_close(r2_e, r2, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, out_e, atol=1e-4, rtol=1e-4)
+
+
+def test_counters_are_rearmed_for_the_next_launch():
+    """The per-KV-head merge counters end every launch at zero, so a second layer (or graph
+    replay) merges again; two launches give the same result."""
+    case, w = _case(8, 2, 16, 48, 40, torch.float32, 17, qk_norm=False, pairs=True,
+                    first=False, seed=3)
+    weights = dl.LayerWeights(**w)
+    kc = case["k_cache"].clone()
+    first = dl.decode_layer_triton(**dict(case, w=weights), programs=4, splits=4, block_n=4)
+    bars = dl.grid_sync.counters(case["x"].device, dl.N_BARRIERS + 1 + 2)
+    assert int(bars.abs().sum()) == 0
+    case["k_cache"] = kc
+    second = dl.decode_layer_triton(**dict(case, w=weights), programs=4, splits=4, block_n=4)
+    torch.testing.assert_close(first[0], second[0], atol=0, rtol=0)
+
+
+def test_unsupported_inputs_are_refused():
+    case, w = _case(8, 2, 16, 48, 40, torch.float32, 5, qk_norm=False, pairs=True,
+                    first=False, seed=1)
+    weights = dl.LayerWeights(**w)
+    assert dl.supported(case["x"], weights, case["k_cache"]) is None
+    two = torch.cat([case["x"], case["x"]])
+    assert "one token" in dl.supported(two, weights, case["k_cache"])
+    bad = weights._replace(head_dim=24)
+    assert "head_dim" in dl.supported(case["x"], bad, case["k_cache"])
+    assert dl.decode_layer_triton(**dict(case, x=two, w=weights)) is None
+
+
+delegate_all(globals(), __file__)
