@@ -278,3 +278,24 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
         if handed is not None:
             return handed
     return linear(h, w_down)[0], new_res
+
+
+def decode_layer_enabled() -> bool:
+    """``SYNCLESS_DECODE_LAYER`` (default off until measured faster on the H200): a whole
+    decoder layer in one launch at batch 1 (``kernels.decode_layer``)."""
+    return _env_flag("SYNCLESS_DECODE_LAYER", False)
+
+
+def decode_layer(x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                 block_table, seq_lens, max_seq_len_upper_bound: int, scale: float):
+    """One decoder layer for one token -> ``(out, new_residual)``: on CUDA one launch
+    (``kernels.decode_layer``), elsewhere its plain-torch reference. None where the kernel
+    cannot take the inputs (``kernels.decode_layer.supported``): the caller runs the layer
+    op by op."""
+    args = (x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            block_table, seq_lens, max_seq_len_upper_bound, scale)
+    if _use_triton(x):
+        from kernels.decode_layer import decode_layer_triton
+
+        return decode_layer_triton(*args)
+    return reference.decode_layer_reference(*args)

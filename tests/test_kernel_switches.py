@@ -68,7 +68,8 @@ def test_malformed_handoff_and_attention_switches_fail_at_start_up(monkeypatch):
     assert norm_handoff.enabled() is False and kernel_env_vars() == {"SYNCLESS_NORM_HANDOFF": "0"}
     for name, bad, msg in (("SYNCLESS_NORM_HANDOFF", "maybe", "must be 0 or 1"),
                            ("SYNCLESS_ATTN_RELEASE", "soon", "must be early or late"),
-                           ("SYNCLESS_DECODE_ATTN_STAGES", "two", "non-negative integer")):
+                           ("SYNCLESS_DECODE_ATTN_STAGES", "two", "non-negative integer"),
+                           ("SYNCLESS_DECODE_LAYER", "fast", "must be 0 or 1")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=msg):
             kernel_env_vars()

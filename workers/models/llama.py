@@ -129,6 +129,12 @@ class DecoderLayer(nn.Module):
         (``kernels.norm_handoff``): ``h`` may then arrive as a ``PreNormed`` with its residual
         already added, and with ``next_layer`` the output may leave as one."""
         attn, mlp = self.self_attn, self.mlp
+        if self.one_launch_applies(h, meta):
+            done = ops.decode_layer(h, residual, self.layer_weights(), positions, cos_sin, *kv,
+                                    meta.slot_mapping, meta.block_table, meta.seq_lens,
+                                    meta.max_seq_len_upper_bound, attn.scale)
+            if done is not None:
+                return done
         if isinstance(h, PreNormed):
             qkv = linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
         else:
@@ -147,6 +153,27 @@ class DecoderLayer(nn.Module):
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
                                                       act=mlp.act)
         return mlp.down_proj(act), residual
+
+
+    def one_launch_applies(self, h, meta: AttentionMetadata) -> bool:
+        """Whether ``SYNCLESS_DECODE_LAYER`` runs this layer as one launch: one query token
+        (batch 1), tensor parallelism 1, no QKV or MLP bias."""
+        return (self.whole_mlp_block and self.self_attn.qkv_proj.bias is None
+                and not isinstance(h, PreNormed) and h.shape[0] == 1
+                and meta.max_query_len == 1 and ops.decode_layer_enabled())
+
+    def layer_weights(self):
+        """This layer's tensors as ``kernels.decode_layer.LayerWeights``."""
+        from kernels.decode_layer import LayerWeights
+
+        attn, mlp = self.self_attn, self.mlp
+        qn, kn = attn.q_norm, attn.k_norm
+        return LayerWeights(
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            self.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            mlp.interleaved, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None, qn.eps if qn is not None else 1e-6)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
             h = self.embed_tokens(input_ids)
             residual = None
             nxt = list(self.layers[1:]) + [None]
+            if input_ids.shape[0] == 1 and ops.decode_layer_enabled():
+                nxt = [None] * len(nxt)  # no norm handoff into a one-launch layer
             for layer, kv, next_layer in zip(self.layers, kv_caches, nxt):
                 h, residual = layer(h, residual, positions, meta, kv, self.cos_sin, next_layer)
             h, _ = self.norm(h, residual)
