@@ -17,8 +17,9 @@ current one runs, so HBM keeps streaming across the phase boundaries:
   E  ``out = act @ Wd^T``; the layer returns ``(out, r2)`` as the multi-launch path does.
 
 The grid never exceeds what is resident at once (one program an SM), which a grid barrier
-needs. With PDL the kernel prefetches its QKV rows before ``gdc_wait``, then releases the
-next launch. The interpreter (and ``phased=True``) runs each phase as its own launch with
+needs. With PDL the kernel prefetches its QKV rows before ``gdc_wait`` and releases the
+next launch before its last phase (as ``kernels.mlp_block``: a dependent that launches
+earlier would sit on SM slots and prefetch into L2 while three phases still need it). The interpreter (and ``phased=True``) runs each phase as its own launch with
 the barriers compiled out: same device code, sequential programs. No host syncs: the
 split count comes from the CPU length bound, the real length from ``seq_lens``.
 
@@ -38,10 +39,11 @@ import triton.language as tl
 from kernels import grid_sync, pdl
 from kernels.decode_layer_phases import attention_phase, gemv_phase, prefetch_rows, sum_squares
 from kernels.grid_sync import grid_barrier, rearm_counters
-from kernels.pdl import wait_and_release
+from kernels.pdl import release_only, wait_only
 
 LOG2E = 1.4426950408889634
 N_BARRIERS = 4  # counters 0..3: after phases A, B, C, D; 4: the exit count; 5..: KV heads
+_NB = tl.constexpr(N_BARRIERS)  # the same, for the kernel
 TILE_ELEMS = 8192  # weight elements a program loads a step (16 KB at 16 bits)
 NUM_WARPS = 8
 MAX_SPLITS = 32
@@ -91,7 +93,7 @@ def _decode_layer_kernel(
     HD: tl.constexpr = HQ * HEAD_DIM
     if RUN_A:  # weights are never written by a kernel of the step: before the PDL wait
         prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH)
-    wait_and_release(USE_PDL)
+    wait_only(USE_PDL)
 
     if RUN_A:
         prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, PREFETCH)
@@ -106,7 +108,7 @@ def _decode_layer_kernel(
                       ESZ, PREFETCH)
         attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
                         cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
-                        bar_ptr + N_BARRIERS + 1, kv_cap, qk_eps, scale_log2, stride_cs,
+                        bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                         HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
                         ATT_BLOCK_N, Q_NORM, K_NORM)
@@ -126,11 +128,12 @@ def _decode_layer_kernel(
         gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
                    gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False)
     grid_barrier(bar_ptr + 3, P, SYNC)
+    release_only(USE_PDL)  # the next launch prefetches its QKV rows during our last phase
 
     if RUN_E:
         gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
                    0, BN_D, BK_D, 1, False, False, False, False)
-    rearm_counters(bar_ptr, N_BARRIERS, P, N_BARRIERS, SYNC)
+    rearm_counters(bar_ptr, _NB, P, _NB, SYNC)
 
 
 def _blocks(k: int, rows_per_out: int = 1) -> tuple[int, int]:

@@ -29,14 +29,15 @@ _RETIRED: list[torch.Tensor] = []  # kept alive: a captured graph may still use 
 
 
 @triton.jit
-def grid_barrier(bar_ptr, P, ENABLED: tl.constexpr):
-    """All ``P`` programs arrive at counter ``bar_ptr`` before any leaves; their earlier
-    stores are then visible (read them with ``.cg`` loads)."""
+def grid_barrier(bar_ptr, target, ENABLED: tl.constexpr):
+    """Arrive at counter ``bar_ptr`` and leave once it reaches ``target`` (``P`` for a fresh
+    counter; ``k * P`` at the k-th use of one counter): every program's earlier stores are
+    then visible (read them with ``.cg`` loads)."""
     if ENABLED:
         tl.debug_barrier()  # every thread's stores precede the release below
         seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        while seen < P:
-            seen = tl.atomic_add(bar_ptr, 0, sem="acq_rel", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
 
@@ -49,8 +50,8 @@ def rearm_counters(bar_ptr, exit_idx, P, N_COUNTERS: tl.constexpr, ENABLED: tl.c
         out = tl.atomic_add(bar_ptr + exit_idx, 1, sem="acq_rel", scope="gpu")
         if out == P - 1:
             for i in tl.static_range(N_COUNTERS):
-                tl.atomic_xchg(bar_ptr + i, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(bar_ptr + exit_idx, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(bar_ptr + i, 0)
+            tl.atomic_xchg(bar_ptr + exit_idx, 0)
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor | None:

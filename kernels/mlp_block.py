@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.grid_sync import grid_barrier, rearm_counters
 from kernels.pdl import prefetch_l2
 from kernels.pdl import release_only as _release
 from kernels.pdl import wait_only as _wait
@@ -167,17 +168,6 @@ def _phase(w_a, w_b, w_ptr, stride_wn, N, K, a_ptr, b_ptr, g_ptr, y_ptr, rstd, p
 
 
 @triton.jit
-def _grid_barrier(bar_ptr, target):
-    """Every program's stores so far are visible to every program after this returns.
-    Only correct when all ``P`` programs are resident (the grid is at most one per SM)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < target:
-        arrived = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _mlp_block_kernel(
     attn_ptr, wo_ptr, res_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, nres_ptr, o_ptr, gu_ptr,
     bar_ptr, H, A, I, eps, stride_wo, stride_wgu, stride_wd,
@@ -198,7 +188,7 @@ def _mlp_block_kernel(
            0, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
     w1a, w1b = _first_tiles(wgu_ptr, stride_wgu, 2 * I, H, pid, P, BLOCK_N, BLOCK_K, DEPTH,
                               USE_DOT, PRE_L2)
-    _grid_barrier(bar_ptr, P)
+    grid_barrier(bar_ptr, P, True)
 
     # phase 2: s = o + residual, rstd, gu = norm(s) @ Wgu^T ([2I], K = H)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -217,7 +207,7 @@ def _mlp_block_kernel(
            P, 1, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
     w2a, w2b = _first_tiles(wd_ptr, stride_wd, H, I, pid, P, BLOCK_N, BLOCK_K, DEPTH,
                               USE_DOT, PRE_L2)
-    _grid_barrier(bar_ptr, 2 * P)
+    grid_barrier(bar_ptr, 2 * P, True)
     _release(USE_PDL)  # every program is resident now: a dependent may take free slots
 
     # phase 3: h = (silu(gate) * up) @ Wd^T ([H], K = I)
@@ -225,11 +215,7 @@ def _mlp_block_kernel(
            2, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
 
     # re-arm: the last program out resets the counter (all have passed both barriers)
-    tl.debug_barrier()
-    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if left == P - 1:
-        tl.atomic_xchg(bar_ptr, 0)
-        tl.atomic_xchg(bar_ptr + 1, 0)
+    rearm_counters(bar_ptr, 1, P, 1, True)
 
 
 # The fastest measured on the H200 for the Llama-3.1-8B shape (111.9 us; the three unfused

@@ -6,6 +6,8 @@ Python global, a loop variable that changes type, bad inline PTX) fails here, in
 instead of on the GPU machine. The constexpr sets are the ones the engine launches on an
 H200: PDL on, the L2 prefetch on, the fused split merge, the wide decode tiles."""
 
+import os
+
 import pytest
 import triton
 from triton.backends.compiler import GPUTarget
@@ -15,7 +17,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
-             floats: tuple[str, ...] = (), aligned_ints: tuple[str, ...] = ()):
+             floats: tuple[str, ...] = (), aligned_ints: tuple[str, ...] = (),
+             options: dict | None = None):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -28,7 +31,8 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
             # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
             # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER)
+    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER,
+                              options=options)
     assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin"
     return compiled
 
@@ -146,3 +150,51 @@ def test_silu_and_mul_compiles(pairs):
     from kernels.activation import _silu_and_mul_kernel
 
     _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.1-8b"])
+@pytest.mark.parametrize("phase", [None, 1])
+def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
+    """The one-launch layer as the engine launches it on an H200 (barriers, PDL, L2
+    prefetch), and one interpreter-style phase: it must keep one program an SM resident
+    (the grid barrier needs every program resident) without spilling registers."""
+    from kernels import decode_layer as dl
+
+    hq, hk, h, inter, group_p = (16, 8, 1024, 3072, 2) if shape == "qwen3-0.6b" else (
+        32, 8, 4096, 14336, 4)
+    blocks = {}
+    for name, k, rows in (("QKV", h, 1), ("O", hq * 128, 1), ("GU", h, 2), ("D", inter, 1)):
+        blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl._blocks(k, rows)
+    run = {f"RUN_{c}": phase is None or i == phase for i, c in enumerate("ABCDE")}
+    const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
+                 SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=64 // group_p, Q_NORM=shape[0] == "q",
+                 K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
+                 SYNC=phase is None, PREFETCH=phase is None, ESZ=2, USE_PDL=phase is None)
+    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr")}
+    ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
+                pos_ptr="*i64", slot_ptr="*i64")
+    compiled = _compile(dl._decode_layer_kernel, const, ptrs,
+                        floats=("eps", "qk_eps", "scale_log2"), aligned_ints=("H", "N_QKV", "INTER"),
+                        options=dict(num_warps=dl.NUM_WARPS, num_stages=1))
+    regs, spills = _resource_usage(compiled.asm["cubin"])
+    assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, spill stores in bytes) of a compiled kernel, read from its cubin
+    by the bundled ``cuobjdump --dump-resource-usage`` (no device needed)."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.cubin"
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                             text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    spills = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, spills
