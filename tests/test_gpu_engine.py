@@ -108,19 +108,21 @@ def _prompts():
 
 
 @cuda
-@pytest.mark.parametrize("eager,dtype,max_seqs", [
-    (True, "bfloat16", 16), (False, "bfloat16", 16), (False, "float32", 16),
-    (False, "bfloat16", 1),  # every decode step at batch 1: the persistent GEMV entries
-    (False, "bfloat16", -1),  # the same with the one-launch MLP block (SYNCLESS_FUSED_MLP=1)
+@pytest.mark.parametrize("eager,dtype,max_seqs,switch", [
+    (True, "bfloat16", 16, None), (False, "bfloat16", 16, None), (False, "float32", 16, None),
+    (False, "bfloat16", 1, None),  # every decode step at batch 1: the persistent GEMV entries
+    (False, "bfloat16", 1, "SYNCLESS_FUSED_MLP"),  # the same with the one-launch MLP block
+    (False, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... with the one-launch layer
+    (True, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... eager: PDL chains of it
 ], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1",
-        "bf16-cuda-graphs-batch1-fused-mlp"])
-def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs,
+        "bf16-cuda-graphs-batch1-fused-mlp", "bf16-cuda-graphs-batch1-decode-layer",
+        "bf16-eager-batch1-decode-layer"])
+def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs, switch,
                                          monkeypatch):
     from cluster import LLM, SamplingParams
 
-    if max_seqs < 0:  # forwarded to the worker actors (kernels.switches)
-        monkeypatch.setenv("SYNCLESS_FUSED_MLP", "1")
-        max_seqs = -max_seqs
+    if switch:  # forwarded to the worker actors (kernels.switches)
+        monkeypatch.setenv(switch, "1")
     prompts = _prompts()
     expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
     llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,

@@ -1,0 +1,159 @@
+"""The one-launch decoder layer (``kernels.decode_layer``) on CUDA (``-m gpu``), at the
+Qwen3-0.6B and Llama-3.1-8B layer shapes.
+
+* One launch (grid barriers, PDL) equals the same kernel run one launch a phase, bit for bit:
+  the programs do the same work in the same order, so any barrier that lets a phase read
+  data before every program has stored it shows up as a difference.
+* Both are within bf16 noise of the float64 reference; the new K/V land in their slots.
+* A chain of layers, eager with PDL and captured in a CUDA graph replayed at other lengths,
+  equals the phased chain; the counters end every launch re-armed (all zero).
+
+Every call runs under ``torch.cuda.set_sync_debug_mode("error")``."""
+
+import pytest
+import torch
+
+from tests.test_kernels_gpu import no_sync
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SHAPES = {  # hq, hk, head_dim, hidden, intermediate, q/k norm
+    "qwen3-0.6b": (16, 8, 128, 1024, 3072, True),
+    "llama-3.1-8b": (32, 8, 128, 4096, 14336, False),
+}
+BOUND, BS = 4096, 16
+CHAIN_LENS = (300, 1, 2049, 4096)  # captured at the first, replayed at all
+
+
+def _weights(shape, seed):
+    from kernels.decode_layer import LayerWeights
+
+    hq, hk, d, h, inter, qk = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    gamma = lambda n: (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)  # noqa: E731
+    return LayerWeights(gamma(h), rnd((hq + 2 * hk) * d, h, scale=h ** -0.5),
+                        rnd(h, hq * d, scale=(hq * d) ** -0.5), gamma(h),
+                        rnd(2 * inter, h, scale=h ** -0.5), rnd(h, inter, scale=inter ** -0.5),
+                        1e-6, hq, hk, d, True, gamma(d) if qk else None,
+                        gamma(d) if qk else None, 1e-6)
+
+
+def _step(seq_len, hk, d, n_layers, seed):
+    """Step inputs for one token at ``seq_len`` and ``n_layers`` random KV caches."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_blocks = BOUND // BS + 4
+    caches = [(torch.randn(n_blocks, BS, hk, d, device="cuda", generator=g).to(torch.bfloat16),
+               torch.randn(n_blocks, BS, hk, d, device="cuda", generator=g).to(torch.bfloat16))
+              for _ in range(n_layers)]
+    table = torch.randperm(n_blocks, device="cuda", generator=g)[: BOUND // BS]
+    table = table.to(torch.int32)[None, :].contiguous()
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    ang = torch.arange(BOUND, device="cuda").float()[:, None] * inv[None, :]
+    step = dict(cos_sin_cache=torch.cat([ang.cos(), ang.sin()], -1), block_table=table,
+                positions=torch.zeros(1, dtype=torch.int64, device="cuda"),
+                slot_mapping=torch.zeros(1, dtype=torch.int64, device="cuda"),
+                seq_lens=torch.zeros(1, dtype=torch.int32, device="cuda"),
+                max_seq_len_upper_bound=BOUND, scale=d ** -0.5)
+    _set_len(step, seq_len)
+    return step, caches
+
+
+def _set_len(step, seq_len):
+    """In place (graph inputs): the token sits at ``seq_len - 1``."""
+    pos = seq_len - 1
+    page = step["block_table"][0, pos // BS].to(torch.int64)
+    step["positions"].fill_(pos)
+    step["slot_mapping"].copy_((page * BS + pos % BS).view(1))
+    step["seq_lens"].fill_(seq_len)
+
+
+def _chain(layers, x, res, step, caches, phased):
+    from kernels.decode_layer import decode_layer_triton
+
+    for w, (kc, vc) in zip(layers, caches):
+        got = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=phased, **step)
+        assert got is not None
+        x, res = got
+    return x, res
+
+
+def _counters_zero():
+    from kernels import grid_sync
+
+    return all(int(b.abs().sum()) == 0 for b in grid_sync._COUNTERS.values())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("seq_len", [1, 17, 519, 4000])
+def test_one_launch_equals_phased_and_reference(shape, seq_len, monkeypatch):
+    from kernels.decode_layer import decode_layer_triton
+    from kernels.reference import decode_layer_reference
+
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    w = _weights(shape, seed=seq_len)
+    hq, hk, d, h = w.num_heads, w.num_kv_heads, w.head_dim, w.qkv.shape[1]
+    step, caches = _step(seq_len, hk, d, 1, seed=seq_len + 1)
+    kc, vc = caches[0]
+    kc2, vc2, kc64, vc64 = kc.clone(), vc.clone(), kc.double(), vc.double()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    with no_sync():
+        one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, **step)
+        phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True, **step)
+    torch.cuda.synchronize()
+    assert torch.equal(one[0], phased[0]) and torch.equal(one[1], phased[1])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert _counters_zero()
+
+    w64 = w._replace(**{f: getattr(w, f).double() for f in
+                        ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+                        + (("q_norm", "k_norm") if w.q_norm is not None else ())})
+    step64 = dict(step, cos_sin_cache=step["cos_sin_cache"].double())
+    out64, r64 = decode_layer_reference(x.double(), res.double(), w64, k_cache=kc64,
+                                        v_cache=vc64, **step64)
+    for got, want in ((one[1], r64), (one[0], out64)):
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        assert err < 3e-2, (shape, seq_len, err)
+    slot = int(step["slot_mapping"])  # the new K/V (rounded once to bf16) in their slot
+    k_new = kc.view(-1, hk, d)[slot].double()
+    assert float((k_new - kc64.view(-1, hk, d)[slot]).abs().max()) < 5e-2
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_layer_chain_with_pdl_and_graph_replays(graph, monkeypatch):
+    """Four layers back to back under PDL (each waits for the one before, prefetching its
+    QKV rows while that one finishes); in a CUDA graph replayed at three other lengths."""
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    layers = [_weights("qwen3-0.6b", seed=100 + i) for i in range(4)]
+    hk, d, h = layers[0].num_kv_heads, layers[0].head_dim, layers[0].qkv.shape[1]
+    step, caches = _step(CHAIN_LENS[0], hk, d, 4, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    with no_sync():
+        if graph:
+            _chain(layers, x, res, step, [(k.clone(), v.clone()) for k, v in caches], False)
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
+                out = _chain(layers, x, res, step, caches, False)
+    for seq_len in CHAIN_LENS if graph else CHAIN_LENS[:1]:
+        _set_len(step, seq_len)
+        mirror = [(k.clone(), v.clone()) for k, v in caches]
+        with no_sync():
+            if graph:
+                cg.replay()
+            else:
+                out = _chain(layers, x, res, step, caches, False)
+            want = _chain(layers, x, res, step, mirror, True)
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seq_len
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(caches, mirror)), seq_len
+        assert _counters_zero()
