@@ -16,7 +16,9 @@ current one runs, so HBM keeps streaming across the phase boundaries:
   D  ``act = silu_and_mul(rms_norm(r2) @ Wgu^T)``
   E  ``out = act @ Wd^T``; the layer returns ``(out, r2)`` as the multi-launch path does.
 
-The grid never exceeds what is resident at once (one program an SM), which a grid barrier
+The last two phases also prefetch the next layer's QKV rows (``next_qkv``): its launch
+cannot start early enough to do that itself, since a program of this kernel fills an SM's
+registers. The grid never exceeds what is resident at once (one program an SM), which a grid barrier
 needs. With PDL the kernel prefetches its QKV rows before ``gdc_wait`` and releases the
 next launch before its last phase (as ``kernels.mlp_block``: a dependent that launches
 earlier would sit on SM slots and prefetch into L2 while three phases still need it). The interpreter (and ``phased=True``) runs each phase as its own launch with
@@ -44,9 +46,35 @@ from kernels.pdl import release_only, wait_only
 LOG2E = 1.4426950408889634
 N_BARRIERS = 4  # counters 0..3: after phases A, B, C, D; 4: the exit count; 5..: KV heads
 _NB = tl.constexpr(N_BARRIERS)  # the same, for the kernel
-TILE_ELEMS = 8192  # weight elements a program loads a step (16 KB at 16 bits)
-NUM_WARPS = 8
 MAX_SPLITS = 32
+# Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
+# weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to
+# 1024 columns, each phase's rows prefetched into L2 a phase ahead, the next layer's QKV
+# rows during the last two phases, attention tiles of 64 rows (GQA group x keys).
+DEFAULT_CONFIG = dict(num_warps=8, tile=8192, block_k=1024, prefetch=1, prefetch_next=1,
+                      att_rows=64)
+NUM_WARPS = DEFAULT_CONFIG["num_warps"]
+CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
+
+
+def config_from_env() -> dict:
+    """``DEFAULT_CONFIG`` updated by ``SYNCLESS_DECODE_LAYER_CONFIG`` (``key=value,...``,
+    an A/B knob for benchmarks): ``num_warps`` 4|8|16, ``tile``/``block_k``/``att_rows``
+    powers of two, ``prefetch``/``prefetch_next`` 0|1. Anything else raises ``ValueError``."""
+    cfg = dict(DEFAULT_CONFIG)
+    raw = os.environ.get(CONFIG_ENV, "").strip()
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, _, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if key not in cfg or not val.isdigit():
+            raise ValueError(f"{CONFIG_ENV}: bad item {item!r}; expected key=integer with key "
+                             f"in {sorted(cfg)}")
+        cfg[key] = int(val)
+    pow2 = all(cfg[k] >= 16 and cfg[k] & (cfg[k] - 1) == 0 for k in ("tile", "block_k", "att_rows"))
+    if (cfg["num_warps"] not in (4, 8, 16) or not pow2 or cfg["tile"] < cfg["block_k"]
+            or cfg["prefetch"] not in (0, 1) or cfg["prefetch_next"] not in (0, 1)):
+        raise ValueError(f"{CONFIG_ENV}: invalid config {cfg}")
+    return cfg
 
 
 class LayerWeights(NamedTuple):
@@ -72,7 +100,7 @@ class LayerWeights(NamedTuple):
 
 @triton.jit(do_not_specialize=["kv_cap"])
 def _decode_layer_kernel(
-    x_ptr, res_ptr, ln1_ptr, wqkv_ptr, qkv_ptr, r1_ptr,
+    x_ptr, res_ptr, ln1_ptr, wqkv_ptr, wqkv_next_ptr, qkv_ptr, r1_ptr,
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
     wd_ptr, out_ptr, bar_ptr,
@@ -85,7 +113,8 @@ def _decode_layer_kernel(
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     RUN_A: tl.constexpr, RUN_B: tl.constexpr, RUN_C: tl.constexpr, RUN_D: tl.constexpr,
-    RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr, ESZ: tl.constexpr,
+    RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -116,6 +145,8 @@ def _decode_layer_kernel(
 
     if RUN_C:
         prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, PREFETCH)
+        # the next layer's QKV rows: that launch waits for this one before it can start
+        prefetch_rows(wqkv_next_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH_NEXT)
         ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
                          H, HD, 0, BN_O, BK_O, 1, False, False, False, True)
         tl.store(ss_ptr + pid, ss2)
@@ -136,11 +167,12 @@ def _decode_layer_kernel(
     rearm_counters(bar_ptr, _NB, P, _NB, SYNC)
 
 
-def _blocks(k: int, rows_per_out: int = 1) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for a GEMV over ``k`` columns: chunks of at most 1024 columns
-    (fewer for a short K), rows so a step loads ``TILE_ELEMS`` weights (per gate/up half)."""
-    block_k = min(1024, max(16, triton.next_power_of_2(k)))
-    return max(1, TILE_ELEMS // (block_k * rows_per_out)), block_k
+def _blocks(k: int, rows_per_out: int = 1, cfg: dict = DEFAULT_CONFIG) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a GEMV over ``k`` columns: chunks of at most ``block_k``
+    columns (fewer for a short K), rows so a step loads ``tile`` weights (both gate|up
+    halves together)."""
+    block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    return max(1, cfg["tile"] // (block_k * rows_per_out)), block_k
 
 
 def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | None:
@@ -164,16 +196,21 @@ def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | 
 
 def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, k_cache, v_cache,
                         slot_mapping, block_table, seq_lens, max_seq_len_upper_bound: int,
-                        scale: float, *, phased: bool | None = None, programs: int | None = None,
-                        splits: int | None = None, block_n: int | None = None):
+                        scale: float, *, next_qkv: torch.Tensor | None = None,
+                        phased: bool | None = None, programs: int | None = None,
+                        splits: int | None = None, block_n: int | None = None,
+                        config: dict | None = None):
     """``(out, new_residual)`` of one decoder layer for one token (request 0 of the step),
     as ``kernels.reference.decode_layer_reference``; writes the token's K/V to the cache.
-    ``residual`` None: the first layer (``x`` is the residual). ``phased``: one launch a
+    ``residual`` None: the first layer (``x`` is the residual). ``next_qkv``: the next
+    layer's QKV weight (same shape), prefetched into L2 during the last phases. ``config``:
+    ``DEFAULT_CONFIG`` overrides (default: ``config_from_env()``). ``phased``: one launch a
     phase (default: on the interpreter or without a counter buffer, which only happens
     inside a CUDA-graph capture before any eager run). ``programs``/``splits`` override the
     grid and the split count (tests). Returns None when ``supported`` refuses."""
     if supported(x, w, k_cache) is not None:
         return None
+    cfg = dict(config_from_env(), **(config or {}))
     dev, dt = x.device, x.dtype
     hq, hk, d = w.num_heads, w.num_kv_heads, w.head_dim
     h, n_qkv, inter = x.shape[1], w.qkv.shape[0], w.gate_up.shape[0] // 2
@@ -181,7 +218,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     p = programs or (pdl.sm_count(dev) if x.is_cuda else 4)
     group = hq // hk
     group_p = triton.next_power_of_2(group)
-    att_block_n = block_n or max(8, 64 // group_p)
+    att_block_n = block_n or max(8, cfg["att_rows"] // group_p)
     n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
                                     triton.cdiv(max_seq_len_upper_bound, att_block_n)))
     bars = grid_sync.counters(dev, N_BARRIERS + 1 + hk)
@@ -197,15 +234,19 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     lse = empty(n_splits, hq, dtype=torch.float32)
     ss = empty(p, dtype=torch.float32)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]), block_table.shape[1])
-    bn_qkv, bk_qkv = _blocks(h)
-    bn_o, bk_o = _blocks(hq * d)
-    bn_gu, bk_gu = _blocks(h, 2)
-    bn_d, bk_d = _blocks(inter)
-    prefetch = (not interpreted and pdl.rows_prefetchable(x, w.qkv, w.o, w.gate_up, w.down)
-                and all((m.shape[1] * m.element_size()) % 16 == 0
-                        for m in (w.qkv, w.o, w.gate_up, w.down)))
+    bn_qkv, bk_qkv = _blocks(h, 1, cfg)
+    bn_o, bk_o = _blocks(hq * d, 1, cfg)
+    bn_gu, bk_gu = _blocks(h, 2, cfg)
+    bn_d, bk_d = _blocks(inter, 1, cfg)
+    mats = (w.qkv, w.o, w.gate_up, w.down)
+    prefetch = bool(cfg["prefetch"]) and not interpreted and pdl.rows_prefetchable(x, *mats) \
+        and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
+    nxt_ok = (next_qkv is not None and next_qkv.shape == w.qkv.shape and next_qkv.is_contiguous()
+              and next_qkv.dtype == dt)
+    prefetch_next = prefetch and bool(cfg["prefetch_next"]) and nxt_ok \
+        and pdl.rows_prefetchable(x, next_qkv)
     args = (
-        x, res, w.input_norm, w.qkv, qkv, r1,
+        x, res, w.input_norm, w.qkv, next_qkv if prefetch_next else w.qkv, qkv, r1,
         k_cache, v_cache, block_table, seq_lens, positions, slot_mapping, cos_sin_cache,
         w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
         part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars,
@@ -220,8 +261,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         Q_NORM=w.q_norm is not None, K_NORM=w.k_norm is not None, HAS_RES=residual is not None,
         GU_ROW_MUL=2 if w.gate_up_pairs else 1, SS_P=triton.next_power_of_2(p),
         BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,
-        BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, ESZ=x.element_size(), num_warps=NUM_WARPS,
-        num_stages=1,
+        BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, PREFETCH_NEXT=prefetch_next,
+        ESZ=x.element_size(), num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:
         for i in range(5):

@@ -287,15 +287,16 @@ def decode_layer_enabled() -> bool:
 
 
 def decode_layer(x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                 block_table, seq_lens, max_seq_len_upper_bound: int, scale: float):
+                 block_table, seq_lens, max_seq_len_upper_bound: int, scale: float,
+                 next_qkv=None):
     """One decoder layer for one token -> ``(out, new_residual)``: on CUDA one launch
-    (``kernels.decode_layer``), elsewhere its plain-torch reference. None where the kernel
-    cannot take the inputs (``kernels.decode_layer.supported``): the caller runs the layer
-    op by op."""
+    (``kernels.decode_layer``; ``next_qkv``, the next layer's QKV weight, is prefetched into
+    L2), elsewhere its plain-torch reference. None where the kernel cannot take the inputs
+    (``kernels.decode_layer.supported``): the caller runs the layer op by op."""
     args = (x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
             block_table, seq_lens, max_seq_len_upper_bound, scale)
     if _use_triton(x):
         from kernels.decode_layer import decode_layer_triton
 
-        return decode_layer_triton(*args)
+        return decode_layer_triton(*args, next_qkv=next_qkv)
     return reference.decode_layer_reference(*args)

@@ -23,6 +23,7 @@ KERNEL_SWITCHES = (
     "SYNCLESS_ATTN_RELEASE",    # A/B: decode attention releases the next kernel early | late
     "SYNCLESS_DECODE_ATTN_STAGES",  # A/B: one-token decode attention pipelining depth
     "SYNCLESS_DECODE_LAYER",    # batch 1: a whole decoder layer in one launch (kernels.decode_layer)
+    "SYNCLESS_DECODE_LAYER_CONFIG",  # A/B: that kernel's config (kernels.decode_layer)
 )
 
 
@@ -31,11 +32,12 @@ def kernel_env_vars() -> dict[str, str]:
     the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL,
     norm-handoff, decode-layer or TP all-reduce switch raises ``ValueError`` here, at
     start-up, rather than at a kernel launch mid-serving."""
-    from kernels import norm_handoff, ops, pdl
+    from kernels import decode_layer, norm_handoff, ops, pdl
     from workers import symm_all_reduce
 
     pdl.validate_switches()
     norm_handoff.enabled()
     ops.decode_layer_enabled()
+    decode_layer.config_from_env()
     symm_all_reduce.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

@@ -74,3 +74,13 @@ def test_malformed_handoff_and_attention_switches_fail_at_start_up(monkeypatch):
         with pytest.raises(ValueError, match=msg):
             kernel_env_vars()
         monkeypatch.delenv(name)
+
+
+def test_malformed_decode_layer_config_fails_at_start_up(monkeypatch):
+    for name in KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SYNCLESS_DECODE_LAYER_CONFIG", "num_warps=8,tile=4096")
+    assert kernel_env_vars() == {"SYNCLESS_DECODE_LAYER_CONFIG": "num_warps=8,tile=4096"}
+    monkeypatch.setenv("SYNCLESS_DECODE_LAYER_CONFIG", "num_warps=5")  # even with the layer off
+    with pytest.raises(ValueError, match="SYNCLESS_DECODE_LAYER_CONFIG"):
+        kernel_env_vars()

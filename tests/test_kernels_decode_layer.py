@@ -84,6 +84,26 @@ def test_first_layer_and_both_gate_up_layouts(pairs, programs):
     torch.testing.assert_close(out, out_e, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("config", [dict(block_k=16, tile=64), dict(block_k=32, tile=32, att_rows=16)])
+def test_weight_streams_of_several_k_chunks(config):
+    """Configs whose GEMVs walk several K chunks a row block (K 48 = 3 x 16; 40 = 16 + 16 +
+    a masked 8), one row a block, and narrow attention tiles."""
+    case, w = _case(8, 2, 16, 48, 40, torch.float32, 29, qk_norm=True, pairs=True,
+                    first=False, seed=11)
+    (out, r2), (out_e, r2_e), _ = _run_both(case, w, programs=3, config=config)
+    torch.testing.assert_close(r2, r2_e, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, out_e, atol=1e-4, rtol=1e-4)
+
+
+def test_config_switch_is_parsed_strictly(monkeypatch):
+    monkeypatch.setenv(dl.CONFIG_ENV, "num_warps=4, tile=4096")
+    assert dl.config_from_env() == dict(dl.DEFAULT_CONFIG, num_warps=4, tile=4096)
+    for bad in ("warps=4", "tile=1000", "num_warps=3", "prefetch=2", "tile=x", "block_k=2048,tile=1024"):
+        monkeypatch.setenv(dl.CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match=dl.CONFIG_ENV):
+            dl.config_from_env()
+
+
 def test_counters_are_rearmed_for_the_next_launch():
     """The per-KV-head merge counters end every launch at zero, so a second layer (or graph
     replay) merges again; two launches give the same result."""

@@ -132,7 +132,9 @@ class DecoderLayer(nn.Module):
         if self.one_launch_applies(h, meta):
             done = ops.decode_layer(h, residual, self.layer_weights(), positions, cos_sin, *kv,
                                     meta.slot_mapping, meta.block_table, meta.seq_lens,
-                                    meta.max_seq_len_upper_bound, attn.scale)
+                                    meta.max_seq_len_upper_bound, attn.scale,
+                                    next_layer.self_attn.qkv_proj.weight
+                                    if next_layer is not None else None)
             if done is not None:
                 return done
         if isinstance(h, PreNormed):
@@ -200,8 +202,6 @@ class LlamaForCausalLM(nn.Module):
             h = self.embed_tokens(input_ids)
             residual = None
             nxt = list(self.layers[1:]) + [None]
-            if input_ids.shape[0] == 1 and ops.decode_layer_enabled():
-                nxt = [None] * len(nxt)  # no norm handoff into a one-launch layer
             for layer, kv, next_layer in zip(self.layers, kv_caches, nxt):
                 h, residual = layer(h, residual, positions, meta, kv, self.cos_sin, next_layer)
             h, _ = self.norm(h, residual)
