@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|attention|attention-sweep|probe|rope-attention]
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|decode-layer|attention|attention-sweep|probe|rope-attention]
     python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
@@ -288,8 +288,8 @@ def tune(path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "attention", "attention-sweep", "probe",
-                            "rope-attention"),
+    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "decode-layer", "attention",
+                                      "attention-sweep", "probe", "rope-attention"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
                    help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
@@ -319,6 +319,10 @@ def main(argv=None):
         res["mlp_block"] = bench_mlp_block()
         if a.tuning_out:
             write_mlp_tuning(res["mlp_block"], a.tuning_out)
+    if a.only == "decode-layer":
+        from kernels.bench_decode_layer import bench_decode_layer
+
+        res["decode_layer"] = bench_decode_layer()
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
     if a.only == "probe":
