@@ -103,7 +103,7 @@ def _decode_layer_kernel(
     x_ptr, res_ptr, ln1_ptr, wqkv_ptr, wqkv_next_ptr, qkv_ptr, r1_ptr,
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
-    wd_ptr, out_ptr, bar_ptr,
+    wd_ptr, out_ptr, bar_ptr, err_ptr,
     H, N_QKV, INTER, gu_up_off, kv_cap, eps, qk_eps, scale_log2, stride_cs,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
@@ -130,7 +130,7 @@ def _decode_layer_kernel(
         rstd1 = tl.rsqrt(ss1 / H + eps)
         gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
                    0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False)
-    grid_barrier(bar_ptr + 0, P, SYNC)
+    grid_barrier(bar_ptr + 0, P, err_ptr, SYNC)
 
     if RUN_B:
         prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
@@ -141,7 +141,7 @@ def _decode_layer_kernel(
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                         HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
                         ATT_BLOCK_N, Q_NORM, K_NORM)
-    grid_barrier(bar_ptr + 1, P, SYNC)
+    grid_barrier(bar_ptr + 1, P, err_ptr, SYNC)
 
     if RUN_C:
         prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, PREFETCH)
@@ -150,7 +150,7 @@ def _decode_layer_kernel(
         ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
                          H, HD, 0, BN_O, BK_O, 1, False, False, False, True)
         tl.store(ss_ptr + pid, ss2)
-    grid_barrier(bar_ptr + 2, P, SYNC)
+    grid_barrier(bar_ptr + 2, P, err_ptr, SYNC)
 
     if RUN_D:
         offs_p = tl.arange(0, SS_P)
@@ -158,7 +158,7 @@ def _decode_layer_kernel(
         rstd2 = tl.rsqrt(tl.sum(ss_all, 0) / H + eps)
         gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
                    gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False)
-    grid_barrier(bar_ptr + 3, P, SYNC)
+    grid_barrier(bar_ptr + 3, P, err_ptr, SYNC)
     release_only(USE_PDL)  # the next launch prefetches its QKV rows during our last phase
 
     if RUN_E:
@@ -249,7 +249,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         x, res, w.input_norm, w.qkv, next_qkv if prefetch_next else w.qkv, qkv, r1,
         k_cache, v_cache, block_table, seq_lens, positions, slot_mapping, cos_sin_cache,
         w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
-        part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars,
+        part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars[1:],
+        bars[grid_sync.ERROR_INDEX:],
         h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1],
         float(w.eps), float(w.qk_eps), float(scale) * LOG2E, cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -28,16 +28,28 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # kept alive: a captured graph may still use an old buffer
 
 
+MAX_SPINS = tl.constexpr(1 << 20)  # polls (~1 s) before a barrier gives up: never legitimate
+
+
 @triton.jit
-def grid_barrier(bar_ptr, target, ENABLED: tl.constexpr):
+def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr):
     """Arrive at counter ``bar_ptr`` and leave once it reaches ``target`` (``P`` for a fresh
     counter; ``k * P`` at the k-th use of one counter): every program's earlier stores are
-    then visible (read them with ``.cg`` loads)."""
+    then visible (read them with ``.cg`` loads).
+
+    A watchdog: a program that polls ``MAX_SPINS`` times in vain (some program never
+    arrived: more programs than the device holds at once) adds 1 to ``err_ptr`` and goes
+    on, so the launch ends with wrong results and a sticky error count
+    (``barrier_timeouts``) instead of hanging the device."""
     if ENABLED:
         tl.debug_barrier()  # every thread's stores precede the release below
         seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        while seen < target:
+        spins = 0
+        while (seen < target) & (spins < MAX_SPINS):
             seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_add(err_ptr, 1)
         tl.debug_barrier()
 
 
@@ -54,19 +66,32 @@ def rearm_counters(bar_ptr, exit_idx, P, N_COUNTERS: tl.constexpr, ENABLED: tl.c
             tl.atomic_xchg(bar_ptr + exit_idx, 0)
 
 
+ERROR_INDEX = 0  # counter buffers from ``counters``: entry 0 counts barrier timeouts (sticky)
+
+
+def barrier_timeouts(device: torch.device) -> int:
+    """Barrier timeouts on ``device`` so far (``counters``' error entry; synchronises: for
+    tests and health checks, never the hot path)."""
+    key = (device.type, device.index if device.index is not None else -1)
+    buf = _COUNTERS.get(key)
+    return 0 if buf is None else int(buf[ERROR_INDEX])
+
+
 def counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 counter buffer of at least ``n`` entries for ``device``, kept across
-    launches (the kernels re-arm it), or None while a CUDA graph is being captured and no
+    """A zeroed int32 counter buffer for ``device``: entry ``ERROR_INDEX`` (0) counts barrier
+    timeouts, entries ``1 .. n`` are the caller's; kept across launches (the kernels re-arm
+    their counters) and shared by every caller on the device (one launch at a time, on one
+    stream). None while a CUDA graph is being captured and no
     big enough buffer exists yet (allocating then would tie it to the graph's pool): the
     caller then takes its multi-launch path."""
     key = (device.type, device.index if device.index is not None else -1)
     buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
+    if buf is not None and buf.numel() >= n + 1:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     if buf is not None:
         _RETIRED.append(buf)
-    buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    buf = torch.zeros(max(n + 1, 64), dtype=torch.int32, device=device)
     _COUNTERS[key] = buf
     return buf

@@ -188,7 +188,7 @@ def _mlp_block_kernel(
            0, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
     w1a, w1b = _first_tiles(wgu_ptr, stride_wgu, 2 * I, H, pid, P, BLOCK_N, BLOCK_K, DEPTH,
                               USE_DOT, PRE_L2)
-    grid_barrier(bar_ptr, P, True)
+    grid_barrier(bar_ptr, P, bar_ptr + 2, True)
 
     # phase 2: s = o + residual, rstd, gu = norm(s) @ Wgu^T ([2I], K = H)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -207,7 +207,7 @@ def _mlp_block_kernel(
            P, 1, BLOCK_N, BLOCK_K, DEPTH, USE_DOT, IEEE, UPCAST)
     w2a, w2b = _first_tiles(wd_ptr, stride_wd, H, I, pid, P, BLOCK_N, BLOCK_K, DEPTH,
                               USE_DOT, PRE_L2)
-    grid_barrier(bar_ptr, 2 * P, True)
+    grid_barrier(bar_ptr, 2 * P, bar_ptr + 2, True)
     _release(USE_PDL)  # every program is resident now: a dependent may take free slots
 
     # phase 3: h = (silu(gate) * up) @ Wd^T ([H], K = I)
@@ -243,14 +243,15 @@ def select_config(h: int, a: int, inter: int) -> dict | None:
 
 
 def _barrier(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed [arrivals, exits] counter pair, or None while capturing a CUDA
-    graph before it exists (allocating then would tie it to the graph's pool)."""
+    """The device's zeroed [arrivals, exits, barrier timeouts (sticky)] counters, or None
+    while capturing a CUDA graph before they exist (allocating then would tie them to the
+    graph's pool)."""
     key = (device.type, device.index if device.index is not None else -1)
     buf = _BARRIERS.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _BARRIERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        buf = _BARRIERS[key] = torch.zeros(3, dtype=torch.int32, device=device)
     return buf
 
 

@@ -157,3 +157,22 @@ def test_layer_chain_with_pdl_and_graph_replays(graph, monkeypatch):
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seq_len
         assert all(torch.equal(a[0], b[0]) for a, b in zip(caches, mirror)), seq_len
         assert _counters_zero()
+
+
+def test_a_grid_too_big_to_be_resident_trips_the_watchdog_instead_of_hanging():
+    """Eight programs an SM cannot all be resident: the first wave's barriers never fill.
+    Each gives up after its spin budget, counts a timeout and goes on, so the launch ends."""
+    from kernels import grid_sync, pdl
+    from kernels.decode_layer import decode_layer_triton
+
+    w = _weights("qwen3-0.6b", seed=1)
+    step, caches = _step(64, w.num_kv_heads, w.head_dim, 1, seed=2)
+    x = torch.randn(1, w.qkv.shape[1], device="cuda").to(torch.bfloat16)
+    dev = x.device
+    before = grid_sync.barrier_timeouts(dev)
+    got = decode_layer_triton(x, x, w, k_cache=caches[0][0], v_cache=caches[0][1], phased=False,
+                              programs=8 * pdl.sm_count(dev), **step)
+    torch.cuda.synchronize()
+    assert got is not None and grid_sync.barrier_timeouts(dev) > before
+    for buf in grid_sync._COUNTERS.values():
+        buf.zero_()  # the counters of a broken launch are not trusted

@@ -182,7 +182,7 @@ def test_mlp_block_matches_fp64(h, a, inter, cfg):
         assert rel_err(out, exp) < 1e-2
         assert rel_err(new_res, exp_res) < 4e-3
         torch.cuda.synchronize()
-        assert _BARRIERS[("cuda", args[0].device.index)].tolist() == [0, 0]  # re-armed
+        assert _BARRIERS[("cuda", args[0].device.index)].tolist() == [0, 0, 0]  # re-armed
 
 
 @pytest.mark.parametrize("pdl_on", ["0", "1"])
