@@ -160,8 +160,9 @@ def test_layer_chain_with_pdl_and_graph_replays(graph, monkeypatch):
 
 
 def test_a_grid_too_big_to_be_resident_trips_the_watchdog_instead_of_hanging():
-    """Two programs an SM (one fills its registers) cannot all be resident: the first wave's barriers never fill.
-    Each gives up after its spin budget, counts a timeout and goes on, so the launch ends."""
+    """Two programs an SM cannot all be resident (one fills an SM's registers): the first
+    wave's barriers never fill. Each gives up after its spin budget, counts a timeout and
+    goes on, so the launch ends (about 4 s)."""
     from kernels import grid_sync, pdl
     from kernels.decode_layer import decode_layer_triton
 
