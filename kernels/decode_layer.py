@@ -39,8 +39,10 @@ import triton
 import triton.language as tl
 
 from kernels import grid_sync, pdl
-from kernels.decode_layer_phases import attention_phase, gemv_phase, prefetch_rows, sum_squares
+from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_rows,
+                                         sum_squares)
 from kernels.grid_sync import grid_barrier, rearm_counters
+from kernels.paged_attention import row_lines
 from kernels.pdl import release_only, wait_only
 
 LOG2E = 1.4426950408889634
@@ -114,14 +116,18 @@ def _decode_layer_kernel(
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     RUN_A: tl.constexpr, RUN_B: tl.constexpr, RUN_C: tl.constexpr, RUN_D: tl.constexpr,
     RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr, KV_SPAN: tl.constexpr,
+    LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     HD: tl.constexpr = HQ * HEAD_DIM
-    if RUN_A:  # weights are never written by a kernel of the step: before the PDL wait
+    if RUN_A:  # weights, cached keys, lengths: none written by the kernel before: before the wait
         prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH)
+        prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, stride_kb, stride_kt,
+                    stride_kh, stride_vb, stride_vt, stride_vh, HK, HEAD_DIM, KV_BLOCK_SIZE,
+                    SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES, PREFETCH)
     wait_only(USE_PDL)
 
     if RUN_A:
@@ -263,7 +269,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         GU_ROW_MUL=2 if w.gate_up_pairs else 1, SS_P=triton.next_power_of_2(p),
         BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,
         BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, PREFETCH_NEXT=prefetch_next,
-        ESZ=x.element_size(), num_warps=cfg["num_warps"], num_stages=1,
+        ESZ=x.element_size(), KV_SPAN=256, **row_lines(d, k_cache.element_size()),
+        num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:
         for i in range(5):

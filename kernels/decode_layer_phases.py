@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.pdl import prefetch_l2
+from kernels.pdl import prefetch_l2, prefetch_lines_l2
 from kernels.rope_inline import rope_cos_sin, rope_rows
 
 
@@ -58,6 +58,18 @@ def sum_squares(x_ptr, r_ptr, s_out_ptr, pid, K, HAS_RES: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _activation(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.constexpr, DT):
+    """The GEMV's input chunk at ``k0``: ``((x [+ r]) -> dtype [* g]) -> dtype``, float32."""
+    a = x
+    if HAS_RES:
+        a = (x.to(tl.float32) + r.to(tl.float32)).to(DT)
+    if NORM:
+        g = tl.load(g_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        a = (a.to(tl.float32) * g).to(DT)
+    return a.to(tl.float32)
+
+
+@triton.jit
 def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, K, up_off,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MUL: tl.constexpr,
                HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
@@ -66,7 +78,11 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
     rounded to the dtype. ``ACT``: ``silu(gate) * up`` with gate row ``j * ROW_MUL`` and up
     row ``j * ROW_MUL + up_off``. ``EPI_RES``: stores ``(y + rin) -> dtype`` instead and
     returns the sum of its squares over this program's rows (the next norm's partial).
-    The next weight tile is always in flight while this one is multiplied."""
+
+    Nothing waits on a load issued in the same step: the next step's weight tile (and
+    input chunk) are loaded while this one is multiplied, and an input that fits one chunk
+    (``K <= BLOCK_K``) is loaded once. (The input comes from L2, ``.cg``: loaded afresh
+    each step it would put an L2 round trip on every step's critical path.)"""
     DT = w_ptr.dtype.element_ty
     offs_r = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -80,6 +96,11 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
     wu_nxt = w_nxt
     if ACT:
         wu_nxt = tl.load(w_row + up_off * K, mask=w_ok, other=0.0)
+    x_nxt = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg")
+    r_nxt = x_nxt
+    if HAS_RES:
+        r_nxt = tl.load(r_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg")
+    a_one = _activation(x_nxt, r_nxt, g_ptr, 0, offs_k, K, HAS_RES, NORM, DT)
     ss = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), 0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -97,16 +118,15 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
         w_nxt = tl.load(n_row, mask=n_ok, other=0.0)
         if ACT:
             wu_nxt = tl.load(n_row + up_off * K, mask=n_ok, other=0.0)
-
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
-        if HAS_RES:
-            a = (a.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok, other=0.0,
-                                            cache_modifier=".cg").to(tl.float32)).to(DT)
-        if NORM:
-            g = tl.load(g_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * g).to(DT)
-        af = a.to(tl.float32)[None, :]
+        if KT == 1:
+            af = a_one[None, :]
+        else:  # several chunks a row block: the next step's input chunk is in flight too
+            xc = x_nxt
+            rc = r_nxt
+            x_nxt = tl.load(x_ptr + nk, mask=nk < K, other=0.0, cache_modifier=".cg")
+            if HAS_RES:
+                r_nxt = tl.load(r_ptr + nk, mask=nk < K, other=0.0, cache_modifier=".cg")
+            af = _activation(xc, rc, g_ptr, k0, offs_k, K, HAS_RES, NORM, DT)[None, :]
         acc += w.to(tl.float32) * af
         if ACT:
             acc_u += wu.to(tl.float32) * af
@@ -134,6 +154,69 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
 
 
 @triton.jit
+def split_plan(seq_ptr, kv_cap, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How the attention splits request 0's keys: ``(ctx_len, kv_end, num_tiles, per_split,
+    used, cached_end)``. ``used`` splits of ``per_split`` tiles each (at most one split a
+    tile) cover the real length; keys ``[0, cached_end)`` are in the cache, the new one
+    (position ``ctx_len``) comes from this step's projection."""
+    seq_len = tl.load(seq_ptr)
+    ctx_len = tl.maximum(seq_len - 1, 0)  # keys before the new one
+    kv_end = tl.minimum(ctx_len + 1, kv_cap)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, SPLITS))
+    used = tl.cdiv(num_tiles, per_split)
+    return ctx_len, kv_end, num_tiles, per_split, used, tl.minimum(ctx_len, kv_end)
+
+
+@triton.jit
+def prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
+                LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, ENABLED: tl.constexpr):
+    """Every cached K/V row of this program's attention items into L2 (``SPAN`` keys a
+    round: one block-table load, then one line prefetch per row line). Those keys were
+    written by earlier steps and the lengths and block table before the step's first
+    layer, so this may run before the PDL wait; the attention's tile loads then hit L2
+    instead of each paying an HBM round trip."""
+    if ENABLED:
+        ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+            seq_ptr, kv_cap, SPLITS, BLOCK_N)
+        offs = tl.arange(0, SPAN)
+        offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS
+        for item in range(pid, HK * used, P):
+            kvh = item // used
+            lo = (item % used) * per_split * BLOCK_N
+            hi = tl.minimum(lo + per_split * BLOCK_N, cached_end)
+            for p0 in range(lo, hi, SPAN):
+                pos = p0 + offs
+                ok = pos < hi
+                page = tl.load(bt_ptr + pos // KV_BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+                in_page = pos % KV_BLOCK_SIZE
+                l_ok = ok[:, None] & (offs_l < HEAD_DIM)[None, :]
+                k_row = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+                prefetch_lines_l2(k_ptr + k_row[:, None] + offs_l[None, :], l_ok)
+                v_row = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+                prefetch_lines_l2(v_ptr + v_row[:, None] + offs_l[None, :], l_ok)
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, bt_ptr, t, tile_hi, cached_end, kvh, offs_n, offs_d,
+             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+             KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V of tile ``t`` (cached keys only; rows past them, or ``t >= tile_hi``, 0)."""
+    kv_pos = t * BLOCK_N + offs_n
+    kv_ok = kv_pos < tl.minimum(cached_end, tile_hi * BLOCK_N)
+    page = tl.load(bt_ptr + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    in_page = kv_pos % KV_BLOCK_SIZE
+    k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr,
                     qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr, cnt_ptr,
                     kv_cap, qk_eps, scale_log2, stride_cs,
@@ -151,13 +234,8 @@ def attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slo
     a short row uses fewer items and the rest of the programs skip the phase."""
     DT = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
-    seq_len = tl.load(seq_ptr)
-    ctx_len = tl.maximum(seq_len - 1, 0)  # keys before the new one
-    kv_end = tl.minimum(ctx_len + 1, kv_cap)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, SPLITS))
-    used = tl.cdiv(num_tiles, per_split)
-    cached_end = tl.minimum(ctx_len, kv_end)
+    ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+        seq_ptr, kv_cap, SPLITS, BLOCK_N)
     last_tile = (kv_end - 1) // BLOCK_N
     new_pos = tl.load(pos_ptr).to(tl.int64)
     new_slot = tl.load(slot_ptr).to(tl.int64)
@@ -182,15 +260,17 @@ def attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slo
         m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+        k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, tile_lo, tile_hi, cached_end, kvh, offs_n,
+                                offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                stride_vh, KV_BLOCK_SIZE, BLOCK_N)
         for t in range(tile_lo, tile_hi):
             kv_pos = t * BLOCK_N + offs_n
             kv_ok = kv_pos < cached_end
-            page = tl.load(bt_ptr + kv_pos // KV_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-            in_page = kv_pos % KV_BLOCK_SIZE
-            k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
-            k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-            v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+            k = k_nxt
+            v = v_nxt  # the next tile's loads in flight while this one is used
+            k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, t + 1, tile_hi, cached_end, kvh,
+                                    offs_n, offs_d, stride_kb, stride_kt, stride_kh, stride_vb,
+                                    stride_vt, stride_vh, KV_BLOCK_SIZE, BLOCK_N)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2
             s = tl.where(row_ok[:, None] & kv_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))

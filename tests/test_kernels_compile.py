@@ -170,7 +170,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
                  SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=64 // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
                  SYNC=phase is None, PREFETCH=phase is None, PREFETCH_NEXT=phase is None, ESZ=2,
-                 USE_PDL=phase is None)
+                 USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2)
     ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr")}
     ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
                 pos_ptr="*i64", slot_ptr="*i64")
