@@ -21,9 +21,9 @@ from kernels.bench_gemv import _with_env, _with_pdl
 SHAPE_NAMES = ("qwen3-0.6b", "llama-3.1-8b")
 CONTEXTS = (512, 4096)
 BLOCK = 16
-CONFIGS = [{}, dict(prefetch=0), dict(prefetch_next=0), dict(num_warps=4), dict(num_warps=16),
-           dict(tile=4096), dict(tile=16384), dict(block_k=512), dict(att_rows=32),
-           dict(att_rows=128)]
+# the default, without each prefetch, and bigger weight tiles (more bytes in flight an SM)
+CONFIGS = [{}, dict(prefetch=0), dict(prefetch_next=0), dict(num_warps=4), dict(tile=16384),
+           dict(tile=16384, num_warps=16), dict(tile=32768, num_warps=16)]
 
 
 def _layers(name: str, copies: int):
