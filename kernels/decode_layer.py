@@ -52,9 +52,10 @@ MAX_SPLITS = 32
 # Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
 # weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to
 # 1024 columns, each phase's rows prefetched into L2 a phase ahead, the next layer's QKV
-# rows during the last two phases, attention tiles of 64 rows (GQA group x keys).
+# rows during the last two phases, attention tiles of 64 rows (GQA group x keys), barriers
+# polled with acquire loads (``poll_load=0``: atomics, as the measured ``kernels.mlp_block``).
 DEFAULT_CONFIG = dict(num_warps=8, tile=8192, block_k=1024, prefetch=1, prefetch_next=1,
-                      att_rows=64)
+                      att_rows=64, poll_load=1)
 NUM_WARPS = DEFAULT_CONFIG["num_warps"]
 CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
 
@@ -62,7 +63,8 @@ CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
 def config_from_env() -> dict:
     """``DEFAULT_CONFIG`` updated by ``SYNCLESS_DECODE_LAYER_CONFIG`` (``key=value,...``,
     an A/B knob for benchmarks): ``num_warps`` 4|8|16, ``tile``/``block_k``/``att_rows``
-    powers of two, ``prefetch``/``prefetch_next`` 0|1. Anything else raises ``ValueError``."""
+    powers of two, ``prefetch``/``prefetch_next``/``poll_load`` 0|1. Anything else raises
+    ``ValueError``."""
     cfg = dict(DEFAULT_CONFIG)
     raw = os.environ.get(CONFIG_ENV, "").strip()
     for item in filter(None, (part.strip() for part in raw.split(","))):
@@ -74,7 +76,7 @@ def config_from_env() -> dict:
         cfg[key] = int(val)
     pow2 = all(cfg[k] >= 16 and cfg[k] & (cfg[k] - 1) == 0 for k in ("tile", "block_k", "att_rows"))
     if (cfg["num_warps"] not in (4, 8, 16) or not pow2 or cfg["tile"] < cfg["block_k"]
-            or cfg["prefetch"] not in (0, 1) or cfg["prefetch_next"] not in (0, 1)):
+            or any(cfg[k] not in (0, 1) for k in ("prefetch", "prefetch_next", "poll_load"))):
         raise ValueError(f"{CONFIG_ENV}: invalid config {cfg}")
     return cfg
 
@@ -117,7 +119,7 @@ def _decode_layer_kernel(
     RUN_A: tl.constexpr, RUN_B: tl.constexpr, RUN_C: tl.constexpr, RUN_D: tl.constexpr,
     RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr, KV_SPAN: tl.constexpr,
-    LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, POLL_LOAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -136,7 +138,7 @@ def _decode_layer_kernel(
         rstd1 = tl.rsqrt(ss1 / H + eps)
         gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
                    0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False)
-    grid_barrier(bar_ptr + 0, P, err_ptr, SYNC)
+    grid_barrier(bar_ptr + 0, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_B:
         prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
@@ -147,7 +149,7 @@ def _decode_layer_kernel(
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                         HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
                         ATT_BLOCK_N, Q_NORM, K_NORM)
-    grid_barrier(bar_ptr + 1, P, err_ptr, SYNC)
+    grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_C:
         prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, PREFETCH)
@@ -156,7 +158,7 @@ def _decode_layer_kernel(
         ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
                          H, HD, 0, BN_O, BK_O, 1, False, False, False, True)
         tl.store(ss_ptr + pid, ss2)
-    grid_barrier(bar_ptr + 2, P, err_ptr, SYNC)
+    grid_barrier(bar_ptr + 2, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_D:
         offs_p = tl.arange(0, SS_P)
@@ -164,7 +166,7 @@ def _decode_layer_kernel(
         rstd2 = tl.rsqrt(tl.sum(ss_all, 0) / H + eps)
         gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
                    gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False)
-    grid_barrier(bar_ptr + 3, P, err_ptr, SYNC)
+    grid_barrier(bar_ptr + 3, P, err_ptr, SYNC, POLL_LOAD)
     release_only(USE_PDL)  # the next launch prefetches its QKV rows during our last phase
 
     if RUN_E:
@@ -270,6 +272,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,
         BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, PREFETCH_NEXT=prefetch_next,
         ESZ=x.element_size(), KV_SPAN=256, **row_lines(d, k_cache.element_size()),
+        POLL_LOAD=bool(cfg["poll_load"]) and not interpreted,
         num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:

@@ -32,7 +32,16 @@ MAX_SPINS = tl.constexpr(1 << 20)  # polls (~1 s) before a barrier gives up: nev
 
 
 @triton.jit
-def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr):
+def load_acquire(ptr):
+    """``*ptr`` (int32) with acquire semantics at GPU scope (PTX ``ld.acquire.gpu``): a plain
+    load, so pollers do not queue in L2's atomic unit behind the arrivals they wait for."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr,
+                 POLL_LOAD: tl.constexpr = False):
     """Arrive at counter ``bar_ptr`` and leave once it reaches ``target`` (``P`` for a fresh
     counter; ``k * P`` at the k-th use of one counter): every program's earlier stores are
     then visible (read them with ``.cg`` loads).
@@ -40,13 +49,17 @@ def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr):
     A watchdog: a program that polls ``MAX_SPINS`` times in vain (some program never
     arrived: more programs than the device holds at once) adds 1 to ``err_ptr`` and goes
     on, so the launch ends with wrong results and a sticky error count
-    (``barrier_timeouts``) instead of hanging the device."""
+    (``barrier_timeouts``) instead of hanging the device. ``POLL_LOAD``: poll with acquire
+    loads (``load_acquire``) instead of atomic adds of 0."""
     if ENABLED:
         tl.debug_barrier()  # every thread's stores precede the release below
         seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
         spins = 0
         while (seen < target) & (spins < MAX_SPINS):
-            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+            if POLL_LOAD:
+                seen = load_acquire(bar_ptr)
+            else:
+                seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
             spins += 1
         if seen < target:
             tl.atomic_add(err_ptr, 1)

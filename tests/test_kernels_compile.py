@@ -170,13 +170,19 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
                  SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=64 // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
                  SYNC=phase is None, PREFETCH=phase is None, PREFETCH_NEXT=phase is None, ESZ=2,
-                 USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2)
+                 USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2,
+                 POLL_LOAD=phase is None)
     ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr")}
     ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
                 pos_ptr="*i64", slot_ptr="*i64")
     compiled = _compile(dl._decode_layer_kernel, const, ptrs,
                         floats=("eps", "qk_eps", "scale_log2"), aligned_ints=("H", "N_QKV", "INTER"),
                         options=dict(num_warps=dl.NUM_WARPS, num_stages=1))
+    ptx = compiled.asm["ptx"]
+    one_launch = phase is None  # barriers polled with acquire loads, L2 prefetches, PDL
+    for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "prefetch.global.L2",
+                   "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (needle in ptx) == one_launch, needle
     regs, spills = _resource_usage(compiled.asm["cubin"])
     assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
     assert compiled.metadata.shared <= 227 * 1024
