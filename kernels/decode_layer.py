@@ -31,6 +31,7 @@ family's decoder layer use it at batch 1 (tensor parallelism 1, no biases, 16-bi
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -108,7 +109,7 @@ def _decode_layer_kernel(
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
     wd_ptr, out_ptr, bar_ptr, err_ptr,
-    H, N_QKV, INTER, gu_up_off, kv_cap, eps, qk_eps, scale_log2, stride_cs,
+    H, N_QKV, INTER, gu_up_off, kv_cap, kv_budget, eps, qk_eps, scale_log2, stride_cs,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
@@ -117,7 +118,7 @@ def _decode_layer_kernel(
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     RUN_A: tl.constexpr, RUN_B: tl.constexpr, RUN_C: tl.constexpr, RUN_D: tl.constexpr,
-    RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
+    RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,  # bits: QKV KV O GU D
     PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr, KV_SPAN: tl.constexpr,
     LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, POLL_LOAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -126,14 +127,15 @@ def _decode_layer_kernel(
     P = tl.num_programs(0)
     HD: tl.constexpr = HQ * HEAD_DIM
     if RUN_A:  # weights, cached keys, lengths: none written by the kernel before: before the wait
-        prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH)
-        prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, stride_kb, stride_kt,
-                    stride_kh, stride_vb, stride_vt, stride_vh, HK, HEAD_DIM, KV_BLOCK_SIZE,
-                    SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES, PREFETCH)
+        prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, (PREFETCH & 1) != 0)
+        prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, stride_kb,
+                    stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, HK, HEAD_DIM,
+                    KV_BLOCK_SIZE, SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES,
+                    (PREFETCH & 2) != 0)
     wait_only(USE_PDL)
 
     if RUN_A:
-        prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, PREFETCH)
+        prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, (PREFETCH & 4) != 0)
         ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, BK_QKV)
         rstd1 = tl.rsqrt(ss1 / H + eps)
         gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
@@ -142,7 +144,7 @@ def _decode_layer_kernel(
 
     if RUN_B:
         prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
-                      ESZ, PREFETCH)
+                      ESZ, (PREFETCH & 8) != 0)
         attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
                         cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
                         bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs,
@@ -152,7 +154,7 @@ def _decode_layer_kernel(
     grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_C:
-        prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, PREFETCH)
+        prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, (PREFETCH & 16) != 0)
         # the next layer's QKV rows: that launch waits for this one before it can start
         prefetch_rows(wqkv_next_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH_NEXT)
         ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
@@ -181,6 +183,26 @@ def _blocks(k: int, rows_per_out: int = 1, cfg: dict = DEFAULT_CONFIG) -> tuple[
     halves together)."""
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     return max(1, cfg["tile"] // (block_k * rows_per_out)), block_k
+
+
+def prefetch_bits(w: LayerWeights, budget: int) -> int:
+    """Which weights are prefetched into L2 a phase ahead (bits 1 QKV, 4 o_proj, 8 gate|up,
+    16 down): those of at most ``budget`` bytes (half of L2: bigger ones would evict each
+    other before use). Bit 2, the K/V rows, is judged on the device (``kv_budget``)."""
+    if budget <= 0:
+        return 0
+    mats = ((1, w.qkv), (4, w.o), (8, w.gate_up), (16, w.down))
+    return 2 | sum(bit for bit, m in mats if m.numel() * m.element_size() <= budget)
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes_of(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 50 << 20))
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """The device's L2 size (cached)."""
+    return _l2_bytes_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | None:
@@ -249,9 +271,12 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     mats = (w.qkv, w.o, w.gate_up, w.down)
     prefetch = bool(cfg["prefetch"]) and not interpreted and pdl.rows_prefetchable(x, *mats) \
         and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
+    budget = _l2_bytes(dev) // 2 if prefetch else 0
+    pf_bits = prefetch_bits(w, budget)
+    kv_budget = budget // (2 * hk * d * k_cache.element_size())
     nxt_ok = (next_qkv is not None and next_qkv.shape == w.qkv.shape and next_qkv.is_contiguous()
               and next_qkv.dtype == dt)
-    prefetch_next = prefetch and bool(cfg["prefetch_next"]) and nxt_ok \
+    prefetch_next = bool(pf_bits & 1) and bool(cfg["prefetch_next"]) and nxt_ok \
         and pdl.rows_prefetchable(x, next_qkv)
     args = (
         x, res, w.input_norm, w.qkv, next_qkv if prefetch_next else w.qkv, qkv, r1,
@@ -259,7 +284,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
         part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars[1:],
         bars[grid_sync.ERROR_INDEX:],
-        h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1],
+        h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1], kv_budget,
         float(w.eps), float(w.qk_eps), float(scale) * LOG2E, cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -270,7 +295,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         Q_NORM=w.q_norm is not None, K_NORM=w.k_norm is not None, HAS_RES=residual is not None,
         GU_ROW_MUL=2 if w.gate_up_pairs else 1, SS_P=triton.next_power_of_2(p),
         BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,
-        BN_D=bn_d, BK_D=bk_d, PREFETCH=prefetch, PREFETCH_NEXT=prefetch_next,
+        BN_D=bn_d, BK_D=bk_d, PREFETCH=pf_bits, PREFETCH_NEXT=prefetch_next,
         ESZ=x.element_size(), KV_SPAN=256, **row_lines(d, k_cache.element_size()),
         POLL_LOAD=bool(cfg["poll_load"]) and not interpreted,
         num_warps=cfg["num_warps"], num_stages=1,

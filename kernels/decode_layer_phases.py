@@ -169,7 +169,7 @@ def split_plan(seq_ptr, kv_cap, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap,
+def prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
@@ -178,10 +178,12 @@ def prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap,
     round: one block-table load, then one line prefetch per row line). Those keys were
     written by earlier steps and the lengths and block table before the step's first
     layer, so this may run before the PDL wait; the attention's tile loads then hit L2
-    instead of each paying an HBM round trip."""
+    instead of each paying an HBM round trip. Skipped (on the device) past ``kv_budget``
+    cached keys: more would evict the weights prefetched for the next phases."""
     if ENABLED:
         ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
             seq_ptr, kv_cap, SPLITS, BLOCK_N)
+        used = tl.where(cached_end <= kv_budget, used, 0)
         offs = tl.arange(0, SPAN)
         offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS
         for item in range(pid, HK * used, P):

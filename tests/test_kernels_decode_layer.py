@@ -119,6 +119,19 @@ def test_counters_are_rearmed_for_the_next_launch():
     torch.testing.assert_close(first[0], second[0], atol=0, rtol=0)
 
 
+def test_prefetch_keeps_to_what_fits_half_of_l2():
+    """H200 L2 (50 MB, half 25 MB): a Qwen3-0.6B layer's four weights are prefetched a phase
+    ahead; none of a Llama-3.1-8B layer's (50-235 MB each), only its K/V rows."""
+    def shaped(hq, hk, h, inter):
+        meta = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
+        return dl.LayerWeights(meta(h), meta((hq + 2 * hk) * 128, h), meta(h, hq * 128), meta(h),
+                               meta(2 * inter, h), meta(h, inter), 1e-6, hq, hk, 128, True)
+
+    assert dl.prefetch_bits(shaped(16, 8, 1024, 3072), 25 << 20) == 31
+    assert dl.prefetch_bits(shaped(32, 8, 4096, 14336), 25 << 20) == 2
+    assert dl.prefetch_bits(shaped(16, 8, 1024, 3072), 0) == 0
+
+
 def test_unsupported_inputs_are_refused():
     case, w = _case(8, 2, 16, 48, 40, torch.float32, 5, qk_norm=False, pairs=True,
                     first=False, seed=1)
