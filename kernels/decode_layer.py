@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels import grid_sync, pdl
-from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_rows,
-                                         sum_squares)
+from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_lead,
+                                         prefetch_rows, sum_squares)
 from kernels.grid_sync import grid_barrier, rearm_counters
 from kernels.paged_attention import row_lines
 from kernels.pdl import release_only, wait_only
@@ -54,9 +54,10 @@ MAX_SPLITS = 32
 # weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to
 # 1024 columns, each phase's rows prefetched into L2 a phase ahead, the next layer's QKV
 # rows during the last two phases, attention tiles of 64 rows (GQA group x keys), barriers
-# polled with acquire loads (``poll_load=0``: atomics, as the measured ``kernels.mlp_block``).
+# polled with acquire loads (``poll_load=0``: atomics, as the measured ``kernels.mlp_block``);
+# weights too big to prefetch a phase ahead stream with 4 row blocks prefetched ahead (``ahead``).
 DEFAULT_CONFIG = dict(num_warps=8, tile=8192, block_k=1024, prefetch=1, prefetch_next=1,
-                      att_rows=64, poll_load=1)
+                      att_rows=64, poll_load=1, ahead=4)
 NUM_WARPS = DEFAULT_CONFIG["num_warps"]
 CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
 
@@ -64,10 +65,14 @@ CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
 def config_from_env() -> dict:
     """``DEFAULT_CONFIG`` updated by ``SYNCLESS_DECODE_LAYER_CONFIG`` (``key=value,...``,
     an A/B knob for benchmarks): ``num_warps`` 4|8|16, ``tile``/``block_k``/``att_rows``
-    powers of two, ``prefetch``/``prefetch_next``/``poll_load`` 0|1. Anything else raises
-    ``ValueError``."""
+    powers of two, ``prefetch``/``prefetch_next``/``poll_load`` 0|1, ``ahead`` 0..16.
+    Anything else raises ``ValueError``. Parsed once per distinct value."""
+    return dict(_parse_config(os.environ.get(CONFIG_ENV, "").strip()))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_config(raw: str) -> tuple:
     cfg = dict(DEFAULT_CONFIG)
-    raw = os.environ.get(CONFIG_ENV, "").strip()
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, _, val = item.partition("=")
         key, val = key.strip(), val.strip()
@@ -77,9 +82,10 @@ def config_from_env() -> dict:
         cfg[key] = int(val)
     pow2 = all(cfg[k] >= 16 and cfg[k] & (cfg[k] - 1) == 0 for k in ("tile", "block_k", "att_rows"))
     if (cfg["num_warps"] not in (4, 8, 16) or not pow2 or cfg["tile"] < cfg["block_k"]
-            or any(cfg[k] not in (0, 1) for k in ("prefetch", "prefetch_next", "poll_load"))):
+            or any(cfg[k] not in (0, 1) for k in ("prefetch", "prefetch_next", "poll_load"))
+            or cfg["ahead"] > 16):
         raise ValueError(f"{CONFIG_ENV}: invalid config {cfg}")
-    return cfg
+    return tuple(cfg.items())
 
 
 class LayerWeights(NamedTuple):
@@ -121,6 +127,8 @@ def _decode_layer_kernel(
     RUN_E: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,  # bits: QKV KV O GU D
     PREFETCH_NEXT: tl.constexpr, ESZ: tl.constexpr, KV_SPAN: tl.constexpr,
     LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, POLL_LOAD: tl.constexpr,
+    SS_BLOCK: tl.constexpr, AHEAD_QKV: tl.constexpr, AHEAD_O: tl.constexpr,
+    AHEAD_GU: tl.constexpr, AHEAD_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -128,6 +136,7 @@ def _decode_layer_kernel(
     HD: tl.constexpr = HQ * HEAD_DIM
     if RUN_A:  # weights, cached keys, lengths: none written by the kernel before: before the wait
         prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, (PREFETCH & 1) != 0)
+        prefetch_lead(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, AHEAD_QKV)
         prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, stride_kb,
                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, HK, HEAD_DIM,
                     KV_BLOCK_SIZE, SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES,
@@ -136,15 +145,18 @@ def _decode_layer_kernel(
 
     if RUN_A:
         prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, (PREFETCH & 4) != 0)
-        ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, BK_QKV)
+        prefetch_lead(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, AHEAD_O)
+        ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, SS_BLOCK)
         rstd1 = tl.rsqrt(ss1 / H + eps)
         gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
-                   0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False)
+                   0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False, AHEAD_QKV, ESZ)
     grid_barrier(bar_ptr + 0, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_B:
         prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
                       ESZ, (PREFETCH & 8) != 0)
+        prefetch_lead(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
+                      ESZ, AHEAD_GU)
         attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
                         cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
                         bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs,
@@ -155,10 +167,11 @@ def _decode_layer_kernel(
 
     if RUN_C:
         prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, (PREFETCH & 16) != 0)
-        # the next layer's QKV rows: that launch waits for this one before it can start
+        prefetch_lead(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, AHEAD_D)
+        # the next layer's QKV rows: its programs cannot start (nor prefetch) before ours exit
         prefetch_rows(wqkv_next_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH_NEXT)
         ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
-                         H, HD, 0, BN_O, BK_O, 1, False, False, False, True)
+                         H, HD, 0, BN_O, BK_O, 1, False, False, False, True, AHEAD_O, ESZ)
         tl.store(ss_ptr + pid, ss2)
     grid_barrier(bar_ptr + 2, P, err_ptr, SYNC, POLL_LOAD)
 
@@ -167,13 +180,14 @@ def _decode_layer_kernel(
         ss_all = tl.load(ss_ptr + offs_p, mask=offs_p < P, other=0.0, cache_modifier=".cg")
         rstd2 = tl.rsqrt(tl.sum(ss_all, 0) / H + eps)
         gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
-                   gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False)
+                   gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False, AHEAD_GU, ESZ,
+                   GU_ROW_MUL == 1)
     grid_barrier(bar_ptr + 3, P, err_ptr, SYNC, POLL_LOAD)
-    release_only(USE_PDL)  # the next launch prefetches its QKV rows during our last phase
+    release_only(USE_PDL)  # the next launch is queued; its programs start as ours exit
 
     if RUN_E:
         gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
-                   0, BN_D, BK_D, 1, False, False, False, False)
+                   0, BN_D, BK_D, 1, False, False, False, False, AHEAD_D, ESZ)
     rearm_counters(bar_ptr, _NB, P, _NB, SYNC)
 
 
@@ -205,8 +219,10 @@ def _l2_bytes(device: torch.device) -> int:
     return _l2_bytes_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | None:
+def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor,
+              v_cache: torch.Tensor | None = None) -> str | None:
     """Why the one-launch layer cannot run these tensors (None: it can)."""
+    v_cache = k_cache if v_cache is None else v_cache
     d = w.head_dim
     if x.dim() != 2 or x.shape[0] != 1:
         return "needs one token"
@@ -215,12 +231,18 @@ def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> str | 
     mats = (w.qkv, w.o, w.gate_up, w.down)
     if any(m.dtype != x.dtype or not m.is_contiguous() for m in mats):
         return "weights must be contiguous and of the activations' dtype"
-    if k_cache.dtype != x.dtype or k_cache.stride(-1) != 1:
-        return "KV cache dtype or layout"
     if d & (d - 1) or not 16 <= d <= 256 or w.num_heads % w.num_kv_heads:
         return "head_dim must be a power of two in 16..256, heads a multiple of KV heads"
-    if w.qkv.shape[0] != (w.num_heads + 2 * w.num_kv_heads) * d or w.gate_up.shape[0] % 2:
-        return "projection shapes"
+    if any(c.dtype != x.dtype or c.stride(-1) != 1 or c.dim() != 4
+           or tuple(c.shape[2:]) != (w.num_kv_heads, d) for c in (k_cache, v_cache)) \
+            or k_cache.shape != v_cache.shape:
+        return "KV cache dtype, layout or heads"
+    h, inter = x.shape[1], w.gate_up.shape[0] // 2
+    if (w.qkv.shape != ((w.num_heads + 2 * w.num_kv_heads) * d, h) or w.gate_up.shape[0] % 2
+            or w.o.shape != (h, w.num_heads * d) or w.gate_up.shape[1] != h
+            or w.down.shape != (h, inter) or w.input_norm.shape != (h,)
+            or w.post_norm.shape != (h,)):
+        return "projection shapes do not chain"
     return None
 
 
@@ -235,10 +257,11 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     ``residual`` None: the first layer (``x`` is the residual). ``next_qkv``: the next
     layer's QKV weight (same shape), prefetched into L2 during the last phases. ``config``:
     ``DEFAULT_CONFIG`` overrides (default: ``config_from_env()``). ``phased``: one launch a
-    phase (default: on the interpreter or without a counter buffer, which only happens
-    inside a CUDA-graph capture before any eager run). ``programs``/``splits`` override the
-    grid and the split count (tests). Returns None when ``supported`` refuses."""
-    if supported(x, w, k_cache) is not None:
+    phase (always on the interpreter). ``programs``/``splits``/``block_n`` override the
+    grid, the split count and the attention's tile width (tests). Returns None when
+    ``supported`` refuses, or inside a CUDA-graph capture before any eager launch made the
+    counter buffer (the caller then runs the layer op by op)."""
+    if supported(x, w, k_cache, v_cache) is not None:
         return None
     cfg = dict(config_from_env(), **(config or {}))
     dev, dt = x.device, x.dtype
@@ -273,7 +296,12 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
     budget = _l2_bytes(dev) // 2 if prefetch else 0
     pf_bits = prefetch_bits(w, budget)
-    kv_budget = budget // (2 * hk * d * k_cache.element_size())
+    # K/V rows: what L2 holds besides the weights prefetched while attention reads them
+    live = sum(m.numel() * m.element_size() for bit, m in ((4, w.o), (8, w.gate_up))
+               if pf_bits & bit)
+    kv_budget = max(0, 3 * budget // 2 - live) // (2 * hk * d * k_cache.element_size())
+    ahead = {bit: 0 if (pf_bits & bit or not prefetch) else cfg["ahead"]
+             for bit in (1, 4, 8, 16)}
     nxt_ok = (next_qkv is not None and next_qkv.shape == w.qkv.shape and next_qkv.is_contiguous()
               and next_qkv.dtype == dt)
     prefetch_next = bool(pf_bits & 1) and bool(cfg["prefetch_next"]) and nxt_ok \
@@ -298,6 +326,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         BN_D=bn_d, BK_D=bk_d, PREFETCH=pf_bits, PREFETCH_NEXT=prefetch_next,
         ESZ=x.element_size(), KV_SPAN=256, **row_lines(d, k_cache.element_size()),
         POLL_LOAD=bool(cfg["poll_load"]) and not interpreted,
+        SS_BLOCK=min(16384, triton.next_power_of_2(h)), AHEAD_QKV=ahead[1], AHEAD_O=ahead[4],
+        AHEAD_GU=ahead[8], AHEAD_D=ahead[16],
         num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:

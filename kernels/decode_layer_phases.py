@@ -38,6 +38,27 @@ def prefetch_rows(w_ptr, pid, P, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MU
 
 
 @triton.jit
+def prefetch_block(w_ptr, blk, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MUL: tl.constexpr,
+                   TWO_RANGES: tl.constexpr, ESZ: tl.constexpr):
+    """Row block ``blk`` of a GEMV's weight into L2 (nothing past the last block)."""
+    r0 = blk * BLOCK_N
+    if r0 < N_OUT:
+        nrows = tl.minimum(N_OUT - r0, BLOCK_N)
+        prefetch_l2(w_ptr + (r0 * ROW_MUL).to(tl.int64) * K, nrows * (ROW_MUL * K * ESZ))
+        if TWO_RANGES:
+            prefetch_l2(w_ptr + (r0 + up_off).to(tl.int64) * K, nrows * (K * ESZ))
+
+
+@triton.jit
+def prefetch_lead(w_ptr, pid, P, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MUL: tl.constexpr,
+                  TWO_RANGES: tl.constexpr, ESZ: tl.constexpr, AHEAD: tl.constexpr):
+    """This program's first ``AHEAD`` row blocks of the next GEMV phase into L2, issued
+    before the barrier that starts it (``gemv_phase`` keeps ``AHEAD`` blocks ahead)."""
+    for j in tl.static_range(AHEAD):
+        prefetch_block(w_ptr, pid + j * P, N_OUT, K, up_off, BLOCK_N, ROW_MUL, TWO_RANGES, ESZ)
+
+
+@triton.jit
 def sum_squares(x_ptr, r_ptr, s_out_ptr, pid, K, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
     """``sum(s^2)`` of ``s = x (+ r)`` rounded to the dtype; program 0 stores ``s`` (the new
     residual) to ``s_out_ptr``."""
@@ -73,7 +94,8 @@ def _activation(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.cons
 def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, K, up_off,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MUL: tl.constexpr,
                HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
-               EPI_RES: tl.constexpr):
+               EPI_RES: tl.constexpr, AHEAD: tl.constexpr = 0, ESZ: tl.constexpr = 2,
+               TWO_RANGES: tl.constexpr = False):
     """This program's row blocks of ``y = act((a @ W^T) * rstd)``, ``a = ((x [+ r]) [* g])``
     rounded to the dtype. ``ACT``: ``silu(gate) * up`` with gate row ``j * ROW_MUL`` and up
     row ``j * ROW_MUL + up_off``. ``EPI_RES``: stores ``(y + rin) -> dtype`` instead and
@@ -82,7 +104,11 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
     Nothing waits on a load issued in the same step: the next step's weight tile (and
     input chunk) are loaded while this one is multiplied, and an input that fits one chunk
     (``K <= BLOCK_K``) is loaded once. (The input comes from L2, ``.cg``: loaded afresh
-    each step it would put an L2 round trip on every step's critical path.)"""
+    each step it would put an L2 round trip on every step's critical path.) ``AHEAD``
+    (weights not prefetched a phase ahead): as each row block starts, the block ``AHEAD``
+    further is bulk-prefetched into L2 (``prefetch_lead`` issued the first ones), so that
+    many blocks stream from HBM behind the one register tile in flight (``TWO_RANGES``:
+    stacked gate|up, whose up rows are a second range)."""
     DT = w_ptr.dtype.element_ty
     offs_r = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -118,6 +144,10 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
         w_nxt = tl.load(n_row, mask=n_ok, other=0.0)
         if ACT:
             wu_nxt = tl.load(n_row + up_off * K, mask=n_ok, other=0.0)
+        if AHEAD > 0:
+            if kc == 0:
+                prefetch_block(w_ptr, pid + (i // KT + AHEAD) * P, N_OUT, K, up_off, BLOCK_N,
+                               ROW_MUL, TWO_RANGES, ESZ)
         if KT == 1:
             af = a_one[None, :]
         else:  # several chunks a row block: the next step's input chunk is in flight too

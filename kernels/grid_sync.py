@@ -33,10 +33,11 @@ MAX_SPINS = tl.constexpr(1 << 20)  # polls (~1 s) before a barrier gives up: nev
 
 @triton.jit
 def load_acquire(ptr):
-    """``*ptr`` (int32) with acquire semantics at GPU scope (PTX ``ld.acquire.gpu``): a plain
-    load, so pollers do not queue in L2's atomic unit behind the arrivals they wait for."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+    """``*ptr`` (int32) with acquire semantics at GPU scope (PTX ``ld.acquire.gpu``) after a
+    short back-off (``nanosleep``): a plain load, so pollers neither queue in L2's atomic
+    unit behind the arrivals they wait for nor flood the counter's line."""
+    return tl.inline_asm_elementwise("nanosleep.u32 20; ld.acquire.gpu.global.b32 $0, [$1];",
+                                     "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -50,7 +51,9 @@ def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr,
     arrived: more programs than the device holds at once) adds 1 to ``err_ptr`` and goes
     on, so the launch ends with wrong results and a sticky error count
     (``barrier_timeouts``) instead of hanging the device. ``POLL_LOAD``: poll with acquire
-    loads (``load_acquire``) instead of atomic adds of 0."""
+    loads (``load_acquire``) instead of atomic adds of 0; each thread then polls for itself
+    and warps may leave at different polls, so the error count is added without a branch
+    (a scalar atomic inside a divergent branch would split the program's barriers)."""
     if ENABLED:
         tl.debug_barrier()  # every thread's stores precede the release below
         seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
@@ -61,9 +64,8 @@ def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr,
             else:
                 seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
             spins += 1
-        if seen < target:
-            tl.atomic_add(err_ptr, 1)
         tl.debug_barrier()
+        tl.atomic_add(err_ptr, (seen < target).to(tl.int32), sem="relaxed")  # no branch: see above
 
 
 @triton.jit

@@ -169,11 +169,14 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
     const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
                  SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=64 // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
-                 SYNC=phase is None, PREFETCH=31 if phase is None else 0,
+                 SYNC=phase is None,
+                 PREFETCH=(31 if shape[0] == "q" else 2) if phase is None else 0,
                  PREFETCH_NEXT=phase is None, ESZ=2,
                  USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2,
-                 POLL_LOAD=phase is None)
-    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr")}
+                 POLL_LOAD=phase is None, SS_BLOCK=4096,
+                 **{f"AHEAD_{n}": 4 if phase is None and shape[0] == "l" else 0
+                    for n in ("QKV", "O", "GU", "D")})
+    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
     ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
                 pos_ptr="*i64", slot_ptr="*i64")
     compiled = _compile(dl._decode_layer_kernel, const, ptrs,

@@ -141,6 +141,20 @@ class ModelRunner:
             return
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         self._scratch_request_steps()
+        self._check_grid_barriers()
+
+    def _check_grid_barriers(self) -> None:
+        """A one-launch kernel whose grid barrier timed out during capture or warm-up
+        (``kernels.grid_sync``: its programs could not all be resident) computed garbage:
+        refuse to serve rather than answer with it (a synchronising read, before serving)."""
+        from kernels import grid_sync
+
+        n = grid_sync.barrier_timeouts(self.device)
+        if n:
+            raise RuntimeError(
+                f"{n} grid-barrier timeout(s) during start-up on {self.device}: the one-launch "
+                "decoder layer cannot keep all its programs resident here; unset "
+                "SYNCLESS_DECODE_LAYER (or try SYNCLESS_DECODE_LAYER_CONFIG=poll_load=0)")
 
     def _scratch_request_steps(self) -> None:
         from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
