@@ -84,3 +84,25 @@ def test_malformed_decode_layer_config_fails_at_start_up(monkeypatch):
     monkeypatch.setenv("SYNCLESS_DECODE_LAYER_CONFIG", "num_warps=5")  # even with the layer off
     with pytest.raises(ValueError, match="SYNCLESS_DECODE_LAYER_CONFIG"):
         kernel_env_vars()
+
+
+def test_start_up_refuses_to_serve_after_a_grid_barrier_timeout():
+    """A one-launch kernel's barrier that timed out left garbage: the worker's warm-up check
+    raises instead of serving it (here on a CPU counter buffer with one timeout recorded)."""
+    import types
+
+    import torch
+
+    from kernels import grid_sync
+    from workers.model_runner import ModelRunner
+
+    dev = torch.device("cpu")
+    runner = types.SimpleNamespace(device=dev)
+    buf = grid_sync.counters(dev, 4)
+    ModelRunner._check_grid_barriers(runner)  # nothing recorded: fine
+    buf[grid_sync.ERROR_INDEX] = 1
+    try:
+        with pytest.raises(RuntimeError, match="grid-barrier timeout"):
+            ModelRunner._check_grid_barriers(runner)
+    finally:
+        buf.zero_()
