@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels import grid_sync, pdl
+from kernels.decode_layer_batched import skinny_phase, sum_squares_rows
 from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_lead,
                                          prefetch_rows, sum_squares)
 from kernels.grid_sync import grid_barrier, rearm_counters
@@ -50,6 +51,8 @@ LOG2E = 1.4426950408889634
 N_BARRIERS = 4  # counters 0..3: after phases A, B, C, D; 4: the exit count; 5..: KV heads
 _NB = tl.constexpr(N_BARRIERS)  # the same, for the kernel
 MAX_SPLITS = 32
+MAX_BATCH = 16  # tokens (one a request): the batched phases pad them to one 16-row MMA tile
+BATCH_BLOCK_N, BATCH_BLOCK_K = 32, 256  # batched GEMV tiles (gate|up: 16 rows each half)
 # Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
 # weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to
 # 1024 columns, each phase's rows prefetched into L2 a phase ahead, the next layer's QKV
@@ -115,8 +118,8 @@ def _decode_layer_kernel(
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
     wd_ptr, out_ptr, bar_ptr, err_ptr,
-    H, N_QKV, INTER, gu_up_off, kv_cap, kv_budget, eps, qk_eps, scale_log2, stride_cs,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    M, H, N_QKV, INTER, gu_up_off, kv_cap, kv_budget, eps, qk_eps, scale_log2, stride_cs,
+    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
     ATT_BLOCK_N: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
@@ -129,6 +132,7 @@ def _decode_layer_kernel(
     LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, POLL_LOAD: tl.constexpr,
     SS_BLOCK: tl.constexpr, AHEAD_QKV: tl.constexpr, AHEAD_O: tl.constexpr,
     AHEAD_GU: tl.constexpr, AHEAD_D: tl.constexpr,
+    BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -146,10 +150,17 @@ def _decode_layer_kernel(
     if RUN_A:
         prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, (PREFETCH & 4) != 0)
         prefetch_lead(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, AHEAD_O)
-        ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, SS_BLOCK)
-        rstd1 = tl.rsqrt(ss1 / H + eps)
-        gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, rstd1, wqkv_ptr, qkv_ptr, x_ptr, N_QKV, H,
-                   0, BN_QKV, BK_QKV, 1, HAS_RES, True, False, False, AHEAD_QKV, ESZ)
+        if BATCHED:
+            ss1 = sum_squares_rows(x_ptr, res_ptr, r1_ptr, pid, M, H, HAS_RES, BLOCK_M,
+                                   SS_BLOCK)
+            skinny_phase(pid, P, M, x_ptr, res_ptr, ln1_ptr, tl.rsqrt(ss1 / H + eps), wqkv_ptr,
+                         qkv_ptr, x_ptr, N_QKV, H, 0, BLOCK_M, BN_QKV, BK_QKV, 1, HAS_RES, True,
+                         False, False, UPCAST, IEEE, AHEAD_QKV, ESZ, False)
+        else:
+            ss1 = sum_squares(x_ptr, res_ptr, r1_ptr, pid, H, HAS_RES, SS_BLOCK)
+            gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, tl.rsqrt(ss1 / H + eps), wqkv_ptr,
+                       qkv_ptr, x_ptr, N_QKV, H, 0, BN_QKV, BK_QKV, 1, HAS_RES, True, False,
+                       False, AHEAD_QKV, ESZ)
     grid_barrier(bar_ptr + 0, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_B:
@@ -157,12 +168,12 @@ def _decode_layer_kernel(
                       ESZ, (PREFETCH & 8) != 0)
         prefetch_lead(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
                       ESZ, AHEAD_GU)
-        attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
+        attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
                         cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
-                        bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs,
+                        bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs, stride_bt,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                         HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
-                        ATT_BLOCK_N, Q_NORM, K_NORM)
+                        ATT_BLOCK_N, Q_NORM, K_NORM, BATCHED)
     grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_C:
@@ -170,24 +181,44 @@ def _decode_layer_kernel(
         prefetch_lead(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, AHEAD_D)
         # the next layer's QKV rows: its programs cannot start (nor prefetch) before ours exit
         prefetch_rows(wqkv_next_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, PREFETCH_NEXT)
-        ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
-                         H, HD, 0, BN_O, BK_O, 1, False, False, False, True, AHEAD_O, ESZ)
-        tl.store(ss_ptr + pid, ss2)
+        if BATCHED:  # one sum of squares a row and program
+            ss2 = skinny_phase(pid, P, M, attn_ptr, attn_ptr, attn_ptr,
+                               tl.full([BLOCK_M], 1.0, tl.float32), wo_ptr, r2_ptr, r1_ptr, H,
+                               HD, 0, BLOCK_M, BN_O, BK_O, 1, False, False, False, True, UPCAST,
+                               IEEE, AHEAD_O, ESZ, False)
+            tl.store(ss_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M), ss2)
+        else:
+            ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
+                             H, HD, 0, BN_O, BK_O, 1, False, False, False, True, AHEAD_O, ESZ)
+            tl.store(ss_ptr + pid, ss2)
     grid_barrier(bar_ptr + 2, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_D:
         offs_p = tl.arange(0, SS_P)
-        ss_all = tl.load(ss_ptr + offs_p, mask=offs_p < P, other=0.0, cache_modifier=".cg")
-        rstd2 = tl.rsqrt(tl.sum(ss_all, 0) / H + eps)
-        gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, rstd2, wgu_ptr, act_ptr, r2_ptr, INTER, H,
-                   gu_up_off, BN_GU, BK_GU, GU_ROW_MUL, False, True, True, False, AHEAD_GU, ESZ,
-                   GU_ROW_MUL == 1)
+        if BATCHED:
+            offs_m = tl.arange(0, BLOCK_M)
+            ss_all = tl.load(ss_ptr + offs_p[:, None] * BLOCK_M + offs_m[None, :],
+                             mask=(offs_p < P)[:, None], other=0.0, cache_modifier=".cg")
+            skinny_phase(pid, P, M, r2_ptr, r2_ptr, ln2_ptr,
+                         tl.rsqrt(tl.sum(ss_all, 0) / H + eps), wgu_ptr, act_ptr, r2_ptr, INTER,
+                         H, gu_up_off, BLOCK_M, BN_GU, BK_GU, GU_ROW_MUL, False, True, True,
+                         False, UPCAST, IEEE, AHEAD_GU, ESZ, GU_ROW_MUL == 1)
+        else:
+            ss_all = tl.load(ss_ptr + offs_p, mask=offs_p < P, other=0.0, cache_modifier=".cg")
+            gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, tl.rsqrt(tl.sum(ss_all, 0) / H + eps),
+                       wgu_ptr, act_ptr, r2_ptr, INTER, H, gu_up_off, BN_GU, BK_GU, GU_ROW_MUL,
+                       False, True, True, False, AHEAD_GU, ESZ, GU_ROW_MUL == 1)
     grid_barrier(bar_ptr + 3, P, err_ptr, SYNC, POLL_LOAD)
     release_only(USE_PDL)  # the next launch is queued; its programs start as ours exit
 
     if RUN_E:
-        gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
-                   0, BN_D, BK_D, 1, False, False, False, False, AHEAD_D, ESZ)
+        if BATCHED:
+            skinny_phase(pid, P, M, act_ptr, act_ptr, act_ptr, tl.full([BLOCK_M], 1.0, tl.float32),
+                         wd_ptr, out_ptr, act_ptr, H, INTER, 0, BLOCK_M, BN_D, BK_D, 1, False,
+                         False, False, False, UPCAST, IEEE, AHEAD_D, ESZ, False)
+        else:
+            gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
+                       0, BN_D, BK_D, 1, False, False, False, False, AHEAD_D, ESZ)
     rearm_counters(bar_ptr, _NB, P, _NB, SYNC)
 
 
@@ -224,8 +255,8 @@ def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor,
     """Why the one-launch layer cannot run these tensors (None: it can)."""
     v_cache = k_cache if v_cache is None else v_cache
     d = w.head_dim
-    if x.dim() != 2 or x.shape[0] != 1:
-        return "needs one token"
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_BATCH:
+        return f"needs 1 to {MAX_BATCH} tokens (one a request)"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {x.dtype}"
     mats = (w.qkv, w.o, w.gate_up, w.down)
@@ -252,8 +283,10 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
                         phased: bool | None = None, programs: int | None = None,
                         splits: int | None = None, block_n: int | None = None,
                         config: dict | None = None):
-    """``(out, new_residual)`` of one decoder layer for one token (request 0 of the step),
-    as ``kernels.reference.decode_layer_reference``; writes the token's K/V to the cache.
+    """``(out, new_residual)`` of one decoder layer for ``M = x.shape[0]`` tokens, token
+    ``m`` the only query token of request ``m`` (``M`` <= ``MAX_BATCH``; above 1 the
+    batched phases, ``kernels.decode_layer_batched``), as
+    ``kernels.reference.decode_layer_reference``; writes the tokens' K/V to the cache.
     ``residual`` None: the first layer (``x`` is the residual). ``next_qkv``: the next
     layer's QKV weight (same shape), prefetched into L2 during the last phases. ``config``:
     ``DEFAULT_CONFIG`` overrides (default: ``config_from_env()``). ``phased``: one launch a
@@ -267,35 +300,45 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     dev, dt = x.device, x.dtype
     hq, hk, d = w.num_heads, w.num_kv_heads, w.head_dim
     h, n_qkv, inter = x.shape[1], w.qkv.shape[0], w.gate_up.shape[0] // 2
+    m = x.shape[0]
+    batched = m > 1
     interpreted = not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     p = programs or (pdl.sm_count(dev) if x.is_cuda else 4)
     group = hq // hk
     group_p = triton.next_power_of_2(group)
-    att_block_n = block_n or max(8, cfg["att_rows"] // group_p)
-    n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
+    # batched: half the attention rows (the tensor-core phases need the registers)
+    att_block_n = block_n or max(8, cfg["att_rows"] // (2 if batched else 1) // group_p)
+    n_splits = splits or max(1, min(MAX_SPLITS, p // (m * hk),
                                     triton.cdiv(max_seq_len_upper_bound, att_block_n)))
-    bars = grid_sync.counters(dev, N_BARRIERS + 1 + hk)
+    bars = grid_sync.counters(dev, N_BARRIERS + 1 + m * hk)
     if bars is None:
         return None
     phased = interpreted if phased is None else (phased or interpreted)
     x = x.contiguous()
     res = residual.contiguous() if residual is not None else x
     empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
-    qkv, r1, attn, r2, act, out = (empty(n_qkv), empty(h), empty(hq * d), empty(1, h),
-                                   empty(inter), empty(1, h))
-    part = empty(n_splits, hq, d, dtype=torch.float32)
-    lse = empty(n_splits, hq, dtype=torch.float32)
-    ss = empty(p, dtype=torch.float32)
+    qkv, r1, attn, r2, act, out = (empty(m, n_qkv), empty(m, h), empty(m, hq * d), empty(m, h),
+                                   empty(m, inter), empty(m, h))
+    part = empty(n_splits, m, hq, d, dtype=torch.float32)
+    lse = empty(n_splits, m, hq, dtype=torch.float32)
+    ss = empty(p * (MAX_BATCH if batched else 1), dtype=torch.float32)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]), block_table.shape[1])
-    bn_qkv, bk_qkv = _blocks(h, 1, cfg)
-    bn_o, bk_o = _blocks(hq * d, 1, cfg)
-    bn_gu, bk_gu = _blocks(h, 2, cfg)
-    bn_d, bk_d = _blocks(inter, 1, cfg)
+    if batched:  # tensor-core tiles: 16 padded rows x BATCH_BLOCK_N weight rows
+        bk = lambda k: min(BATCH_BLOCK_K, max(16, triton.next_power_of_2(k)))  # noqa: E731
+        bn_qkv, bk_qkv = BATCH_BLOCK_N, bk(h)
+        bn_o, bk_o = BATCH_BLOCK_N, bk(hq * d)
+        bn_gu, bk_gu = BATCH_BLOCK_N // 2, bk(h)
+        bn_d, bk_d = BATCH_BLOCK_N, bk(inter)
+    else:
+        bn_qkv, bk_qkv = _blocks(h, 1, cfg)
+        bn_o, bk_o = _blocks(hq * d, 1, cfg)
+        bn_gu, bk_gu = _blocks(h, 2, cfg)
+        bn_d, bk_d = _blocks(inter, 1, cfg)
     mats = (w.qkv, w.o, w.gate_up, w.down)
     prefetch = bool(cfg["prefetch"]) and not interpreted and pdl.rows_prefetchable(x, *mats) \
         and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
     budget = _l2_bytes(dev) // 2 if prefetch else 0
-    pf_bits = prefetch_bits(w, budget)
+    pf_bits = prefetch_bits(w, budget) & ~(2 if batched else 0)  # K/V: request 0's only
     # K/V rows: what L2 holds besides the weights prefetched while attention reads them
     live = sum(m.numel() * m.element_size() for bit, m in ((4, w.o), (8, w.gate_up))
                if pf_bits & bit)
@@ -312,9 +355,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
         part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars[1:],
         bars[grid_sync.ERROR_INDEX:],
-        h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1], kv_budget,
+        m, h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1], kv_budget,
         float(w.eps), float(w.qk_eps), float(scale) * LOG2E, cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
     const = dict(
@@ -326,8 +369,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         BN_D=bn_d, BK_D=bk_d, PREFETCH=pf_bits, PREFETCH_NEXT=prefetch_next,
         ESZ=x.element_size(), KV_SPAN=256, **row_lines(d, k_cache.element_size()),
         POLL_LOAD=bool(cfg["poll_load"]) and not interpreted,
-        SS_BLOCK=min(16384, triton.next_power_of_2(h)), AHEAD_QKV=ahead[1], AHEAD_O=ahead[4],
-        AHEAD_GU=ahead[8], AHEAD_D=ahead[16],
+        SS_BLOCK=min(512 if batched else 16384, triton.next_power_of_2(h)), AHEAD_QKV=ahead[1], AHEAD_O=ahead[4],
+        AHEAD_GU=ahead[8], AHEAD_D=ahead[16], BATCHED=batched, BLOCK_M=MAX_BATCH,
+        UPCAST=interpreted and dt != torch.float32, IEEE=dt == torch.float32,
         num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:

@@ -249,116 +249,161 @@ def _kv_tile(k_ptr, v_ptr, bt_ptr, t, tile_hi, cached_end, kvh, offs_n, offs_d,
 
 
 @triton.jit
-def attention_phase(pid, P, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr,
-                    qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr, cnt_ptr,
-                    kv_cap, qk_eps, scale_log2, stride_cs,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                    Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
-    """One query token (request 0) over its paged KV: this program's ``(KV head, split)``
-    items. The step's ``qkv`` row is raw (un-normalised, un-rotated); the split holding the
-    last tile adds the new key from registers and writes the new K/V to the cache (no
-    program reads that slot: the tiles stop before it). Each item stores a float32 partial;
-    the last split of a KV head to arrive merges its group's heads into ``attn`` and
-    re-arms the head's counter. Splits cover the row's *real* length (device ``seq_lens``):
-    a short row uses fewer items and the rest of the programs skip the phase."""
+def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
+                 cnt_ptr, kvh, split, ctx_len, kv_end, num_tiles, per_split, used, cached_end,
+                 new_slot, cos, sin, part_ss, lse_ss, qk_eps, scale_log2,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                 SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                 Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
+    """One ``(KV head, split)`` item of one request (every pointer already at the request's
+    row; a split's partials ``part_ss`` / ``lse_ss`` elements apart): see
+    ``attention_phase``."""
     DT = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
-    ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
-        seq_ptr, kv_cap, SPLITS, BLOCK_N)
     last_tile = (kv_end - 1) // BLOCK_N
-    new_pos = tl.load(pos_ptr).to(tl.int64)
-    new_slot = tl.load(slot_ptr).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_g = tl.arange(0, GROUP_P)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_g < GROUP
-    cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HALF)
-    for item in range(pid, HK * used, P):
-        kvh = item // used
-        split = item % used
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-        head = kvh * GROUP + offs_g
-        q = rope_rows(qkv_ptr, head * HEAD_DIM, offs_d, row_ok, qw_ptr, qk_eps, cos, sin,
-                      Q_NORM, HALF, DT, True).to(tl.float32)
-        kn_row = tl.zeros([1], dtype=tl.int32) + (HQ + kvh) * HEAD_DIM
-        k_new = rope_rows(qkv_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, qk_eps, cos, sin,
-                          K_NORM, HALF, DT, True)  # [1, D]
-        v_new = tl.load(qkv_ptr + (HQ + HK + kvh) * HEAD_DIM + offs_d, cache_modifier=".cg")
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    head = kvh * GROUP + offs_g
+    q = rope_rows(qkv_ptr, head * HEAD_DIM, offs_d, row_ok, qw_ptr, qk_eps, cos, sin,
+                  Q_NORM, HALF, DT, True).to(tl.float32)
+    kn_row = tl.zeros([1], dtype=tl.int32) + (HQ + kvh) * HEAD_DIM
+    k_new = rope_rows(qkv_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, qk_eps, cos, sin,
+                      K_NORM, HALF, DT, True)  # [1, D]
+    v_new = tl.load(qkv_ptr + (HQ + HK + kvh) * HEAD_DIM + offs_d, cache_modifier=".cg")
 
-        m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_P], dtype=tl.float32)
-        acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
-        k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, tile_lo, tile_hi, cached_end, kvh, offs_n,
-                                offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                stride_vh, KV_BLOCK_SIZE, BLOCK_N)
-        for t in range(tile_lo, tile_hi):
-            kv_pos = t * BLOCK_N + offs_n
-            kv_ok = kv_pos < cached_end
-            k = k_nxt
-            v = v_nxt  # the next tile's loads in flight while this one is used
-            k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, t + 1, tile_hi, cached_end, kvh,
-                                    offs_n, offs_d, stride_kb, stride_kt, stride_kh, stride_vb,
-                                    stride_vt, stride_vh, KV_BLOCK_SIZE, BLOCK_N)
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2
-            s = tl.where(row_ok[:, None] & kv_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p_lo = p.to(DT).to(tl.float32)  # P rounded to the KV dtype, as the tl.dot path
-            acc = acc * alpha[:, None] + tl.sum(p_lo[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            m_i = m_new
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+    k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, tile_lo, tile_hi, cached_end, kvh, offs_n,
+                            offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                            stride_vh, KV_BLOCK_SIZE, BLOCK_N)
+    for t in range(tile_lo, tile_hi):
+        kv_pos = t * BLOCK_N + offs_n
+        kv_ok = kv_pos < cached_end
+        k = k_nxt
+        v = v_nxt  # the next tile's loads in flight while this one is used
+        k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, t + 1, tile_hi, cached_end, kvh,
+                                offs_n, offs_d, stride_kb, stride_kt, stride_kh, stride_vb,
+                                stride_vt, stride_vh, KV_BLOCK_SIZE, BLOCK_N)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2
+        s = tl.where(row_ok[:, None] & kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_lo = p.to(DT).to(tl.float32)  # P rounded to the KV dtype, as the tl.dot path
+        acc = acc * alpha[:, None] + tl.sum(p_lo[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        m_i = m_new
 
-        owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
-        if owner & (ctx_len < kv_end):  # the new key, unless a bound below seq_len hides it
-            s_new = tl.sum(q * k_new.to(tl.float32), 1) * scale_log2
-            s_new = tl.where(row_ok, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_new = tl.exp2(s_new - m_safe)
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + p_new
-            p_lo = p_new.to(DT).to(tl.float32)
-            acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
-        if owner & (new_slot >= 0):
-            pg = new_slot // KV_BLOCK_SIZE
-            nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            tl.store(k_ptr + nc + offs_d[None, :], k_new.to(k_ptr.dtype.element_ty))
-            nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
-            tl.store(v_ptr + nv + offs_d, v_new.to(v_ptr.dtype.element_ty))
+    owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
+    if owner & (ctx_len < kv_end):  # the new key, unless a bound below seq_len hides it
+        s_new = tl.sum(q * k_new.to(tl.float32), 1) * scale_log2
+        s_new = tl.where(row_ok, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p_new = tl.exp2(s_new - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p_new
+        p_lo = p_new.to(DT).to(tl.float32)
+        acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+    if owner & (new_slot >= 0):
+        pg = new_slot // KV_BLOCK_SIZE
+        nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh
+        tl.store(k_ptr + nc + offs_d[None, :], k_new.to(k_ptr.dtype.element_ty))
+        nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
+        tl.store(v_ptr + nv + offs_d, v_new.to(v_ptr.dtype.element_ty))
 
-        has_keys = l_i > 0.0
-        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        tl.store(part_ptr + split * (HQ * HEAD_DIM) + head[:, None] * HEAD_DIM + offs_d[None, :],
-                 o, mask=row_ok[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + split * HQ + head, lse, mask=row_ok)
-        tl.debug_barrier()  # every thread's partial stores precede the arrival
-        arrived = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == used - 1:  # the last split of this KV head: merge its group's heads
-            offs_s = tl.arange(0, SPLITS_P)
-            lse_all = tl.load(lse_ptr + offs_s[:, None] * HQ + head[None, :],
-                              mask=(offs_s < used)[:, None] & row_ok[None, :],
-                              other=float("-inf"), cache_modifier=".cg")
-            m_all = tl.max(lse_all, 0)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
-            merged = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
-            for sp in tl.static_range(SPLITS):  # unrolled: every partial's load in flight
-                sp_ok = row_ok & ((offs_g * 0 + sp) < used)
-                w_s = tl.exp2(tl.load(lse_ptr + sp * HQ + head, mask=sp_ok, other=float("-inf"),
-                                      cache_modifier=".cg") - m_all)
-                part = tl.load(part_ptr + sp * (HQ * HEAD_DIM) + head[:, None] * HEAD_DIM
-                               + offs_d[None, :], mask=sp_ok[:, None], other=0.0,
-                               cache_modifier=".cg")
-                merged += w_s[:, None] * part
-            merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-            tl.store(attn_ptr + head[:, None] * HEAD_DIM + offs_d[None, :], merged.to(DT),
-                     mask=row_ok[:, None])
-            tl.atomic_xchg(cnt_ptr + kvh, 0)  # re-armed for the next layer, step or replay
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    tl.store(part_ptr + split * part_ss + head[:, None] * HEAD_DIM + offs_d[None, :],
+             o, mask=row_ok[:, None])
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + split * lse_ss + head, lse, mask=row_ok)
+    tl.debug_barrier()  # every thread's partial stores precede the arrival
+    arrived = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+    if arrived == used - 1:  # the last split of this KV head: merge its group's heads
+        offs_s = tl.arange(0, SPLITS_P)
+        lse_all = tl.load(lse_ptr + offs_s[:, None] * lse_ss + head[None, :],
+                          mask=(offs_s < used)[:, None] & row_ok[None, :],
+                          other=float("-inf"), cache_modifier=".cg")
+        m_all = tl.max(lse_all, 0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
+        merged = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):  # unrolled: every partial's load in flight
+            sp_ok = row_ok & ((offs_g * 0 + sp) < used)
+            w_s = tl.exp2(tl.load(lse_ptr + sp * lse_ss + head, mask=sp_ok, other=float("-inf"),
+                                  cache_modifier=".cg") - m_all)
+            part = tl.load(part_ptr + sp * part_ss + head[:, None] * HEAD_DIM
+                           + offs_d[None, :], mask=sp_ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            merged += w_s[:, None] * part
+        merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+        tl.store(attn_ptr + head[:, None] * HEAD_DIM + offs_d[None, :], merged.to(DT),
+                 mask=row_ok[:, None])
+        tl.atomic_xchg(cnt_ptr + kvh, 0)  # re-armed for the next layer, step or replay
+
+
+@triton.jit
+def attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr,
+                    qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr, cnt_ptr,
+                    kv_cap, qk_eps, scale_log2, stride_cs, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, BATCHED: tl.constexpr):
+    """One query token a request over its paged KV: this program's ``(request, KV head,
+    split)`` items. The step's ``qkv`` rows are raw (un-normalised, un-rotated); the split
+    holding a row's last tile adds the new key from registers and writes the new K/V to
+    the cache (no program reads that slot: the tiles stop before it). Each item stores a
+    float32 partial; the last split of a (request, KV head) to arrive merges its group's
+    heads into ``attn`` and re-arms its counter. Splits cover each row's *real* length
+    (device ``seq_lens``): a short row uses fewer items. ``BATCHED`` (``M`` requests):
+    items ``(request, KV head, split < SPLITS)``, the unused ones skipped; otherwise
+    (request 0 alone) only the used items are walked."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    NQKV: tl.constexpr = (HQ + 2 * HK) * HEAD_DIM
+    offs_d = tl.arange(0, HEAD_DIM)
+    if BATCHED:
+        for item in range(pid, M * HK * SPLITS, P):
+            req = item // (HK * SPLITS)
+            kvh = (item // SPLITS) % HK
+            split = item % SPLITS
+            ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+                seq_ptr + req, kv_cap, SPLITS, BLOCK_N)
+            if split < used:
+                new_pos = tl.load(pos_ptr + req).to(tl.int64)
+                new_slot = tl.load(slot_ptr + req).to(tl.int64)
+                cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HALF)
+                _attend_item(qkv_ptr + req * NQKV, k_ptr, v_ptr, bt_ptr + req * stride_bt,
+                             qw_ptr, kw_ptr, part_ptr + req * (HQ * HEAD_DIM),
+                             lse_ptr + req * HQ, attn_ptr + req * (HQ * HEAD_DIM),
+                             cnt_ptr + req * HK, kvh, split, ctx_len, kv_end, num_tiles,
+                             per_split, used, cached_end, new_slot, cos, sin,
+                             M * (HQ * HEAD_DIM), M * HQ, qk_eps, scale_log2,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                             HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
+                             BLOCK_N, Q_NORM, K_NORM)
+    else:
+        ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+            seq_ptr, kv_cap, SPLITS, BLOCK_N)
+        new_pos = tl.load(pos_ptr).to(tl.int64)
+        new_slot = tl.load(slot_ptr).to(tl.int64)
+        cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HALF)
+        for item in range(pid, HK * used, P):
+            _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr,
+                         attn_ptr, cnt_ptr, item // used, item % used, ctx_len, kv_end,
+                         num_tiles, per_split, used, cached_end, new_slot, cos, sin,
+                         HQ * HEAD_DIM, HQ, qk_eps, scale_log2,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
+                         BLOCK_N, Q_NORM, K_NORM)

@@ -153,8 +153,8 @@ def test_silu_and_mul_compiles(pairs):
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.1-8b"])
-@pytest.mark.parametrize("phase", [None, 1])
-def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
+@pytest.mark.parametrize("phase,batched", [(None, False), (1, False), (None, True)])
+def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched):
     """The one-launch layer as the engine launches it on an H200 (barriers, PDL, L2
     prefetch), and one interpreter-style phase: it must keep one program an SM resident
     (the grid barrier needs every program resident) without spilling registers."""
@@ -165,17 +165,21 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
     blocks = {}
     for name, k, rows in (("QKV", h, 1), ("O", hq * 128, 1), ("GU", h, 2), ("D", inter, 1)):
         blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl._blocks(k, rows)
+        if batched:  # 16-row tensor-core tiles
+            blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
     run = {f"RUN_{c}": phase is None or i == phase for i, c in enumerate("ABCDE")}
     const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
-                 SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=64 // group_p, Q_NORM=shape[0] == "q",
+                 SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=(32 if batched else 64) // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
                  SYNC=phase is None,
-                 PREFETCH=(31 if shape[0] == "q" else 2) if phase is None else 0,
+                 PREFETCH=((29 if batched else 31) if shape[0] == "q" else 0 if batched else 2)
+                 if phase is None else 0,
                  PREFETCH_NEXT=phase is None, ESZ=2,
                  USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2,
-                 POLL_LOAD=phase is None, SS_BLOCK=4096,
+                 POLL_LOAD=phase is None, SS_BLOCK=512 if batched else 4096,
                  **{f"AHEAD_{n}": 4 if phase is None and shape[0] == "l" else 0
-                    for n in ("QKV", "O", "GU", "D")})
+                    for n in ("QKV", "O", "GU", "D")},
+                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False)
     ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
     ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
                 pos_ptr="*i64", slot_ptr="*i64")
@@ -184,9 +188,11 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase):
                         options=dict(num_warps=dl.NUM_WARPS, num_stages=1))
     ptx = compiled.asm["ptx"]
     one_launch = phase is None  # barriers polled with acquire loads, L2 prefetches, PDL
-    for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "prefetch.global.L2",
-                   "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+    for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "griddepcontrol.wait",
+                   "griddepcontrol.launch_dependents"):
         assert (needle in ptx) == one_launch, needle
+    assert ("prefetch.global.L2" in ptx) == (one_launch and not batched)  # request 0's K/V
+    assert ("mma.sync" in ptx or "wgmma" in ptx) == batched  # batched GEMVs on tensor cores
     regs, spills = _resource_usage(compiled.asm["cubin"])
     assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
     assert compiled.metadata.shared <= 227 * 1024
