@@ -280,16 +280,21 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
     return linear(h, w_down)[0], new_res
 
 
+DECODE_LAYER_MAX_TOKENS = 16  # kernels.decode_layer.MAX_BATCH (tested equal)
+
+
 def decode_layer_enabled() -> bool:
     """``SYNCLESS_DECODE_LAYER`` (default off until measured faster on the H200): a whole
-    decoder layer in one launch at batch 1 (``kernels.decode_layer``)."""
+    decoder layer in one launch for decode steps of up to ``DECODE_LAYER_MAX_TOKENS``
+    requests (``kernels.decode_layer``)."""
     return _env_flag("SYNCLESS_DECODE_LAYER", False)
 
 
 def decode_layer(x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                  block_table, seq_lens, max_seq_len_upper_bound: int, scale: float,
                  next_qkv=None):
-    """One decoder layer for one token -> ``(out, new_residual)``: on CUDA one launch
+    """One decoder layer for a decode step (token ``m`` the only one of request ``m``) ->
+    ``(out, new_residual)``: on CUDA one launch
     (``kernels.decode_layer``; ``next_qkv``, the next layer's QKV weight, is prefetched into
     L2), elsewhere its plain-torch reference. None where the kernel cannot take the inputs
     (``kernels.decode_layer.supported``): the caller runs the layer op by op."""

@@ -33,3 +33,21 @@ def test_one_launch_layer_greedy_matches_transformers(ray_local, ckpt_dir, monke
             assert out[0].outputs[0].token_ids == want
     finally:
         llm.shutdown()
+
+
+def test_one_launch_layer_small_batches_match_transformers(ray_local, ckpt_dir, monkeypatch):
+    """Four requests decoding together (batches of 1 to 4 tokens, one a request, as they
+    join and finish), through the layer's batched form."""
+    monkeypatch.setenv("SYNCLESS_DECODE_LAYER", "1")
+    model = ckpt_dir("qwen3", tie_word_embeddings=True)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 12, 3, 20)]
+    expected = hf_greedy(model, prompts, 8)
+    llm = LLM(model=str(model), block_size=8, max_model_len=128, max_num_seqs=4)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.shutdown()

@@ -158,11 +158,13 @@ class DecoderLayer(nn.Module):
 
 
     def one_launch_applies(self, h, meta: AttentionMetadata) -> bool:
-        """Whether ``SYNCLESS_DECODE_LAYER`` runs this layer as one launch: one query token
-        (batch 1), tensor parallelism 1, no QKV or MLP bias."""
+        """Whether ``SYNCLESS_DECODE_LAYER`` runs this layer as one launch: a decode step of
+        one query token a request, at most ``ops.DECODE_LAYER_MAX_TOKENS`` of them, tensor
+        parallelism 1, no QKV or MLP bias."""
         return (self.whole_mlp_block and self.self_attn.qkv_proj.bias is None
-                and not isinstance(h, PreNormed) and h.shape[0] == 1
-                and meta.max_query_len == 1 and ops.decode_layer_enabled())
+                and not isinstance(h, PreNormed) and meta.max_query_len == 1
+                and h.shape[0] == meta.num_reqs <= ops.DECODE_LAYER_MAX_TOKENS
+                and ops.decode_layer_enabled())
 
     def layer_weights(self):
         """This layer's tensors as ``kernels.decode_layer.LayerWeights``."""
