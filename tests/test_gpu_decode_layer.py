@@ -45,33 +45,38 @@ def _weights(shape, seed):
                         gamma(d) if qk else None, 1e-6)
 
 
-def _step(seq_len, hk, d, n_layers, seed):
-    """Step inputs for one token at ``seq_len`` and ``n_layers`` random KV caches."""
+def _step(seq_lens, hk, d, n_layers, seed):
+    """Step inputs for one token a request at ``seq_lens`` (an int: one request), each
+    request with its own blocks, and ``n_layers`` random KV caches."""
+    seq_lens = [seq_lens] if isinstance(seq_lens, int) else list(seq_lens)
+    m, per = len(seq_lens), BOUND // BS
     g = torch.Generator(device="cuda").manual_seed(seed)
-    n_blocks = BOUND // BS + 4
+    n_blocks = m * per + 4
     caches = [(torch.randn(n_blocks, BS, hk, d, device="cuda", generator=g).to(torch.bfloat16),
                torch.randn(n_blocks, BS, hk, d, device="cuda", generator=g).to(torch.bfloat16))
               for _ in range(n_layers)]
-    table = torch.randperm(n_blocks, device="cuda", generator=g)[: BOUND // BS]
-    table = table.to(torch.int32)[None, :].contiguous()
+    table = torch.randperm(n_blocks, device="cuda", generator=g)[: m * per]
+    table = table.to(torch.int32).view(m, per).contiguous()
     inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     ang = torch.arange(BOUND, device="cuda").float()[:, None] * inv[None, :]
     step = dict(cos_sin_cache=torch.cat([ang.cos(), ang.sin()], -1), block_table=table,
-                positions=torch.zeros(1, dtype=torch.int64, device="cuda"),
-                slot_mapping=torch.zeros(1, dtype=torch.int64, device="cuda"),
-                seq_lens=torch.zeros(1, dtype=torch.int32, device="cuda"),
+                positions=torch.zeros(m, dtype=torch.int64, device="cuda"),
+                slot_mapping=torch.zeros(m, dtype=torch.int64, device="cuda"),
+                seq_lens=torch.zeros(m, dtype=torch.int32, device="cuda"),
                 max_seq_len_upper_bound=BOUND, scale=d ** -0.5)
-    _set_len(step, seq_len)
+    _set_len(step, seq_lens)
     return step, caches
 
 
-def _set_len(step, seq_len):
-    """In place (graph inputs): the token sits at ``seq_len - 1``."""
-    pos = seq_len - 1
-    page = step["block_table"][0, pos // BS].to(torch.int64)
-    step["positions"].fill_(pos)
-    step["slot_mapping"].copy_((page * BS + pos % BS).view(1))
-    step["seq_lens"].fill_(seq_len)
+def _set_len(step, seq_lens):
+    """In place (graph inputs): request ``r``'s token sits at ``seq_lens[r] - 1``."""
+    seq_lens = [seq_lens] * step["seq_lens"].shape[0] if isinstance(seq_lens, int) else seq_lens
+    pos = torch.tensor(seq_lens, device="cuda") - 1
+    rows = torch.arange(len(seq_lens), device="cuda")
+    page = step["block_table"][rows, pos // BS].to(torch.int64)
+    step["positions"].copy_(pos)
+    step["slot_mapping"].copy_(page * BS + pos % BS)
+    step["seq_lens"].copy_(pos + 1)
 
 
 def _chain(layers, x, res, step, caches, phased):
@@ -90,21 +95,27 @@ def _counters_zero():
     return all(int(b.abs().sum()) == 0 for b in grid_sync._COUNTERS.values())
 
 
+LENGTHS = {1: [[1], [17], [519], [4000]],  # batch 1: first token, short, long
+           3: [[1, 519, 4000]], 8: [[17, 4000, 1, 300, 2049, 64, 65, 1000]]}
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("seq_len", [1, 17, 519, 4000])
-def test_one_launch_equals_phased_and_reference(shape, seq_len, monkeypatch):
+@pytest.mark.parametrize("seq_lens", [ls for v in LENGTHS.values() for ls in v],
+                         ids=lambda ls: "-".join(map(str, ls)))
+def test_one_launch_equals_phased_and_reference(shape, seq_lens, monkeypatch):
     from kernels.decode_layer import decode_layer_triton
     from kernels.reference import decode_layer_reference
 
     monkeypatch.setenv("SYNCLESS_PDL", "1")
-    w = _weights(shape, seed=seq_len)
+    w = _weights(shape, seed=sum(seq_lens))
     hq, hk, d, h = w.num_heads, w.num_kv_heads, w.head_dim, w.qkv.shape[1]
-    step, caches = _step(seq_len, hk, d, 1, seed=seq_len + 1)
+    m = len(seq_lens)
+    step, caches = _step(seq_lens, hk, d, 1, seed=m + 1)
     kc, vc = caches[0]
     kc2, vc2, kc64, vc64 = kc.clone(), vc.clone(), kc.double(), vc.double()
     g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
-    res = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     with no_sync():
         one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, **step)
         phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True, **step)
@@ -121,23 +132,24 @@ def test_one_launch_equals_phased_and_reference(shape, seq_len, monkeypatch):
                                         v_cache=vc64, **step64)
     for got, want in ((one[1], r64), (one[0], out64)):
         err = float((got.double() - want).abs().max() / want.abs().max())
-        assert err < 3e-2, (shape, seq_len, err)
-    slot = int(step["slot_mapping"])  # the new K/V (rounded once to bf16) in their slot
-    k_new = kc.view(-1, hk, d)[slot].double()
-    assert float((k_new - kc64.view(-1, hk, d)[slot]).abs().max()) < 5e-2
+        assert err < 3e-2, (shape, seq_lens, err)
+    slots = step["slot_mapping"]  # the new K/V (rounded once to bf16) in their slots
+    k_new = kc.view(-1, hk, d)[slots].double()
+    assert float((k_new - kc64.view(-1, hk, d)[slots]).abs().max()) < 5e-2
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_layer_chain_with_pdl_and_graph_replays(graph, monkeypatch):
-    """Four layers back to back under PDL (each waits for the one before, prefetching its
-    QKV rows while that one finishes); in a CUDA graph replayed at three other lengths."""
+@pytest.mark.parametrize("batch", [1, 8])
+def test_layer_chain_with_pdl_and_graph_replays(graph, batch, monkeypatch):
+    """Four layers back to back (under PDL at batch 1: each waits for the one before); in a
+    CUDA graph replayed at three other lengths (every request of the batch at it)."""
     monkeypatch.setenv("SYNCLESS_PDL", "1")
     layers = [_weights("qwen3-0.6b", seed=100 + i) for i in range(4)]
     hk, d, h = layers[0].num_kv_heads, layers[0].head_dim, layers[0].qkv.shape[1]
-    step, caches = _step(CHAIN_LENS[0], hk, d, 4, seed=9)
+    step, caches = _step([CHAIN_LENS[0]] * batch, hk, d, 4, seed=9)
     g = torch.Generator(device="cuda").manual_seed(6)
-    x = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
-    res = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(batch, h, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(batch, h, device="cuda", generator=g).to(torch.bfloat16)
     with no_sync():
         if graph:
             _chain(layers, x, res, step, [(k.clone(), v.clone()) for k, v in caches], False)

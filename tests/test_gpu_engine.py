@@ -114,9 +114,10 @@ def _prompts():
     (False, "bfloat16", 1, "SYNCLESS_FUSED_MLP"),  # the same with the one-launch MLP block
     (False, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... with the one-launch layer
     (True, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... eager: PDL chains of it
+    (False, "bfloat16", 16, "SYNCLESS_DECODE_LAYER"),  # its batched form (padded graphs)
 ], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1",
         "bf16-cuda-graphs-batch1-fused-mlp", "bf16-cuda-graphs-batch1-decode-layer",
-        "bf16-eager-batch1-decode-layer"])
+        "bf16-eager-batch1-decode-layer", "bf16-cuda-graphs-decode-layer"])
 def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs, switch,
                                          monkeypatch):
     from cluster import LLM, SamplingParams
