@@ -5,7 +5,7 @@ norm+gate|up, down, with the RMSNorm handoff), PDL on as in serving, per config.
     python -m kernels.bench --only decode-layer --out /tmp/decode-layer.json
 
 Real ``DecoderLayer`` modules of the Qwen3-0.6B and Llama-3.1-8B shapes (random weights),
-one token at context 512 and 4096, timed as CUDA-graph replays of a chain through enough
+batches of 1 and 8 requests (one token each) at context 512 and 4096, timed as CUDA-graph replays of a chain through enough
 layer copies that their weights exceed L2 (every layer streams from HBM; each layer's
 ``next_layer`` is the following copy, as in the model). Reports us a layer and the
 effective bandwidth (weights + the KV read, over the time).
@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 
 from kernels.bench import graph_time_us, rotation_copies
-from kernels.bench_gemv import _with_env, _with_pdl
+from kernels.bench_gemv import _with_env
 
 SHAPE_NAMES = ("qwen3-0.6b", "llama-3.1-8b")
 CONTEXTS = (512, 4096)
+BATCHES = (1, 8)
 BLOCK = 16
 # the default, without each prefetch, and bigger weight tiles (more bytes in flight an SM)
 CONFIGS = [{}, dict(prefetch=0), dict(prefetch_next=0), dict(num_warps=4), dict(tile=16384),
@@ -49,23 +50,24 @@ def _layers(name: str, copies: int):
     return arch, layers, cs
 
 
-def _step(ctx: int, num_kv_heads: int, head_dim: int, copies: int):
+def _step(batch: int, ctx: int, num_kv_heads: int, head_dim: int, copies: int):
+    """A decode step of ``batch`` requests at ``ctx`` tokens (their own blocks)."""
     from metadata.attention_metadata import AttentionMetadata
 
     dev = torch.device("cuda")
-    n_blocks = -(-max(CONTEXTS) // BLOCK)
-    table = torch.arange(n_blocks, dtype=torch.int32, device=dev)[None, :]
-    pos = ctx - 1
+    per = -(-max(CONTEXTS) // BLOCK)
+    table = torch.arange(batch * per, dtype=torch.int32, device=dev).view(batch, per)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+    slots = table[:, (ctx - 1) // BLOCK].long() * BLOCK + (ctx - 1) % BLOCK
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev),
-        seq_lens_upper_bound=torch.tensor([ctx], dtype=torch.int32),
-        block_table=table, slot_mapping=torch.tensor([pos], dtype=torch.int64, device=dev),
-        positions=torch.tensor([pos], dtype=torch.int64, device=dev), num_reqs=1,
-        num_actual_tokens=1, max_query_len=1, max_seq_len_upper_bound=max(CONTEXTS),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        seq_lens_upper_bound=torch.full((batch,), ctx, dtype=torch.int32),
+        block_table=table, slot_mapping=slots, positions=pos, num_reqs=batch,
+        num_actual_tokens=batch, max_query_len=1, max_seq_len_upper_bound=max(CONTEXTS),
         bounds_are_exact=True, eager=False)
-    kvs = [tuple(torch.randn(n_blocks, BLOCK, num_kv_heads, head_dim, device=dev,
+    kvs = [tuple(torch.randn(batch * per, BLOCK, num_kv_heads, head_dim, device=dev,
                              dtype=torch.bfloat16) for _ in range(2)) for _ in range(copies)]
     return meta, kvs
 
@@ -75,27 +77,30 @@ def bench_decode_layer() -> list[dict]:
     from kernels.decode_layer import CONFIG_ENV
 
     rows = []
-    for name in SHAPE_NAMES:
+    for name in SHAPE_NAMES:  # PDL as in serving: auto, batch-1 passes only
         probe_arch, probe, _ = _layers(name, 1)
         wbytes = sum(p.numel() * p.element_size() for p in probe[0].parameters())
         del probe
         copies = max(2, rotation_copies(wbytes))
         arch, layers, cs = _layers(name, copies)
-        h = torch.randn(1, arch.hidden_size, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(1, arch.hidden_size, device="cuda", dtype=torch.bfloat16)
-        for ctx in CONTEXTS:
-            meta, kvs = _step(ctx, arch.num_kv_heads, arch.head_dim, copies)
-            kv_bytes = 2 * ctx * arch.num_kv_heads * arch.head_dim * 2
+        for batch, ctx in ((b, c) for b in BATCHES for c in CONTEXTS):
+            h = torch.randn(batch, arch.hidden_size, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(batch, arch.hidden_size, device="cuda", dtype=torch.bfloat16)
+            meta, kvs = _step(batch, ctx, arch.num_kv_heads, arch.head_dim, copies)
+            kv_bytes = batch * 2 * ctx * arch.num_kv_heads * arch.head_dim * 2
             fns = [lambda i=i: layers[i](h, res, meta.positions, meta, kvs[i], cs,
                                          layers[(i + 1) % copies]) for i in range(copies)]
 
-            def timed(switch: str, cfg: str = "", fns=fns):
-                with pdl.step_tokens(1):
-                    return _with_pdl(True, lambda: _with_env("SYNCLESS_DECODE_LAYER", switch,
-                                     lambda: _with_env(CONFIG_ENV, cfg,
-                                                       lambda: graph_time_us(fns))))
+            def timed(switch: str, cfg: str = "", fns=fns, batch=batch):
+                def run():
+                    return _with_env(CONFIG_ENV, cfg, lambda: graph_time_us(fns))
 
-            row = {"shape": name, "context": ctx, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
+                with pdl.step_tokens(batch):
+                    return _with_env("SYNCLESS_PDL", "auto", lambda: _with_env(
+                        "SYNCLESS_DECODE_LAYER", switch, run))
+
+            row = {"shape": name, "batch": batch, "context": ctx, "weight_bytes": wbytes,
+                   "kv_bytes": kv_bytes,
                    "copies": copies, "op_by_op_us": timed("0"), "one_launch": []}
             for cand in CONFIGS:
                 cfg = ",".join(f"{k}={v}" for k, v in cand.items())
@@ -108,7 +113,7 @@ def bench_decode_layer() -> list[dict]:
             rows.append(row)
             tb = lambda us: (wbytes + kv_bytes) / us / 1e6  # noqa: E731
             base, best = row["op_by_op_us"], row["best"]
-            print(f"decode-layer {name} ctx {ctx}: op-by-op {base:7.2f} us ({tb(base):.2f} TB/s)"
+            print(f"decode-layer {name} b{batch} ctx {ctx}: op-by-op {base:7.2f} us ({tb(base):.2f} TB/s)"
                   + (f" | one launch default {ok[0]['us']:7.2f} ({tb(ok[0]['us']):.2f}) best "
                      f"{best['us']:7.2f} ({tb(best['us']):.2f}) "
                      f"{ {k: v for k, v in best.items() if k != 'us'} }" if ok else

@@ -12,7 +12,7 @@
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
-#   layerab     decode_roofline b LAYER_B (1), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
+#   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
 #               (LAYER_CONFIG: a SYNCLESS_DECODE_LAYER_CONFIG for the "1" run)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
 #   SHAPES, TESTS (test files), EXTRA (extra env for the grid, e.g. "SYNCLESS_EPILOGUE_NORM=0").
@@ -72,7 +72,7 @@ PY
       for shape in ${SHAPES:-qwen3-0.6b llama-3.1-8b}; do
         for v in 0 1; do
           env SYNCLESS_DECODE_LAYER=$v SYNCLESS_DECODE_LAYER_CONFIG=${LAYER_CONFIG:-} timeout 150 \
-            python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${LAYER_B:-1}" \
+            python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${LAYER_B:-1,8}" \
             --context-lens 512,4096 --warmup 3 --iters 10 --placement local \
             --output "$OUT/layer-$shape-$v.json" >> "$OUT/layerab.log" 2>&1 || tail -8 "$OUT/layerab.log"
           python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'layer', sys.argv[3], ' '.join(f\"b{c['batch_size']}/{c['context_len']} {c['step_ms_median']:.3f}ms/{c['ratio']:.3f}\" for c in d['cells']))" \
