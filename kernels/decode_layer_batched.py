@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.decode_layer_phases import prefetch_block
+from kernels.decode_layer_phases import prefetch_block, store_rows
 
 
 @triton.jit
@@ -135,20 +135,8 @@ def skinny_phase(pid, P, M, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_
             out_rows = (pid + (i // KT) * P) * BLOCK_N + offs_r
             o_ok = m_ok[:, None] & (out_rows < N_OUT)[None, :]
             o_off = offs_m[:, None] * N_OUT + out_rows[None, :]
-            y = acc * rstd[:, None]
-            if ACT:
-                gate = y.to(DT).to(tl.float32)
-                up = (acc_u * rstd[:, None]).to(DT).to(tl.float32)
-                y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
-            y = y.to(DT)
-            if EPI_RES:
-                s = (y.to(tl.float32) + tl.load(rin_ptr + o_off, mask=o_ok, other=0.0,
-                                                cache_modifier=".cg").to(tl.float32)).to(DT)
-                tl.store(y_ptr + o_off, s, mask=o_ok)
-                sf = tl.where(o_ok, s.to(tl.float32), 0.0)
-                ss += tl.sum(sf * sf, 1)
-            else:
-                tl.store(y_ptr + o_off, y, mask=o_ok)
+            ss += store_rows(acc * rstd[:, None], acc_u * rstd[:, None], y_ptr, rin_ptr, o_off,
+                             o_ok, DT, ACT, EPI_RES, 1)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     return ss

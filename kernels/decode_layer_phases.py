@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import prefetch_l2, prefetch_lines_l2
-from kernels.rope_inline import rope_cos_sin, rope_rows
+from kernels.rope_inline import add_new_key, rope_cos_sin, rope_rows
 
 
 @triton.jit
@@ -88,6 +88,29 @@ def _activation(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.cons
         g = tl.load(g_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
         a = (a.to(tl.float32) * g).to(DT)
     return a.to(tl.float32)
+
+
+@triton.jit
+def store_rows(y, y_u, y_ptr, rin_ptr, off, ok, DT: tl.constexpr, ACT: tl.constexpr,
+               EPI_RES: tl.constexpr, AXIS: tl.constexpr):
+    """A GEMV phase's epilogue for float32 results ``y`` (and ``y_u``, the up half, with
+    ``ACT``) at offsets ``off``: ``silu(gate) * up`` with gate and up rounded to ``DT``;
+    stores ``y -> DT``, or with ``EPI_RES`` ``(y + rin) -> DT`` and returns the sum of its
+    squares along ``AXIS`` (0 otherwise)."""
+    if ACT:
+        gate = y.to(DT).to(tl.float32)
+        up = y_u.to(DT).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
+    y = y.to(DT)
+    if EPI_RES:
+        s = (y.to(tl.float32) + tl.load(rin_ptr + off, mask=ok, other=0.0,
+                                        cache_modifier=".cg").to(tl.float32)).to(DT)
+        tl.store(y_ptr + off, s, mask=ok)
+        sf = tl.where(ok, s.to(tl.float32), 0.0)
+    else:
+        tl.store(y_ptr + off, y, mask=ok)
+        sf = tl.where(ok, 0.0, 0.0)
+    return tl.sum(sf * sf, AXIS)
 
 
 @triton.jit
@@ -163,21 +186,8 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
 
         if kc == KT - 1:  # this row block is done: epilogue and store
             out_rows = (pid + (i // KT) * P) * BLOCK_N + offs_r
-            o_ok = out_rows < N_OUT
-            y = tl.sum(acc, 1) * rstd
-            if ACT:
-                gate = y.to(DT).to(tl.float32)
-                up = (tl.sum(acc_u, 1) * rstd).to(DT).to(tl.float32)
-                y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
-            y = y.to(DT)
-            if EPI_RES:
-                s = (y.to(tl.float32) + tl.load(rin_ptr + out_rows, mask=o_ok, other=0.0,
-                                                cache_modifier=".cg").to(tl.float32)).to(DT)
-                tl.store(y_ptr + out_rows, s, mask=o_ok)
-                sf = tl.where(o_ok, s.to(tl.float32), 0.0)
-                ss += tl.sum(sf * sf, 0)
-            else:
-                tl.store(y_ptr + out_rows, y, mask=o_ok)
+            ss += store_rows(tl.sum(acc, 1) * rstd, tl.sum(acc_u, 1) * rstd, y_ptr, rin_ptr,
+                             out_rows, out_rows < N_OUT, DT, ACT, EPI_RES, 0)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     return ss
@@ -304,16 +314,7 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
 
     owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
     if owner & (ctx_len < kv_end):  # the new key, unless a bound below seq_len hides it
-        s_new = tl.sum(q * k_new.to(tl.float32), 1) * scale_log2
-        s_new = tl.where(row_ok, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p_new = tl.exp2(s_new - m_safe)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + p_new
-        p_lo = p_new.to(DT).to(tl.float32)
-        acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
-        m_i = m_new
+        m_i, l_i, acc = add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, scale_log2, DT)
     if owner & (new_slot >= 0):
         pg = new_slot // KV_BLOCK_SIZE
         nc = pg * stride_kb + (new_slot % KV_BLOCK_SIZE) * stride_kt + kvh * stride_kh

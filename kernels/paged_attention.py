@@ -58,7 +58,7 @@ from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-e
     _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config, one_token_launch,
     one_token_stages,
 )
-from kernels.rope_inline import DecodeRope, rope_cos_sin, rope_rows
+from kernels.rope_inline import DecodeRope, add_new_key, rope_cos_sin, rope_rows
 
 LOG2E = 1.4426950408889634
 
@@ -261,16 +261,8 @@ def _paged_attention_kernel(
         last_tile = (kv_end - 1) // BLOCK_N
         owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
         if owner & (ctx_len < kv_end):
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
-            s_new = tl.where(row_ok, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_new = tl.exp2(s_new - m_safe)
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + p_new
-            p_lo = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)
-            acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
+            m_i, l_i, acc = add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, scale_log2,
+                                        v_ptr.dtype.element_ty)
         # Written after the loop: a cache store before it would order every tile's K/V
         # loads behind the new key (the compiler cannot rule out aliasing).
         if owner & (new_slot >= 0):

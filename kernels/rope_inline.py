@@ -76,3 +76,19 @@ def rope_rows(x_ptr, row_off, offs_d, row_ok, w_ptr, eps, cos, sin,
         xr = ((xr * rstd[:, None]).to(DT).to(tl.float32) * wr[None, :]).to(DT).to(tl.float32)
     sign = tl.where(offs_d < HALF, -1.0, 1.0)
     return (x * cos[None, :] + (sign[None, :] * xr) * sin[None, :]).to(DT)
+
+
+@triton.jit
+def add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, scale_log2, P_DT: tl.constexpr):
+    """The online softmax's step for the one new key held in registers (``k_new``/``v_new``
+    ``[1, D]``, rotated) against the query rows ``q`` ``[R, D]``: returns the updated
+    ``(m_i, l_i, acc)``, P rounded to ``P_DT`` as the tiles' P is (base-2 scores)."""
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+    s_new = tl.where(row_ok, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p_new = tl.exp2(s_new - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    p_lo = p_new.to(P_DT).to(tl.float32)
+    acc = acc * alpha[:, None] + p_lo[:, None] * v_new.to(tl.float32)[None, :]
+    return m_new, l_i * alpha + p_new, acc
