@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.decode_layer_phases import prefetch_block, store_rows
+from kernels.decode_layer_phases import input_chunk, prefetch_block, store_rows
 
 
 @triton.jit
@@ -39,18 +39,6 @@ def sum_squares_rows(x_ptr, r_ptr, s_out_ptr, pid, M, K, HAS_RES: tl.constexpr,
         sf = s.to(tl.float32)
         ss += tl.sum(sf * sf, 1)
     return ss
-
-
-@triton.jit
-def _input_chunk(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.constexpr, DT):
-    """``((x [+ r]) -> dtype [* g]) -> dtype`` for a ``[BLOCK_M, BLOCK_K]`` chunk at ``k0``."""
-    a = x
-    if HAS_RES:
-        a = (x.to(tl.float32) + r.to(tl.float32)).to(DT)
-    if NORM:
-        g = tl.load(g_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-        a = (a.to(tl.float32) * g[None, :]).to(DT)
-    return a
 
 
 @triton.jit
@@ -116,7 +104,7 @@ def skinny_phase(pid, P, M, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_
             if kc == 0:
                 prefetch_block(w_ptr, pid + (i // KT + AHEAD) * P, N_OUT, K, up_off, BLOCK_N,
                                ROW_MUL, TWO_RANGES, ESZ)
-        a = _input_chunk(xc, rc, g_ptr, k0, offs_k, K, HAS_RES, NORM, DT)
+        a = input_chunk(xc, rc, g_ptr, k0, offs_k, K, HAS_RES, NORM, DT)
         if UPCAST:  # the interpreter's bf16 tl.dot is wrong: same values in float32
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             if ACT:

@@ -79,15 +79,16 @@ def sum_squares(x_ptr, r_ptr, s_out_ptr, pid, K, HAS_RES: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _activation(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.constexpr, DT):
-    """The GEMV's input chunk at ``k0``: ``((x [+ r]) -> dtype [* g]) -> dtype``, float32."""
+def input_chunk(x, r, g_ptr, k0, offs_k, K, HAS_RES: tl.constexpr, NORM: tl.constexpr, DT):
+    """A GEMV's input chunk at column ``k0`` (``[BLOCK_K]``, or ``[rows, BLOCK_K]``):
+    ``((x [+ r]) -> dtype [* g]) -> dtype``."""
     a = x
     if HAS_RES:
         a = (x.to(tl.float32) + r.to(tl.float32)).to(DT)
     if NORM:
         g = tl.load(g_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
         a = (a.to(tl.float32) * g).to(DT)
-    return a.to(tl.float32)
+    return a
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
     r_nxt = x_nxt
     if HAS_RES:
         r_nxt = tl.load(r_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg")
-    a_one = _activation(x_nxt, r_nxt, g_ptr, 0, offs_k, K, HAS_RES, NORM, DT)
+    a_one = input_chunk(x_nxt, r_nxt, g_ptr, 0, offs_k, K, HAS_RES, NORM, DT).to(tl.float32)
     ss = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), 0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -179,7 +180,7 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
             x_nxt = tl.load(x_ptr + nk, mask=nk < K, other=0.0, cache_modifier=".cg")
             if HAS_RES:
                 r_nxt = tl.load(r_ptr + nk, mask=nk < K, other=0.0, cache_modifier=".cg")
-            af = _activation(xc, rc, g_ptr, k0, offs_k, K, HAS_RES, NORM, DT)[None, :]
+            af = input_chunk(xc, rc, g_ptr, k0, offs_k, K, HAS_RES, NORM, DT).to(tl.float32)[None, :]
         acc += w.to(tl.float32) * af
         if ACT:
             acc_u += wu.to(tl.float32) * af
