@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.decode_layer_phases import input_chunk, prefetch_block, store_rows
+from kernels.decode_layer_phases import input_chunk, prefetch_block, store_rows, weight_tile
 
 
 @triton.jit
@@ -61,13 +61,8 @@ def skinny_phase(pid, P, M, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_
     KT = tl.cdiv(K, BLOCK_K)
     n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     total = tl.cdiv(n_blocks - pid, P) * KT
-    rows = pid * BLOCK_N + offs_r
-    w_ok = (rows < N_OUT)[:, None] & (offs_k < K)[None, :]
-    w_row = w_ptr + (rows * ROW_MUL).to(tl.int64)[:, None] * K + offs_k[None, :]
-    w_nxt = tl.load(w_row, mask=w_ok, other=0.0)
-    wu_nxt = w_nxt
-    if ACT:
-        wu_nxt = tl.load(w_row + up_off * K, mask=w_ok, other=0.0)
+    w_nxt, wu_nxt, _ = weight_tile(w_ptr, pid, P, 0, total, N_OUT, K, up_off, BLOCK_N, BLOCK_K,
+                                   ROW_MUL, ACT)
     a_ok = m_ok[:, None] & (offs_k < K)[None, :]
     x_nxt = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=a_ok, other=0.0,
                     cache_modifier=".cg")
@@ -85,15 +80,8 @@ def skinny_phase(pid, P, M, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_
         wu = wu_nxt
         xc = x_nxt
         rc = r_nxt
-        j = i + 1
-        nrows = (pid + (j // KT) * P) * BLOCK_N + offs_r
-        nk = (j % KT) * BLOCK_K + offs_k
-        row_end = tl.where(j < total, N_OUT, 0)
-        n_ok = (nrows < row_end)[:, None] & (nk < K)[None, :]
-        n_row = w_ptr + (nrows * ROW_MUL).to(tl.int64)[:, None] * K + nk[None, :]
-        w_nxt = tl.load(n_row, mask=n_ok, other=0.0)
-        if ACT:
-            wu_nxt = tl.load(n_row + up_off * K, mask=n_ok, other=0.0)
+        w_nxt, wu_nxt, nk = weight_tile(w_ptr, pid, P, i + 1, total, N_OUT, K, up_off, BLOCK_N,
+                                        BLOCK_K, ROW_MUL, ACT)
         na_ok = m_ok[:, None] & (nk < K)[None, :]
         x_nxt = tl.load(x_ptr + offs_m[:, None] * K + nk[None, :], mask=na_ok, other=0.0,
                         cache_modifier=".cg")

@@ -115,6 +115,23 @@ def store_rows(y, y_u, y_ptr, rin_ptr, off, ok, DT: tl.constexpr, ACT: tl.conste
 
 
 @triton.jit
+def weight_tile(w_ptr, pid, P, step, total, N_OUT, K, up_off, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr):
+    """The weight tile(s) of this program's ``step``-th (row block, K chunk), zeros past
+    ``total`` steps: ``(w, w_up, columns)`` (``w_up`` is ``w`` without ``ACT``)."""
+    KT = tl.cdiv(K, BLOCK_K)
+    rows = (pid + (step // KT) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (step % KT) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < tl.where(step < total, N_OUT, 0))[:, None] & (cols < K)[None, :]
+    ptrs = w_ptr + (rows * ROW_MUL).to(tl.int64)[:, None] * K + cols[None, :]
+    w = tl.load(ptrs, mask=ok, other=0.0)
+    w_up = w
+    if ACT:
+        w_up = tl.load(ptrs + up_off * K, mask=ok, other=0.0)
+    return w, w_up, cols
+
+
+@triton.jit
 def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, K, up_off,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MUL: tl.constexpr,
                HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
@@ -139,13 +156,8 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
     KT = tl.cdiv(K, BLOCK_K)
     n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     total = tl.cdiv(n_blocks - pid, P) * KT  # this program's (row block, K chunk) steps
-    rows = pid * BLOCK_N + offs_r
-    w_ok = (rows < N_OUT)[:, None] & (offs_k < K)[None, :]
-    w_row = w_ptr + (rows * ROW_MUL).to(tl.int64)[:, None] * K + offs_k[None, :]
-    w_nxt = tl.load(w_row, mask=w_ok, other=0.0)
-    wu_nxt = w_nxt
-    if ACT:
-        wu_nxt = tl.load(w_row + up_off * K, mask=w_ok, other=0.0)
+    w_nxt, wu_nxt, _ = weight_tile(w_ptr, pid, P, 0, total, N_OUT, K, up_off, BLOCK_N, BLOCK_K,
+                                   ROW_MUL, ACT)
     x_nxt = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg")
     r_nxt = x_nxt
     if HAS_RES:
@@ -159,15 +171,9 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
         k0 = kc * BLOCK_K
         w = w_nxt
         wu = wu_nxt
-        j = i + 1  # the next step's tile, masked off past this program's last step
-        nrows = (pid + (j // KT) * P) * BLOCK_N + offs_r
-        nk = (j % KT) * BLOCK_K + offs_k
-        row_end = tl.where(j < total, N_OUT, 0)
-        n_ok = (nrows < row_end)[:, None] & (nk < K)[None, :]
-        n_row = w_ptr + (nrows * ROW_MUL).to(tl.int64)[:, None] * K + nk[None, :]
-        w_nxt = tl.load(n_row, mask=n_ok, other=0.0)
-        if ACT:
-            wu_nxt = tl.load(n_row + up_off * K, mask=n_ok, other=0.0)
+        # the next step's tile (none past this program's last step)
+        w_nxt, wu_nxt, nk = weight_tile(w_ptr, pid, P, i + 1, total, N_OUT, K, up_off, BLOCK_N,
+                                        BLOCK_K, ROW_MUL, ACT)
         if AHEAD > 0:
             if kc == 0:
                 prefetch_block(w_ptr, pid + (i // KT + AHEAD) * P, N_OUT, K, up_off, BLOCK_N,
