@@ -308,7 +308,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     group_p = triton.next_power_of_2(group)
     # batched: half the attention rows (the tensor-core phases need the registers)
     att_block_n = block_n or max(8, cfg["att_rows"] // (2 if batched else 1) // group_p)
-    n_splits = splits or max(1, min(MAX_SPLITS, p // (m * hk),
+    # not scaled down by the batch: one compiled variant for every batch size (a batch's
+    # M * HK * n_splits items are walked round-robin; splits past a row's length skip)
+    n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
                                     triton.cdiv(max_seq_len_upper_bound, att_block_n)))
     bars = grid_sync.counters(dev, N_BARRIERS + 1 + m * hk)
     if bars is None:

@@ -1,7 +1,8 @@
 """The one-launch decoder layer (``kernels.decode_layer``) on CUDA (``-m gpu``), at the
 Qwen3-0.6B and Llama-3.1-8B layer shapes.
 
-* One launch (grid barriers, PDL) equals the same kernel run one launch a phase, bit for bit:
+* One launch (grid barriers, PDL) equals the same kernel run one launch a phase, bit for bit
+  (the Qwen3-0.6B shape; every batch size shares one compiled variant):
   the programs do the same work in the same order, so any barrier that lets a phase read
   data before every program has stored it shows up as a difference.
 * Both are within bf16 noise of the float64 reference; the new K/V land in their slots.
@@ -26,6 +27,7 @@ SHAPES = {  # hq, hk, head_dim, hidden, intermediate, q/k norm
 }
 BOUND, BS = 4096, 16
 CHAIN_LENS = (300, 1, 2049, 4096)  # captured at the first, replayed at all
+PHASED_SHAPE = "qwen3-0.6b"  # the shape also run one launch a phase
 
 
 def _weights(shape, seed):
@@ -118,10 +120,13 @@ def test_one_launch_equals_phased_and_reference(shape, seq_lens, monkeypatch):
     res = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     with no_sync():
         one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, **step)
-        phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True, **step)
+        if shape == PHASED_SHAPE:  # (compiling five more variants for one shape is enough)
+            phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True,
+                                         **step)
     torch.cuda.synchronize()
-    assert torch.equal(one[0], phased[0]) and torch.equal(one[1], phased[1])
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    if shape == PHASED_SHAPE:
+        assert torch.equal(one[0], phased[0]) and torch.equal(one[1], phased[1])
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert _counters_zero()
 
     w64 = w._replace(**{f: getattr(w, f).double() for f in
