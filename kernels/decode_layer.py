@@ -112,7 +112,7 @@ class LayerWeights(NamedTuple):
     qk_eps: float = 1e-6
 
 
-@triton.jit(do_not_specialize=["kv_cap"])
+@triton.jit(do_not_specialize=["kv_cap", "M"])  # M: every batch size, one variant
 def _decode_layer_kernel(
     x_ptr, res_ptr, ln1_ptr, wqkv_ptr, wqkv_next_ptr, qkv_ptr, r1_ptr,
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
@@ -141,10 +141,10 @@ def _decode_layer_kernel(
     if RUN_A:  # weights, cached keys, lengths: none written by the kernel before: before the wait
         prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, (PREFETCH & 1) != 0)
         prefetch_lead(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, AHEAD_QKV)
-        prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, stride_kb,
-                    stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, HK, HEAD_DIM,
-                    KV_BLOCK_SIZE, SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES,
-                    (PREFETCH & 2) != 0)
+        prefetch_kv(pid, P, M, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, HK,
+                    HEAD_DIM, KV_BLOCK_SIZE, SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES,
+                    BATCHED, (PREFETCH & 2) != 0)
     wait_only(USE_PDL)
 
     if RUN_A:
@@ -327,10 +327,12 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]), block_table.shape[1])
     if batched:  # tensor-core tiles: 16 padded rows x BATCH_BLOCK_N weight rows
         bk = lambda k: min(BATCH_BLOCK_K, max(16, triton.next_power_of_2(k)))  # noqa: E731
-        bn_qkv, bk_qkv = BATCH_BLOCK_N, bk(h)
-        bn_o, bk_o = BATCH_BLOCK_N, bk(hq * d)
-        bn_gu, bk_gu = BATCH_BLOCK_N // 2, bk(h)
-        bn_d, bk_d = BATCH_BLOCK_N, bk(inter)
+        # 16 weight rows where 32 would leave programs without a row block (0.6B o_proj, down)
+        bn = lambda n: BATCH_BLOCK_N if triton.cdiv(n, BATCH_BLOCK_N) >= p else 16  # noqa: E731
+        bn_qkv, bk_qkv = bn(n_qkv), bk(h)
+        bn_o, bk_o = bn(h), bk(hq * d)
+        bn_gu, bk_gu = 16, bk(h)
+        bn_d, bk_d = bn(h), bk(inter)
     else:
         bn_qkv, bk_qkv = _blocks(h, 1, cfg)
         bn_o, bk_o = _blocks(hq * d, 1, cfg)
@@ -340,7 +342,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     prefetch = bool(cfg["prefetch"]) and not interpreted and pdl.rows_prefetchable(x, *mats) \
         and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
     budget = _l2_bytes(dev) // 2 if prefetch else 0
-    pf_bits = prefetch_bits(w, budget) & ~(2 if batched else 0)  # K/V: request 0's only
+    pf_bits = prefetch_bits(w, budget)
     # K/V rows: what L2 holds besides the weights prefetched while attention reads them
     live = sum(m.numel() * m.element_size() for bit, m in ((4, w.o), (8, w.gate_up))
                if pf_bits & bit)

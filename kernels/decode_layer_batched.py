@@ -25,7 +25,7 @@ def sum_squares_rows(x_ptr, r_ptr, s_out_ptr, pid, M, K, HAS_RES: tl.constexpr,
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    store_rows = tl.where(pid == 0, M, 0)
+    stored = tl.where(pid == 0, M, 0)  # program 0 stores the rows
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -35,7 +35,7 @@ def sum_squares_rows(x_ptr, r_ptr, s_out_ptr, pid, M, K, HAS_RES: tl.constexpr,
         if HAS_RES:
             s = (s.to(tl.float32) + tl.load(r_ptr + off, mask=ok, other=0.0,
                                             cache_modifier=".cg").to(tl.float32)).to(DT)
-        tl.store(s_out_ptr + off, s, mask=ok & (offs_m < store_rows)[:, None])
+        tl.store(s_out_ptr + off, s, mask=ok & (offs_m < stored)[:, None])
         sf = s.to(tl.float32)
         ss += tl.sum(sf * sf, 1)
     return ss

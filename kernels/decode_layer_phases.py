@@ -216,37 +216,65 @@ def split_plan(seq_ptr, kv_cap, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def prefetch_kv(pid, P, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget,
+def _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, kvh, lo, hi, stride_kb, stride_kt, stride_kh,
+                       stride_vb, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
+                       KV_BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr,
+                       LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr):
+    """K/V rows ``[lo, hi)`` of KV head ``kvh`` (block-table row ``bt_ptr``) into L2."""
+    offs = tl.arange(0, SPAN)
+    offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS
+    for p0 in range(lo, hi, SPAN):
+        pos = p0 + offs
+        ok = pos < hi
+        page = tl.load(bt_ptr + pos // KV_BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        in_page = pos % KV_BLOCK_SIZE
+        l_ok = ok[:, None] & (offs_l < HEAD_DIM)[None, :]
+        k_row = page * stride_kb + in_page * stride_kt + kvh * stride_kh
+        prefetch_lines_l2(k_ptr + k_row[:, None] + offs_l[None, :], l_ok)
+        v_row = page * stride_vb + in_page * stride_vt + kvh * stride_vh
+        prefetch_lines_l2(v_ptr + v_row[:, None] + offs_l[None, :], l_ok)
+
+
+@triton.jit
+def prefetch_kv(pid, P, M, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, stride_bt,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
-                LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, ENABLED: tl.constexpr):
-    """Every cached K/V row of this program's attention items into L2 (``SPAN`` keys a
-    round: one block-table load, then one line prefetch per row line). Those keys were
-    written by earlier steps and the lengths and block table before the step's first
-    layer, so this may run before the PDL wait; the attention's tile loads then hit L2
-    instead of each paying an HBM round trip. Skipped (on the device) past ``kv_budget``
-    cached keys: more would evict the weights prefetched for the next phases."""
+                LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, BATCHED: tl.constexpr,
+                ENABLED: tl.constexpr):
+    """Every cached K/V row of this program's attention items (the same items as
+    ``attention_phase``'s) into L2 (``SPAN`` keys a round: one block-table load, then one
+    line prefetch per row line). Those keys were written by earlier steps and the lengths
+    and block table before the step's first layer, so this may run before the PDL wait;
+    the attention's tile loads then hit L2 instead of each paying an HBM round trip.
+    Skipped (on the device) for a request past ``kv_budget`` cached keys (batched: ``M``
+    times its keys): more would evict the weights prefetched for the next phases."""
     if ENABLED:
-        ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
-            seq_ptr, kv_cap, SPLITS, BLOCK_N)
-        used = tl.where(cached_end <= kv_budget, used, 0)
-        offs = tl.arange(0, SPAN)
-        offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS
-        for item in range(pid, HK * used, P):
-            kvh = item // used
-            lo = (item % used) * per_split * BLOCK_N
-            hi = tl.minimum(lo + per_split * BLOCK_N, cached_end)
-            for p0 in range(lo, hi, SPAN):
-                pos = p0 + offs
-                ok = pos < hi
-                page = tl.load(bt_ptr + pos // KV_BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-                in_page = pos % KV_BLOCK_SIZE
-                l_ok = ok[:, None] & (offs_l < HEAD_DIM)[None, :]
-                k_row = page * stride_kb + in_page * stride_kt + kvh * stride_kh
-                prefetch_lines_l2(k_ptr + k_row[:, None] + offs_l[None, :], l_ok)
-                v_row = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-                prefetch_lines_l2(v_ptr + v_row[:, None] + offs_l[None, :], l_ok)
+        if BATCHED:
+            for item in range(pid, M * HK * SPLITS, P):
+                req = item // (HK * SPLITS)
+                ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+                    seq_ptr + req, kv_cap, SPLITS, BLOCK_N)
+                split = item % SPLITS
+                if (split < used) & (cached_end * M <= kv_budget):
+                    lo = split * per_split * BLOCK_N
+                    _prefetch_kv_range(k_ptr, v_ptr, bt_ptr + req * stride_bt,
+                                       (item // SPLITS) % HK, lo,
+                                       tl.minimum(lo + per_split * BLOCK_N, cached_end),
+                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                       stride_vh, HEAD_DIM, KV_BLOCK_SIZE, SPAN, LINE_ELEMS,
+                                       ROW_LINES)
+        else:
+            ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
+                seq_ptr, kv_cap, SPLITS, BLOCK_N)
+            used = tl.where(cached_end <= kv_budget, used, 0)
+            for item in range(pid, HK * used, P):
+                lo = (item % used) * per_split * BLOCK_N
+                _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, item // used, lo,
+                                   tl.minimum(lo + per_split * BLOCK_N, cached_end),
+                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                   stride_vh, HEAD_DIM, KV_BLOCK_SIZE, SPAN, LINE_ELEMS,
+                                   ROW_LINES)
 
 
 @triton.jit

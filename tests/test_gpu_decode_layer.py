@@ -194,3 +194,36 @@ def test_a_grid_too_big_to_be_resident_trips_the_watchdog_instead_of_hanging():
     assert got is not None and grid_sync.barrier_timeouts(dev) > before
     for buf in grid_sync._COUNTERS.values():
         buf.zero_()  # the counters of a broken launch are not trusted
+
+
+def test_padded_rows_leave_real_rows_and_the_cache_alone(monkeypatch):
+    """Sixteen rows as a padded CUDA graph runs them: ten real requests and six padding rows
+    (length 1, slot -1, a stale block-table row and position, NaN inputs). The real rows'
+    outputs and the cache equal a run of the ten alone; nothing of the padding leaks."""
+    from kernels.decode_layer import decode_layer_triton
+
+    monkeypatch.setenv("SYNCLESS_PDL", "auto")
+    w = _weights("qwen3-0.6b", seed=3)
+    hk, d, h = w.num_kv_heads, w.head_dim, w.qkv.shape[1]
+    real = [17, 4000, 1, 300, 2049, 64, 65, 1000, 2, 513]
+    step, caches = _step(real + [1] * 6, hk, d, 1, seed=4)
+    step["slot_mapping"][10:] = -1
+    step["positions"][10:] = 777
+    step["block_table"][10:] = step["block_table"][0]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(16, h, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(16, h, device="cuda", generator=g).to(torch.bfloat16)
+    x[10:] = float("nan")
+    kc, vc = caches[0]
+    kc10, vc10 = kc.clone(), vc.clone()
+    step10 = {k: (v[:10] if torch.is_tensor(v) and k != "cos_sin_cache" else v)
+              for k, v in step.items()}
+    with no_sync():
+        out16 = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, **step)
+        out10 = decode_layer_triton(x[:10], res[:10], w, k_cache=kc10, v_cache=vc10, **step10)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kc10) and torch.equal(vc, vc10)
+    for a, b in zip(out16, out10):
+        assert not a[:10].isnan().any()
+        torch.testing.assert_close(a[:10], b, atol=0, rtol=0)
+    assert _counters_zero()

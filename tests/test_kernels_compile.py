@@ -172,8 +172,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched)
                  SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=(32 if batched else 64) // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
                  SYNC=phase is None,
-                 PREFETCH=((29 if batched else 31) if shape[0] == "q" else 0 if batched else 2)
-                 if phase is None else 0,
+                 PREFETCH=(31 if shape[0] == "q" else 2) if phase is None else 0,
                  PREFETCH_NEXT=phase is None, ESZ=2,
                  USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2,
                  POLL_LOAD=phase is None, SS_BLOCK=512 if batched else 4096,
@@ -191,7 +190,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched)
     for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "griddepcontrol.wait",
                    "griddepcontrol.launch_dependents"):
         assert (needle in ptx) == one_launch, needle
-    assert ("prefetch.global.L2" in ptx) == (one_launch and not batched)  # request 0's K/V
+    assert ("prefetch.global.L2" in ptx) == one_launch  # K/V rows
     assert ("mma.sync" in ptx or "wgmma" in ptx) == batched  # batched GEMVs on tensor cores
     regs, spills = _resource_usage(compiled.asm["cubin"])
     assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
