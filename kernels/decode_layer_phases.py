@@ -201,16 +201,25 @@ def gemv_phase(pid, P, x_ptr, r_ptr, g_ptr, rstd, w_ptr, y_ptr, rin_ptr, N_OUT, 
 
 
 @triton.jit
-def split_plan(seq_ptr, kv_cap, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How the attention splits request 0's keys: ``(ctx_len, kv_end, num_tiles, per_split,
-    used, cached_end)``. ``used`` splits of ``per_split`` tiles each (at most one split a
-    tile) cover the real length; keys ``[0, cached_end)`` are in the cache, the new one
-    (position ``ctx_len``) comes from this step's projection."""
+def batch_splits(P, M, HK, SPLITS: tl.constexpr):
+    """Splits a request may use in a batch of ``M``: as many as keep the ``M * HK * splits``
+    items to about one a program (at least 1, at most the compiled ``SPLITS``). Decided on
+    the device from the runtime ``M``, so every batch size shares one compiled variant."""
+    return tl.maximum(1, tl.minimum(P // (M * HK), SPLITS))
+
+
+@triton.jit
+def split_plan(seq_ptr, kv_cap, splits, BLOCK_N: tl.constexpr):
+    """How the attention splits a request's keys (``*seq_ptr`` of them) into at most
+    ``splits``: ``(ctx_len, kv_end, num_tiles, per_split, used, cached_end)``. ``used``
+    splits of ``per_split`` tiles each (at most one split a tile) cover the real length;
+    keys ``[0, cached_end)`` are in the cache, the new one (position ``ctx_len``) comes
+    from this step's projection."""
     seq_len = tl.load(seq_ptr)
     ctx_len = tl.maximum(seq_len - 1, 0)  # keys before the new one
     kv_end = tl.minimum(ctx_len + 1, kv_cap)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, SPLITS))
+    per_split = tl.cdiv(num_tiles, tl.minimum(num_tiles, splits))
     used = tl.cdiv(num_tiles, per_split)
     return ctx_len, kv_end, num_tiles, per_split, used, tl.minimum(ctx_len, kv_end)
 
@@ -251,15 +260,16 @@ def prefetch_kv(pid, P, M, k_ptr, v_ptr, bt_ptr, seq_ptr, kv_cap, kv_budget, str
     times its keys): more would evict the weights prefetched for the next phases."""
     if ENABLED:
         if BATCHED:
-            for item in range(pid, M * HK * SPLITS, P):
-                req = item // (HK * SPLITS)
+            sc = batch_splits(P, M, HK, SPLITS)
+            for item in range(pid, M * HK * sc, P):
+                req = item // (HK * sc)
                 ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
-                    seq_ptr + req, kv_cap, SPLITS, BLOCK_N)
-                split = item % SPLITS
+                    seq_ptr + req, kv_cap, sc, BLOCK_N)
+                split = item % sc
                 if (split < used) & (cached_end * M <= kv_budget):
                     lo = split * per_split * BLOCK_N
                     _prefetch_kv_range(k_ptr, v_ptr, bt_ptr + req * stride_bt,
-                                       (item // SPLITS) % HK, lo,
+                                       (item // sc) % HK, lo,
                                        tl.minimum(lo + per_split * BLOCK_N, cached_end),
                                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                        stride_vh, HEAD_DIM, KV_BLOCK_SIZE, SPAN, LINE_ELEMS,
@@ -404,18 +414,19 @@ def attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, 
     float32 partial; the last split of a (request, KV head) to arrive merges its group's
     heads into ``attn`` and re-arms its counter. Splits cover each row's *real* length
     (device ``seq_lens``): a short row uses fewer items. ``BATCHED`` (``M`` requests):
-    items ``(request, KV head, split < SPLITS)``, the unused ones skipped; otherwise
+    items ``(request, KV head, split < batch_splits)``, the unused ones skipped; otherwise
     (request 0 alone) only the used items are walked."""
     HALF: tl.constexpr = HEAD_DIM // 2
     NQKV: tl.constexpr = (HQ + 2 * HK) * HEAD_DIM
     offs_d = tl.arange(0, HEAD_DIM)
-    if BATCHED:
-        for item in range(pid, M * HK * SPLITS, P):
-            req = item // (HK * SPLITS)
-            kvh = (item // SPLITS) % HK
-            split = item % SPLITS
+    if BATCHED:  # about one item a program: at most batch_splits splits a request
+        sc = batch_splits(P, M, HK, SPLITS)
+        for item in range(pid, M * HK * sc, P):
+            req = item // (HK * sc)
+            kvh = (item // sc) % HK
+            split = item % sc
             ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
-                seq_ptr + req, kv_cap, SPLITS, BLOCK_N)
+                seq_ptr + req, kv_cap, sc, BLOCK_N)
             if split < used:
                 new_pos = tl.load(pos_ptr + req).to(tl.int64)
                 new_slot = tl.load(slot_ptr + req).to(tl.int64)
