@@ -1,12 +1,12 @@
-"""One launch for a whole decoder layer at batch 1: a persistent kernel with grid barriers.
+"""One launch for a whole decoder layer in decode: a persistent kernel with grid barriers.
 
 Why: a batch-1 decode step of a small model is ~150 short kernels, and each pays a fixed
 cost (launch, CTA ramp, drain, the first DRAM round trip) that its few MB of weights cannot
 hide. Qwen3-0.6B on the H200 ran at 2.6x its roofline with attention removed altogether
 (notes/2026-12-04h-h200-results.md): the five launches of a layer, not their bytes, set the
 pace. Here one program an SM runs the layer's phases, separated by grid barriers
-(``kernels.grid_sync``), and bulk-prefetches the next phase's weight rows into L2 while the
-current one runs, so HBM keeps streaming across the phase boundaries:
+(``kernels.grid_sync``), and bulk-prefetches weight rows into L2 ahead of the phase that
+reads them, so HBM keeps streaming across the phase boundaries:
 
   A  ``qkv = rms_norm(x + residual) @ Wqkv^T`` (each program computes ``rstd`` itself;
      program 0 stores the new residual ``r1``)
@@ -16,17 +16,27 @@ current one runs, so HBM keeps streaming across the phase boundaries:
   D  ``act = silu_and_mul(rms_norm(r2) @ Wgu^T)``
   E  ``out = act @ Wd^T``; the layer returns ``(out, r2)`` as the multi-launch path does.
 
-The last two phases also prefetch the next layer's QKV rows (``next_qkv``): its launch
-cannot start early enough to do that itself, since a program of this kernel fills an SM's
-registers. The grid never exceeds what is resident at once (one program an SM), which a grid barrier
-needs. With PDL the kernel prefetches its QKV rows before ``gdc_wait`` and releases the
-next launch before its last phase (as ``kernels.mlp_block``: a dependent that launches
-earlier would sit on SM slots and prefetch into L2 while three phases still need it). The interpreter (and ``phased=True``) runs each phase as its own launch with
-the barriers compiled out: same device code, sequential programs. No host syncs: the
-split count comes from the CPU length bound, the real length from ``seq_lens``.
+Prefetching: a weight of at most half of L2 is prefetched whole one phase ahead (a small
+model's four); bigger ones stream with ``ahead`` row blocks prefetched ahead of the row
+block being read; the K/V rows of a program's attention items before the PDL wait; and
+the next layer's QKV rows in phase C (its launch cannot do that early itself: a program
+of this kernel fills an SM's registers, so the next one starts as ours exit).
+
+Batches: ``M`` <= ``MAX_BATCH`` tokens, one a request (a decode step), take the same kernel
+with the GEMV phases on 16-row tensor-core tiles (``kernels.decode_layer_batched``) and
+attention items per (request, KV head, split); ``M`` is not specialised, so every batch
+size runs one compiled variant.
+
+The grid never exceeds what is resident at once (one program an SM), which a grid barrier
+needs. With PDL (batch 1) the kernel waits up front and releases the next launch before
+its last phase, as ``kernels.mlp_block`` does. The interpreter (and ``phased=True``) runs
+each phase as its own launch with the barriers compiled out: same device code,
+sequential programs. No host syncs: the split count comes from the CPU length bound, the
+real lengths from ``seq_lens``.
 
 ``SYNCLESS_DECODE_LAYER=1`` (default off until an H200 run shows it faster) makes the Llama
-family's decoder layer use it at batch 1 (tensor parallelism 1, no biases, 16-bit, CUDA).
+family's decoder layer use it for decode steps of up to ``MAX_BATCH`` requests (tensor
+parallelism 1, no biases, CUDA; elsewhere its reference).
 """
 
 from __future__ import annotations
