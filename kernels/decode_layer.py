@@ -322,7 +322,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     # M * HK * n_splits items are walked round-robin; splits past a row's length skip)
     n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
                                     triton.cdiv(max_seq_len_upper_bound, att_block_n)))
-    bars = grid_sync.counters(dev, N_BARRIERS + 1 + m * hk)
+    # sized for the largest batch at once: a bigger buffer first asked for inside a graph
+    # capture could not be made, and the layer would fall back to the op-by-op path there
+    bars = grid_sync.counters(dev, N_BARRIERS + 1 + MAX_BATCH * hk)
     if bars is None:
         return None
     phased = interpreted if phased is None else (phased or interpreted)
