@@ -180,10 +180,11 @@ def _decode_layer_kernel(
                       ESZ, AHEAD_GU)
         attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr,
                         cs_ptr, qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr,
-                        bar_ptr + _NB + 1, kv_cap, qk_eps, scale_log2, stride_cs, stride_bt,
-                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                        HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
-                        ATT_BLOCK_N, Q_NORM, K_NORM, BATCHED)
+                        bar_ptr + _NB + 1, kv_cap, kv_budget, qk_eps, scale_log2, stride_cs,
+                        stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                        stride_vh, HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS,
+                        SPLITS_P, ATT_BLOCK_N, Q_NORM, K_NORM, BATCHED, (PREFETCH & 2) != 0,
+                        KV_SPAN, LINE_ELEMS, ROW_LINES)
     grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
 
     if RUN_C:

@@ -311,10 +311,13 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
                  HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
                  KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                  SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                 Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
+                 Q_NORM: tl.constexpr, K_NORM: tl.constexpr, roll, ROLL_OK: tl.constexpr,
+                 SPAN: tl.constexpr, LINE_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr):
     """One ``(KV head, split)`` item of one request (every pointer already at the request's
     row; a split's partials ``part_ss`` / ``lse_ss`` elements apart): see
-    ``attention_phase``."""
+    ``attention_phase``. ``roll`` (its keys were not prefetched before the wait: too many
+    for L2): the item prefetches its own K/V rows into L2, ``SPAN`` keys ahead of the tile
+    it reads, so that many keys stream at once instead of one tile's."""
     DT = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
     last_tile = (kv_end - 1) // BLOCK_N
@@ -335,10 +338,25 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+    CH: tl.constexpr = SPAN // BLOCK_N  # tiles a rolling prefetch covers
+    end = tl.minimum(tile_hi * BLOCK_N, cached_end)
+    if ROLL_OK:
+        if roll:  # the first SPAN keys now, each next SPAN as the tiles reach the last one
+            _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, kvh, tile_lo * BLOCK_N,
+                               tl.minimum(tile_lo * BLOCK_N + SPAN, end), stride_kb,
+                               stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                               HEAD_DIM, KV_BLOCK_SIZE, SPAN, LINE_ELEMS, ROW_LINES)
     k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, tile_lo, tile_hi, cached_end, kvh, offs_n,
                             offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                             stride_vh, KV_BLOCK_SIZE, BLOCK_N)
     for t in range(tile_lo, tile_hi):
+        if ROLL_OK:
+            if roll & ((t - tile_lo) % CH == 0):
+                ahead = (t + CH) * BLOCK_N
+                _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, kvh, ahead,
+                                   tl.minimum(ahead + SPAN, end), stride_kb, stride_kt,
+                                   stride_kh, stride_vb, stride_vt, stride_vh, HEAD_DIM,
+                                   KV_BLOCK_SIZE, SPAN, LINE_ELEMS, ROW_LINES)
         kv_pos = t * BLOCK_N + offs_n
         kv_ok = kv_pos < cached_end
         k = k_nxt
@@ -401,12 +419,14 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
 @triton.jit
 def attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr,
                     qw_ptr, kw_ptr, part_ptr, lse_ptr, attn_ptr, cnt_ptr,
-                    kv_cap, qk_eps, scale_log2, stride_cs, stride_bt,
+                    kv_cap, kv_budget, qk_eps, scale_log2, stride_cs, stride_bt,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                     SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, BATCHED: tl.constexpr):
+                    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, BATCHED: tl.constexpr,
+                    ROLL_OK: tl.constexpr, SPAN: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                    ROW_LINES: tl.constexpr):
     """One query token a request over its paged KV: this program's ``(request, KV head,
     split)`` items. The step's ``qkv`` rows are raw (un-normalised, un-rotated); the split
     holding a row's last tile adds the new key from registers and writes the new K/V to
@@ -439,7 +459,8 @@ def attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, 
                              M * (HQ * HEAD_DIM), M * HQ, qk_eps, scale_log2,
                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                              HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
-                             BLOCK_N, Q_NORM, K_NORM)
+                             BLOCK_N, Q_NORM, K_NORM, cached_end * M > kv_budget, ROLL_OK,
+                             SPAN, LINE_ELEMS, ROW_LINES)
     else:
         ctx_len, kv_end, num_tiles, per_split, used, cached_end = split_plan(
             seq_ptr, kv_cap, SPLITS, BLOCK_N)
@@ -453,4 +474,5 @@ def attention_phase(pid, P, M, qkv_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, 
                          HQ * HEAD_DIM, HQ, qk_eps, scale_log2,
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                          HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS, SPLITS_P,
-                         BLOCK_N, Q_NORM, K_NORM)
+                         BLOCK_N, Q_NORM, K_NORM, cached_end > kv_budget, ROLL_OK, SPAN,
+                         LINE_ELEMS, ROW_LINES)
