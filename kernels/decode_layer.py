@@ -353,11 +353,11 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         bn_d, bk_d = _blocks(inter, 1, cfg)
     mats = (w.qkv, w.o, w.gate_up, w.down)
     prefetch = bool(cfg["prefetch"]) and not interpreted and pdl.rows_prefetchable(x, *mats) \
-        and all((m.shape[1] * m.element_size()) % 16 == 0 for m in mats)
+        and all((t.shape[1] * t.element_size()) % 16 == 0 for t in mats)
     budget = _l2_bytes(dev) // 2 if prefetch else 0
     pf_bits = prefetch_bits(w, budget)
     # K/V rows: what L2 holds besides the weights prefetched while attention reads them
-    live = sum(m.numel() * m.element_size() for bit, m in ((4, w.o), (8, w.gate_up))
+    live = sum(t.numel() * t.element_size() for bit, t in ((4, w.o), (8, w.gate_up))
                if pf_bits & bit)
     kv_budget = max(0, 3 * budget // 2 - live) // (2 * hk * d * k_cache.element_size())
     ahead = {bit: 0 if (pf_bits & bit or not prefetch) else cfg["ahead"]
