@@ -8,7 +8,8 @@ Real ``DecoderLayer`` modules of the Qwen3-0.6B and Llama-3.1-8B shapes (random 
 batches of 1 and 8 requests (one token each) at context 512 and 4096, timed as CUDA-graph replays of a chain through enough
 layer copies that their weights exceed L2 (every layer streams from HBM; each layer's
 ``next_layer`` is the following copy, as in the model). Reports us a layer and the
-effective bandwidth (weights + the KV read, over the time).
+effective bandwidth (weights + the KV read, over the time), and where a launch of the
+default config spends its time (per-program timestamps between phases and barriers).
 """
 
 from __future__ import annotations
@@ -72,6 +73,42 @@ def _step(batch: int, ctx: int, num_kv_heads: int, head_dim: int, copies: int):
     return meta, kvs
 
 
+def _profile_phases(layers, h, res, meta, kvs, cs, copies: int) -> dict:
+    """One eager chain through the layer copies with per-program timestamps
+    (``decode_layer_triton(profile=)``): for each stretch between two stamps, the median
+    over programs and layers (ns), and the median whole-launch span (first start to last
+    end)."""
+    from kernels import pdl
+    from kernels.decode_layer import PROFILE_STAMPS, decode_layer_triton
+
+    p = pdl.sm_count(h.device)
+    bufs = torch.zeros(copies, p, 32, dtype=torch.int64, device=h.device)
+    with pdl.step_tokens(h.shape[0]):
+        for i in range(copies):
+            nxt = layers[(i + 1) % copies].self_attn.qkv_proj.weight
+            decode_layer_triton(h, res, layers[i].layer_weights(), meta.positions, cs, *kvs[i],
+                                meta.slot_mapping, meta.block_table, meta.seq_lens,
+                                meta.max_seq_len_upper_bound, layers[i].self_attn.scale,
+                                next_qkv=nxt, profile=bufs[i])
+    torch.cuda.synchronize()
+    return summarize_profile(bufs[:, :, : len(PROFILE_STAMPS)].cpu())
+
+
+def summarize_profile(ns: torch.Tensor) -> dict:
+    """``ns``: ``[launches, programs, stamps]`` timestamps (``PROFILE_STAMPS`` order). For
+    each stretch between consecutive stamps, its median and max over every program of every
+    launch; and the median over launches of the span from the first start to the last end."""
+    from kernels.decode_layer import PROFILE_STAMPS
+
+    ns = ns.double()
+    steps = ns[:, :, 1:] - ns[:, :, :-1]
+    names = [f"{a} -> {b}" for a, b in zip(PROFILE_STAMPS, PROFILE_STAMPS[1:])]
+    span = ns[:, :, -1].amax(1) - ns[:, :, 0].amin(1)
+    return {"stretch_ns_median": dict(zip(names, steps.flatten(0, 1).median(0).values.tolist())),
+            "stretch_ns_max": dict(zip(names, steps.amax((0, 1)).tolist())),
+            "span_ns_median": float(span.median())}
+
+
 def bench_decode_layer() -> list[dict]:
     from kernels import pdl
     from kernels.decode_layer import CONFIG_ENV
@@ -110,6 +147,17 @@ def bench_decode_layer() -> list[dict]:
                     row["one_launch"].append({**cand, "error": repr(e)[:300]})
             ok = [c for c in row["one_launch"] if "us" in c]
             row["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+            try:
+                with_env = lambda fn: _with_env("SYNCLESS_PDL", "auto", fn)  # noqa: E731
+                row["profile"] = with_env(lambda: _profile_phases(layers, h, res, meta, kvs, cs,
+                                                                   copies))
+                prof = row["profile"]["stretch_ns_median"]
+                print(f"  phases (median ns a program): "
+                      + ", ".join(f"{k.split(' -> ')[1]} {v:.0f}" for k, v in prof.items())
+                      + f"; launch span {row['profile']['span_ns_median'] / 1e3:.2f} us",
+                      flush=True)
+            except Exception as e:  # profiling is extra: never lose the timings for it
+                row["profile"] = {"error": repr(e)[:300]}
             rows.append(row)
             tb = lambda us: (wbytes + kv_bytes) / us / 1e6  # noqa: E731
             base, best = row["op_by_op_us"], row["best"]

@@ -53,7 +53,7 @@ from kernels import grid_sync, pdl
 from kernels.decode_layer_batched import skinny_phase, sum_squares_rows
 from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_lead,
                                          prefetch_rows, sum_squares)
-from kernels.grid_sync import grid_barrier, rearm_counters
+from kernels.grid_sync import grid_barrier, rearm_counters, stamp
 from kernels.paged_attention import row_lines
 from kernels.pdl import release_only, wait_only
 
@@ -61,6 +61,10 @@ LOG2E = 1.4426950408889634
 N_BARRIERS = 4  # counters 0..3: after phases A, B, C, D; 4: the exit count; 5..: KV heads
 _NB = tl.constexpr(N_BARRIERS)  # the same, for the kernel
 MAX_SPLITS = 32
+# What each of a program's 11 profile stamps marks (``profile=``); columns 16-26 hold the
+# same moments in SM clock cycles (``%clock64``), 0-10 in ns (``%globaltimer``).
+PROFILE_STAMPS = ("start", "waited", "A done", "barrier 0", "B done", "barrier 1", "C done",
+                  "barrier 2", "D done", "barrier 3", "E done")
 MAX_BATCH = 16  # tokens (one a request): the batched phases pad them to one 16-row MMA tile
 BATCH_BLOCK_N, BATCH_BLOCK_K = 32, 256  # batched GEMV tiles (gate|up: 16 rows each half)
 # Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
@@ -127,7 +131,7 @@ def _decode_layer_kernel(
     x_ptr, res_ptr, ln1_ptr, wqkv_ptr, wqkv_next_ptr, qkv_ptr, r1_ptr,
     k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     part_ptr, lse_ptr, attn_ptr, wo_ptr, r2_ptr, ss_ptr, ln2_ptr, wgu_ptr, act_ptr,
-    wd_ptr, out_ptr, bar_ptr, err_ptr,
+    wd_ptr, out_ptr, bar_ptr, err_ptr, prof_ptr,
     M, H, N_QKV, INTER, gu_up_off, kv_cap, kv_budget, eps, qk_eps, scale_log2, stride_cs,
     stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
@@ -143,10 +147,11 @@ def _decode_layer_kernel(
     SS_BLOCK: tl.constexpr, AHEAD_QKV: tl.constexpr, AHEAD_O: tl.constexpr,
     AHEAD_GU: tl.constexpr, AHEAD_D: tl.constexpr,
     BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PROFILE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    stamp(prof_ptr, pid, 0, PROFILE)
     HD: tl.constexpr = HQ * HEAD_DIM
     if RUN_A:  # weights, cached keys, lengths: none written by the kernel before: before the wait
         prefetch_rows(wqkv_ptr, pid, P, N_QKV, H, 0, BN_QKV, 1, False, ESZ, (PREFETCH & 1) != 0)
@@ -156,6 +161,7 @@ def _decode_layer_kernel(
                     HEAD_DIM, KV_BLOCK_SIZE, SPLITS, ATT_BLOCK_N, KV_SPAN, LINE_ELEMS, ROW_LINES,
                     BATCHED, (PREFETCH & 2) != 0)
     wait_only(USE_PDL)
+    stamp(prof_ptr, pid, 1, PROFILE)
 
     if RUN_A:
         prefetch_rows(wo_ptr, pid, P, H, HD, 0, BN_O, 1, False, ESZ, (PREFETCH & 4) != 0)
@@ -171,7 +177,9 @@ def _decode_layer_kernel(
             gemv_phase(pid, P, x_ptr, res_ptr, ln1_ptr, tl.rsqrt(ss1 / H + eps), wqkv_ptr,
                        qkv_ptr, x_ptr, N_QKV, H, 0, BN_QKV, BK_QKV, 1, HAS_RES, True, False,
                        False, AHEAD_QKV, ESZ)
+    stamp(prof_ptr, pid, 2, PROFILE)
     grid_barrier(bar_ptr + 0, P, err_ptr, SYNC, POLL_LOAD)
+    stamp(prof_ptr, pid, 3, PROFILE)
 
     if RUN_B:
         prefetch_rows(wgu_ptr, pid, P, INTER, H, gu_up_off, BN_GU, GU_ROW_MUL, GU_ROW_MUL == 1,
@@ -185,7 +193,9 @@ def _decode_layer_kernel(
                         stride_vh, HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS,
                         SPLITS_P, ATT_BLOCK_N, Q_NORM, K_NORM, BATCHED, (PREFETCH & 2) != 0,
                         KV_SPAN, LINE_ELEMS, ROW_LINES)
+    stamp(prof_ptr, pid, 4, PROFILE)
     grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
+    stamp(prof_ptr, pid, 5, PROFILE)
 
     if RUN_C:
         prefetch_rows(wd_ptr, pid, P, H, INTER, 0, BN_D, 1, False, ESZ, (PREFETCH & 16) != 0)
@@ -202,7 +212,9 @@ def _decode_layer_kernel(
             ss2 = gemv_phase(pid, P, attn_ptr, attn_ptr, attn_ptr, 1.0, wo_ptr, r2_ptr, r1_ptr,
                              H, HD, 0, BN_O, BK_O, 1, False, False, False, True, AHEAD_O, ESZ)
             tl.store(ss_ptr + pid, ss2)
+    stamp(prof_ptr, pid, 6, PROFILE)
     grid_barrier(bar_ptr + 2, P, err_ptr, SYNC, POLL_LOAD)
+    stamp(prof_ptr, pid, 7, PROFILE)
 
     if RUN_D:
         offs_p = tl.arange(0, SS_P)
@@ -219,7 +231,9 @@ def _decode_layer_kernel(
             gemv_phase(pid, P, r2_ptr, r2_ptr, ln2_ptr, tl.rsqrt(tl.sum(ss_all, 0) / H + eps),
                        wgu_ptr, act_ptr, r2_ptr, INTER, H, gu_up_off, BN_GU, BK_GU, GU_ROW_MUL,
                        False, True, True, False, AHEAD_GU, ESZ, GU_ROW_MUL == 1)
+    stamp(prof_ptr, pid, 8, PROFILE)
     grid_barrier(bar_ptr + 3, P, err_ptr, SYNC, POLL_LOAD)
+    stamp(prof_ptr, pid, 9, PROFILE)
     release_only(USE_PDL)  # the next launch is queued; its programs start as ours exit
 
     if RUN_E:
@@ -230,6 +244,7 @@ def _decode_layer_kernel(
         else:
             gemv_phase(pid, P, act_ptr, act_ptr, act_ptr, 1.0, wd_ptr, out_ptr, act_ptr, H, INTER,
                        0, BN_D, BK_D, 1, False, False, False, False, AHEAD_D, ESZ)
+    stamp(prof_ptr, pid, 10, PROFILE)
     rearm_counters(bar_ptr, _NB, P, _NB, SYNC)
 
 
@@ -293,7 +308,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
                         scale: float, *, next_qkv: torch.Tensor | None = None,
                         phased: bool | None = None, programs: int | None = None,
                         splits: int | None = None, block_n: int | None = None,
-                        config: dict | None = None):
+                        config: dict | None = None, profile: torch.Tensor | None = None):
     """``(out, new_residual)`` of one decoder layer for ``M = x.shape[0]`` tokens, token
     ``m`` the only query token of request ``m`` (``M`` <= ``MAX_BATCH``; above 1 the
     batched phases, ``kernels.decode_layer_batched``), as
@@ -302,7 +317,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     layer's QKV weight (same shape), prefetched into L2 during the last phases. ``config``:
     ``DEFAULT_CONFIG`` overrides (default: ``config_from_env()``). ``phased``: one launch a
     phase (always on the interpreter). ``programs``/``splits``/``block_n`` override the
-    grid, the split count and the attention's tile width (tests). Returns None when
+    grid, the split count and the attention's tile width (tests). ``profile``: an int64
+    ``[programs, 32]`` buffer that receives each program's timestamps (``PROFILE_STAMPS``;
+    compiled only, for benchmarks). Returns None when
     ``supported`` refuses, or inside a CUDA-graph capture before any eager launch made the
     counter buffer (the caller then runs the layer op by op)."""
     if supported(x, w, k_cache, v_cache) is not None:
@@ -329,6 +346,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     if bars is None:
         return None
     phased = interpreted if phased is None else (phased or interpreted)
+    if profile is not None and (interpreted or tuple(profile.shape) != (p, 32)
+                                or profile.dtype != torch.int64):
+        raise ValueError(f"profile needs a compiled launch and an int64 [{p}, 32] buffer")
     x = x.contiguous()
     res = residual.contiguous() if residual is not None else x
     empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
@@ -371,7 +391,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         k_cache, v_cache, block_table, seq_lens, positions, slot_mapping, cos_sin_cache,
         w.q_norm if w.q_norm is not None else x, w.k_norm if w.k_norm is not None else x,
         part, lse, attn, w.o, r2, ss, w.post_norm, w.gate_up, act, w.down, out, bars[1:],
-        bars[grid_sync.ERROR_INDEX:],
+        bars[grid_sync.ERROR_INDEX:], profile if profile is not None else bars,
         m, h, n_qkv, inter, 1 if w.gate_up_pairs else inter, kv_cap * k_cache.shape[1], kv_budget,
         float(w.eps), float(w.qk_eps), float(scale) * LOG2E, cos_sin_cache.stride(0),
         block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -389,6 +409,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
         SS_BLOCK=min(512 if batched else 16384, triton.next_power_of_2(h)), AHEAD_QKV=ahead[1], AHEAD_O=ahead[4],
         AHEAD_GU=ahead[8], AHEAD_D=ahead[16], BATCHED=batched, BLOCK_M=MAX_BATCH,
         UPCAST=interpreted and dt != torch.float32, IEEE=dt == torch.float32,
+        PROFILE=profile is not None,
         num_warps=cfg["num_warps"], num_stages=1,
     )
     if phased:

@@ -69,6 +69,20 @@ def grid_barrier(bar_ptr, target, err_ptr, ENABLED: tl.constexpr,
 
 
 @triton.jit
+def stamp(prof_ptr, pid, k: tl.constexpr, ENABLED: tl.constexpr):
+    """Profiling: program ``pid``'s ``k``-th timestamp, ns (``%globaltimer``: comparable across
+    SMs) at ``[pid, k]`` and SM clock cycles (``%clock64``) at ``[pid, 16 + k]`` of an int64
+    ``[P, 32]`` buffer."""
+    if ENABLED:
+        ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid],
+                                       dtype=tl.int64, is_pure=False, pack=1)
+        cyc = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(prof_ptr + pid * 32 + k, ns)
+        tl.store(prof_ptr + pid * 32 + 16 + k, cyc)
+
+
+@triton.jit
 def rearm_counters(bar_ptr, exit_idx, P, N_COUNTERS: tl.constexpr, ENABLED: tl.constexpr):
     """After the last barrier: the last program out zeroes counters ``0 .. N_COUNTERS - 1``
     and the exit counter ``exit_idx`` (every other program is past all barriers)."""

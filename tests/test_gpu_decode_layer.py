@@ -227,3 +227,28 @@ def test_padded_rows_leave_real_rows_and_the_cache_alone(monkeypatch):
         assert not a[:10].isnan().any()
         torch.testing.assert_close(a[:10], b, atol=0, rtol=0)
     assert _counters_zero()
+
+
+def test_profile_stamps_are_ordered_and_change_nothing(monkeypatch):
+    """``profile=``: every program's stamps (ns and cycles) are non-decreasing, the launch
+    span is positive, and the outputs equal an unprofiled launch bit for bit."""
+    from kernels import pdl
+    from kernels.decode_layer import PROFILE_STAMPS, decode_layer_triton
+
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    w = _weights("qwen3-0.6b", seed=12)
+    step, caches = _step(700, w.num_kv_heads, w.head_dim, 1, seed=13)
+    x = torch.randn(1, w.qkv.shape[1], device="cuda").to(torch.bfloat16)
+    kc, vc = caches[0]
+    kc2, vc2 = kc.clone(), vc.clone()
+    prof = torch.zeros(pdl.sm_count(x.device), 32, dtype=torch.int64, device="cuda")
+    with no_sync():
+        plain = decode_layer_triton(x, x, w, k_cache=kc, v_cache=vc, **step)
+        profiled = decode_layer_triton(x, x, w, k_cache=kc2, v_cache=vc2, profile=prof, **step)
+    torch.cuda.synchronize()
+    assert torch.equal(plain[0], profiled[0]) and torch.equal(plain[1], profiled[1])
+    n = len(PROFILE_STAMPS)
+    for cols in (slice(0, n), slice(16, 16 + n)):
+        stamps = prof[:, cols]
+        assert bool((stamps[:, 1:] >= stamps[:, :-1]).all()) and bool((stamps[:, 0] > 0).all())
+    assert int(prof[:, n - 1].max() - prof[:, 0].min()) > 0

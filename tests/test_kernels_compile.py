@@ -152,9 +152,10 @@ def test_silu_and_mul_compiles(pairs):
     _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.1-8b"])
-@pytest.mark.parametrize("phase,batched", [(None, False), (1, False), (None, True)])
-def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched):
+@pytest.mark.parametrize("shape,phase,batched,profile", [
+    (s, ph, b, False) for s in ("qwen3-0.6b", "llama-3.1-8b")
+    for ph, b in ((None, False), (1, False), (None, True))] + [("qwen3-0.6b", None, False, True)])
+def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched, profile):
     """The one-launch layer as the engine launches it on an H200 (barriers, PDL, L2
     prefetch), and one interpreter-style phase: it must keep one program an SM resident
     (the grid barrier needs every program resident) without spilling registers."""
@@ -178,8 +179,10 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched)
                  POLL_LOAD=phase is None, SS_BLOCK=512 if batched else 4096,
                  **{f"AHEAD_{n}": 4 if phase is None and shape[0] == "l" else 0
                     for n in ("QKV", "O", "GU", "D")},
-                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False)
+                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False,
+                 PROFILE=profile)
     ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
+    ptrs["prof_ptr"] = "*i64"
     ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
                 pos_ptr="*i64", slot_ptr="*i64")
     compiled = _compile(dl._decode_layer_kernel, const, ptrs,
@@ -191,6 +194,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched)
                    "griddepcontrol.launch_dependents"):
         assert (needle in ptx) == one_launch, needle
     assert ("prefetch.global.L2" in ptx) == one_launch  # K/V rows
+    assert ("%globaltimer" in ptx) == profile
     assert ("mma.sync" in ptx or "wgmma" in ptx) == batched  # batched GEMVs on tensor cores
     regs, spills = _resource_usage(compiled.asm["cubin"])
     assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
