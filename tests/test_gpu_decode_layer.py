@@ -2,7 +2,7 @@
 Qwen3-0.6B and Llama-3.1-8B layer shapes.
 
 * One launch (grid barriers, PDL) equals the same kernel run one launch a phase, bit for bit
-  (the Qwen3-0.6B shape; every batch size shares one compiled variant):
+  (the Qwen3-0.6B shape at batch 1: each phased form is five more compiles):
   the programs do the same work in the same order, so any barrier that lets a phase read
   data before every program has stored it shows up as a difference.
 * Both are within bf16 noise of the float64 reference; the new K/V land in their slots.
@@ -120,11 +120,11 @@ def test_one_launch_equals_phased_and_reference(shape, seq_lens, monkeypatch):
     res = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     with no_sync():
         one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, **step)
-        if shape == PHASED_SHAPE:  # (compiling five more variants for one shape is enough)
+        if shape == PHASED_SHAPE and m == 1:  # five more compiles: one shape, batch 1
             phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True,
                                          **step)
     torch.cuda.synchronize()
-    if shape == PHASED_SHAPE:
+    if shape == PHASED_SHAPE and m == 1:
         assert torch.equal(one[0], phased[0]) and torch.equal(one[1], phased[1])
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert _counters_zero()
