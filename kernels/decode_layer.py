@@ -277,12 +277,16 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def supported(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor,
-              v_cache: torch.Tensor | None = None) -> str | None:
+              v_cache: torch.Tensor | None = None,
+              block_table: torch.Tensor | None = None) -> str | None:
     """Why the one-launch layer cannot run these tensors (None: it can)."""
     v_cache = k_cache if v_cache is None else v_cache
     d = w.head_dim
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_BATCH:
         return f"needs 1 to {MAX_BATCH} tokens (one a request)"
+    if block_table is not None and (block_table.dim() != 2 or block_table.shape[1] < 1
+                                    or block_table.shape[0] < x.shape[0]):
+        return "needs a block table of a row a request"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {x.dtype}"
     mats = (w.qkv, w.o, w.gate_up, w.down)
@@ -322,7 +326,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     compiled only, for benchmarks). Returns None when
     ``supported`` refuses, or inside a CUDA-graph capture before any eager launch made the
     counter buffer (the caller then runs the layer op by op)."""
-    if supported(x, w, k_cache, v_cache) is not None:
+    if supported(x, w, k_cache, v_cache, block_table) is not None:
         return None
     cfg = dict(config_from_env(), **(config or {}))
     dev, dt = x.device, x.dtype
@@ -346,9 +350,9 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     if bars is None:
         return None
     phased = interpreted if phased is None else (phased or interpreted)
-    if profile is not None and (interpreted or tuple(profile.shape) != (p, 32)
+    if profile is not None and (interpreted or phased or tuple(profile.shape) != (p, 32)
                                 or profile.dtype != torch.int64):
-        raise ValueError(f"profile needs a compiled launch and an int64 [{p}, 32] buffer")
+        raise ValueError(f"profile needs one compiled launch and an int64 [{p}, 32] buffer")
     x = x.contiguous()
     res = residual.contiguous() if residual is not None else x
     empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
@@ -357,7 +361,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     part = empty(n_splits, m, hq, d, dtype=torch.float32)
     lse = empty(n_splits, m, hq, dtype=torch.float32)
     ss = empty(p * (MAX_BATCH if batched else 1), dtype=torch.float32)
-    kv_cap = min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]), block_table.shape[1])
+    kv_cap = max(1, min(triton.cdiv(max_seq_len_upper_bound, k_cache.shape[1]),
+                        block_table.shape[1]))  # >= 1 block: the split plan divides by tiles
     if batched:  # tensor-core tiles: 16 padded rows x BATCH_BLOCK_N weight rows
         bk = lambda k: min(BATCH_BLOCK_K, max(16, triton.next_power_of_2(k)))  # noqa: E731
         # 16 weight rows where 32 would leave programs without a row block (0.6B o_proj, down)

@@ -338,7 +338,7 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
-    CH: tl.constexpr = SPAN // BLOCK_N  # tiles a rolling prefetch covers
+    CH: tl.constexpr = (SPAN + BLOCK_N - 1) // BLOCK_N  # tiles a rolling prefetch covers
     end = tl.minimum(tile_hi * BLOCK_N, cached_end)
     if ROLL_OK:
         if roll:  # the first SPAN keys now, each next SPAN as the tiles reach the last one
@@ -350,13 +350,6 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
                             offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                             stride_vh, KV_BLOCK_SIZE, BLOCK_N)
     for t in range(tile_lo, tile_hi):
-        if ROLL_OK:
-            if roll & ((t - tile_lo) % CH == 0):
-                ahead = (t + CH) * BLOCK_N
-                _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, kvh, ahead,
-                                   tl.minimum(ahead + SPAN, end), stride_kb, stride_kt,
-                                   stride_kh, stride_vb, stride_vt, stride_vh, HEAD_DIM,
-                                   KV_BLOCK_SIZE, SPAN, LINE_ELEMS, ROW_LINES)
         kv_pos = t * BLOCK_N + offs_n
         kv_ok = kv_pos < cached_end
         k = k_nxt
@@ -364,6 +357,13 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
         k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, bt_ptr, t + 1, tile_hi, cached_end, kvh,
                                 offs_n, offs_d, stride_kb, stride_kt, stride_kh, stride_vb,
                                 stride_vt, stride_vh, KV_BLOCK_SIZE, BLOCK_N)
+        if ROLL_OK:  # after the next tile's loads: its block-table load must not stall them
+            if roll & ((t - tile_lo) % CH == 0):
+                ahead = (t + CH) * BLOCK_N
+                _prefetch_kv_range(k_ptr, v_ptr, bt_ptr, kvh, ahead,
+                                   tl.minimum(ahead + SPAN, end), stride_kb, stride_kt,
+                                   stride_kh, stride_vb, stride_vt, stride_vh, HEAD_DIM,
+                                   KV_BLOCK_SIZE, SPAN, LINE_ELEMS, ROW_LINES)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2
         s = tl.where(row_ok[:, None] & kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

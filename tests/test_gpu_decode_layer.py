@@ -47,11 +47,13 @@ def _weights(shape, seed):
                         gamma(d) if qk else None, 1e-6)
 
 
-def _step(seq_lens, hk, d, n_layers, seed):
+def _step(seq_lens, hk, d, n_layers, seed, bound=None):
     """Step inputs for one token a request at ``seq_lens`` (an int: one request), each
-    request with its own blocks, and ``n_layers`` random KV caches."""
+    request with its own blocks, and ``n_layers`` random KV caches (``bound``: the length
+    bound, default ``BOUND``)."""
+    bound = bound or BOUND
     seq_lens = [seq_lens] if isinstance(seq_lens, int) else list(seq_lens)
-    m, per = len(seq_lens), BOUND // BS
+    m, per = len(seq_lens), bound // BS
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_blocks = m * per + 4
     caches = [(torch.randn(n_blocks, BS, hk, d, device="cuda", generator=g).to(torch.bfloat16),
@@ -60,12 +62,12 @@ def _step(seq_lens, hk, d, n_layers, seed):
     table = torch.randperm(n_blocks, device="cuda", generator=g)[: m * per]
     table = table.to(torch.int32).view(m, per).contiguous()
     inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-    ang = torch.arange(BOUND, device="cuda").float()[:, None] * inv[None, :]
+    ang = torch.arange(bound, device="cuda").float()[:, None] * inv[None, :]
     step = dict(cos_sin_cache=torch.cat([ang.cos(), ang.sin()], -1), block_table=table,
                 positions=torch.zeros(m, dtype=torch.int64, device="cuda"),
                 slot_mapping=torch.zeros(m, dtype=torch.int64, device="cuda"),
                 seq_lens=torch.zeros(m, dtype=torch.int32, device="cuda"),
-                max_seq_len_upper_bound=BOUND, scale=d ** -0.5)
+                max_seq_len_upper_bound=bound, scale=d ** -0.5)
     _set_len(step, seq_lens)
     return step, caches
 
@@ -265,3 +267,29 @@ def test_profile_stamps_are_ordered_and_change_nothing(monkeypatch):
         stamps = prof[:, cols]
         assert bool((stamps[:, 1:] >= stamps[:, :-1]).all()) and bool((stamps[:, 0] > 0).all())
     assert int(prof[:, n - 1].max() - prof[:, 0].min()) > 0
+
+
+def test_a_context_too_long_to_prefetch_streams_its_keys():
+    """Batch 1 at 12,000 keys (over the K/V prefetch budget of a 50 MB L2: about 5,500 keys
+    for this shape): the attention items prefetch their own rows 256 keys ahead (the rolling
+    path), within bf16 noise of float64."""
+    from kernels.decode_layer import decode_layer_triton
+    from kernels.reference import decode_layer_reference
+
+    w = _weights("qwen3-0.6b", seed=21)
+    step, caches = _step(12000, w.num_kv_heads, w.head_dim, 1, seed=22, bound=16384)
+    x = torch.randn(1, w.qkv.shape[1], device="cuda").to(torch.bfloat16)
+    kc, vc = caches[0]
+    kc64, vc64 = kc.double(), vc.double()
+    with no_sync():
+        out, r2 = decode_layer_triton(x, x, w, k_cache=kc, v_cache=vc, **step)
+    torch.cuda.synchronize()
+    w64 = w._replace(**{f: getattr(w, f).double() for f in
+                        ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm",
+                         "k_norm")})
+    out64, r64 = decode_layer_reference(x.double(), x.double(), w64, k_cache=kc64,
+                                        v_cache=vc64,
+                                        **dict(step, cos_sin_cache=step["cos_sin_cache"].double()))
+    for got, want in ((r2, r64), (out, out64)):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 3e-2
+    assert _counters_zero()
