@@ -1,7 +1,10 @@
-"""The phases of the persistent batch-1 decoder-layer kernel (``kernels.decode_layer``).
+"""The phases of the persistent decoder-layer kernel (``kernels.decode_layer``): the batch-1
+GEMVs, the attention (any batch), the L2 prefetches and the helpers the batched GEMVs
+(``kernels.decode_layer_batched``) share.
 
 Each phase is a device function that one program runs over *its share* of the phase's work
-(row blocks ``pid, pid + P, ...`` of a GEMV; ``(KV head, split)`` items of the attention),
+(row blocks ``pid, pid + P, ...`` of a GEMV; ``(request, KV head, split)`` items of the
+attention),
 so the same code serves the one-launch kernel (phases separated by grid barriers) and the
 interpreter's one-launch-a-phase path. Activations that another program of the same launch
 stored are loaded with ``cache_modifier=".cg"`` (see ``kernels.grid_sync``).
@@ -28,19 +31,15 @@ def prefetch_rows(w_ptr, pid, P, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MU
     sm_90+, compiled, 16-byte aligned rows). Weights are never written by a kernel of the
     step, so this may run at any time; it keeps HBM streaming across the barriers."""
     if ENABLED:
-        n_blocks = tl.cdiv(N_OUT, BLOCK_N)
-        for b in range(pid, n_blocks, P):
-            r0 = b * BLOCK_N
-            nrows = tl.minimum(N_OUT - r0, BLOCK_N)
-            prefetch_l2(w_ptr + (r0 * ROW_MUL).to(tl.int64) * K, nrows * (ROW_MUL * K * ESZ))
-            if TWO_RANGES:  # stacked gate|up: the up rows are a second range
-                prefetch_l2(w_ptr + (r0 + up_off).to(tl.int64) * K, nrows * (K * ESZ))
+        for b in range(pid, tl.cdiv(N_OUT, BLOCK_N), P):
+            prefetch_block(w_ptr, b, N_OUT, K, up_off, BLOCK_N, ROW_MUL, TWO_RANGES, ESZ)
 
 
 @triton.jit
 def prefetch_block(w_ptr, blk, N_OUT, K, up_off, BLOCK_N: tl.constexpr, ROW_MUL: tl.constexpr,
                    TWO_RANGES: tl.constexpr, ESZ: tl.constexpr):
-    """Row block ``blk`` of a GEMV's weight into L2 (nothing past the last block)."""
+    """Row block ``blk`` of a GEMV's weight into L2 (nothing past the last block;
+    ``TWO_RANGES``: stacked gate|up, whose up rows are a second range)."""
     r0 = blk * BLOCK_N
     if r0 < N_OUT:
         nrows = tl.minimum(N_OUT - r0, BLOCK_N)
