@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.norm_handoff import handoff_norm, handoff_rstd
 from kernels.pdl import prefetch_l2, wait_and_release
 
 
@@ -121,35 +122,6 @@ def _first_tiles(w_rows, mask, up_rows_off, ACT: tl.constexpr):
     if ACT == 1:
         wu = tl.load(w_rows + up_rows_off, mask=mask, other=0.0)
     return w, wu
-
-
-@triton.jit
-def _handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, stride_rm,
-                  stride_nrm, n_parts, pid, DT: tl.constexpr):
-    """Producer epilogue (``EPI_NORM``): ``s = y + residual`` (stored as the new residual),
-    this program's share of ``sum(s^2)`` (stored at ``ss[m, pid]``) and ``s * g`` in place
-    of ``y``: everything of the next RMSNorm except its ``rstd`` (rounded as the fused
-    prologue rounds)."""
-    ok = m_ok[:, None] & n_ok[None, :]
-    r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
-    s = (y.to(DT).to(tl.float32) + r.to(tl.float32)).to(DT)
-    tl.store(nr_ptr + offs_m[:, None] * stride_nrm + offs_n[None, :], s, mask=ok)
-    sf = tl.where(ok, s.to(tl.float32), 0.0)
-    tl.store(ss_ptr + offs_m * n_parts + pid, tl.sum(sf * sf, 1), mask=m_ok)
-    g = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    return (sf * g[None, :]).to(DT)
-
-
-@triton.jit
-def _handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
-    """Consumer side (``PRE_NORMED``): ``rstd`` from the producer's per-program partials."""
-    offs_p = tl.arange(0, BLOCK_P)
-    tot = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    for p0 in range(0, n_parts, BLOCK_P):
-        tot += tl.load(ss_ptr + offs_m[:, None] * n_parts + (p0 + offs_p)[None, :],
-                       mask=m_ok[:, None] & ((p0 + offs_p) < n_parts)[None, :], other=0.0)
-    return tl.rsqrt(tl.sum(tot, 1) / K + eps)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -255,7 +227,7 @@ def _skinny_kernel(
         y = y * rstd[:, None]
         y_u = y_u * rstd[:, None]
     if PRE_NORMED:
-        rstd = _handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M, BLOCK_P)
+        rstd = handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M, BLOCK_P)
         y = y * rstd[:, None]
         y_u = y_u * rstd[:, None]
     if HAS_BIAS:
@@ -267,7 +239,7 @@ def _skinny_kernel(
         offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_ok = offs_n < N_OUT
     if EPI_NORM:  # (ACT == 0, no bias: the host checks)
-        y = _handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr,
+        y = handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr,
                           stride_rm, stride_nrm, n_parts, pid, DT)
     if ACT:
         gate = y.to(DT).to(tl.float32)
@@ -489,7 +461,6 @@ def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None
         BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-
 
 
 def row_tiles(m: int, n: int, config: dict, act: str | None = None) -> tuple[int, int]:
