@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import grid_sync, pdl
+from kernels import grid_sync, ops, pdl
 from kernels.decode_layer_batched import skinny_phase, sum_squares_rows
 from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_lead,
                                          prefetch_rows, sum_squares)
@@ -65,7 +65,9 @@ MAX_SPLITS = 32
 # same moments in SM clock cycles (``%clock64``), 0-10 in ns (``%globaltimer``).
 PROFILE_STAMPS = ("start", "waited", "A done", "barrier 0", "B done", "barrier 1", "C done",
                   "barrier 2", "D done", "barrier 3", "E done")
-MAX_BATCH = 16  # tokens (one a request): the batched phases pad them to one 16-row MMA tile
+# tokens (one a request): the batched phases pad them to one 16-row MMA tile; the model's
+# bound (kernels.ops, which must not import triton) is the same constant
+MAX_BATCH = ops.DECODE_LAYER_MAX_TOKENS
 BATCH_BLOCK_N, BATCH_BLOCK_K = 32, 256  # batched GEMV tiles (gate|up: 16 rows each half)
 # Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
 # weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to

@@ -280,7 +280,7 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
     return linear(h, w_down)[0], new_res
 
 
-DECODE_LAYER_MAX_TOKENS = 16  # kernels.decode_layer.MAX_BATCH (tested equal)
+DECODE_LAYER_MAX_TOKENS = 16  # kernels.decode_layer.MAX_BATCH: one 16-row MMA tile
 
 
 def decode_layer_enabled() -> bool:

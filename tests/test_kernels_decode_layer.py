@@ -180,12 +180,6 @@ def test_prefetch_keeps_to_what_fits_half_of_l2():
     assert dl.prefetch_bits(shaped(16, 8, 1024, 3072), 0) == 0
 
 
-def test_the_model_and_the_kernel_agree_on_the_batch_limit():
-    from kernels import ops
-
-    assert ops.DECODE_LAYER_MAX_TOKENS == dl.MAX_BATCH
-
-
 def test_unsupported_inputs_are_refused():
     case, w = _case(8, 2, 16, 48, 40, torch.float32, 5, qk_norm=False, pairs=True,
                     first=False, seed=1)
