@@ -11,6 +11,8 @@
 #               ogemv: the 8B o_proj as the persistent GEMV (is the 8B attention's cost its neighbour's?)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
+#   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
+#               CI): the one-launch layer's registers and spill bytes a config (CPU only, ~1 min)
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
 #   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
 #               (LAYER_CONFIG: a SYNCLESS_DECODE_LAYER_CONFIG for the "1" run)
@@ -24,6 +26,8 @@ for what in "$@"; do
   case $what in
     tests) timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py} -rs \
              2>&1 | tee -a "$OUT/gpu-tests.log" | tail -8;;
+    compile) timeout ${COMPILE_TIMEOUT:-200} python notes/2026-12-05-decode-layer-registers.py 2>&1 \
+               | grep -v -i warn | tee -a "$OUT/registers.log";;
     throughput)
       base="--baseline hf"; [ "${BASELINE:-hf}" = none ] && base=""
       timeout ${TPUT_TIMEOUT:-330} python -m benchmarks.throughput --shape qwen3-0.6b --input-len 512 --output-len 256 \
