@@ -149,8 +149,11 @@ class AsyncEngine:
         return len(self._streams)
 
     # ------------------------------------------------------------------ API
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None) -> RequestStream:
-        """Validate and enqueue; raises InvalidRequestError, Overloaded or EngineUnavailable."""
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
+                          strict_field: str | None = None) -> RequestStream:
+        """Validate and enqueue; raises InvalidRequestError, Overloaded or EngineUnavailable.
+        ``strict_field``: the API field that set ``max_tokens``; past the context it is refused
+        rather than cut (``InputProcessor.make_requests``)."""
         # After a failure (self.dead) the next request makes the engine restart its workers.
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable(f"the engine is not running{': ' + self.dead if self.dead else ''}")
@@ -163,7 +166,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         fut = self.loop.create_future()
-        self._cmds.put(("add", request_id, prompt, params, fut))
+        self._cmds.put(("add", request_id, prompt, params, strict_field, fut))
         try:
             stream.prompt_token_ids, stream.prompt = await fut
         except asyncio.CancelledError:
@@ -380,7 +383,7 @@ class AsyncEngine:
             if not deltas and not core.in_flight and core.has_unfinished():
                 idle_wait = 0.01  # nothing schedulable right now: do not spin
 
-    def _add(self, core, request_id, prompt, params, fut) -> None:
+    def _add(self, core, request_id, prompt, params, strict_field, fut) -> None:
         try:
             if len(core.scheduler.waiting) >= self.max_waiting_requests:
                 raise Overloaded(
@@ -388,7 +391,7 @@ class AsyncEngine:
                     f"(max_waiting_requests={self.max_waiting_requests}); retry later"
                 )
             try:
-                core.add_request(request_id, prompt, params)
+                core.add_request(request_id, prompt, params, strict_field)
             except Exception as exc:
                 from cluster.executor import EngineDeadError
 

@@ -90,13 +90,17 @@ class EngineCore:
         gc.freeze()
 
     # ------------------------------------------------------------------ API
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    strict_field: str | None = None) -> None:
+        """``strict_field``: refuse a ``max_tokens`` past the context instead of cutting it
+        (``InputProcessor.make_requests``; the servers' API fields)."""
         if self.dead:
             self.recover()
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         blocks = self.scheduler.blocks
-        reqs = self.inputs.make_requests(request_id, prompt, params, blocks.num_blocks * blocks.block_size)
+        reqs = self.inputs.make_requests(request_id, prompt, params, blocks.num_blocks * blocks.block_size,
+                                          strict_field)
         self.groups[request_id] = reqs
         for r in reqs:
             self.detok[r.request_id] = IncrementalDetokenizer(

@@ -117,7 +117,9 @@ class GenerationService(pb2_grpc.GenerationServicer):
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             params = sampling_from_proto(request.sampling)
-            stream = await self.engine.add_request(rid, prompt, params)
+            # a max_tokens the client set past the context is refused, the default is cut
+            stream = await self.engine.add_request(
+                rid, prompt, params, "max_tokens" if request.sampling.HasField("max_tokens") else None)
         except (InvalidRequestError, Overloaded, EngineUnavailable) as exc:
             await self._fail(context, exc)
             return

@@ -21,7 +21,7 @@ from cluster.input_processor import InvalidRequestError
 from cluster.metrics import CONTENT_TYPE
 from cluster.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs, chat_params,
-    completion_logprobs, completion_params, decode_request, model_card, new_id, now,
+    completion_logprobs, completion_params, decode_request, max_tokens_field, model_card, new_id, now,
     parse_completion_prompts, render_chat, usage,
 )
 
@@ -154,12 +154,13 @@ class OpenAIServer:
         return _json(await self.engine.debug_state())
 
     # ------------------------------------------------------------- generation
-    async def _add_all(self, base_id: str, prompts: list, params, prompt_param: str) -> list[RequestStream]:
+    async def _add_all(self, base_id: str, prompts: list, params, prompt_param: str,
+                       strict_field: str | None) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, p, params))
+                streams.append(await self.engine.add_request(rid, p, params, strict_field))
         except BaseException as exc:
             for s in streams:
                 s.close()
@@ -175,7 +176,7 @@ class OpenAIServer:
         params = completion_params(req)
         prompts = parse_completion_prompts(req.prompt)
         rid = req.request_id or new_id("cmpl")
-        streams = await self._add_all(rid, prompts, params, "prompt")
+        streams = await self._add_all(rid, prompts, params, "prompt", max_tokens_field(req))
         ctx = _Ctx(self, rid, "text_completion", params.n, req.stream_options, req.echo)
         try:
             if req.stream:
@@ -204,7 +205,7 @@ class OpenAIServer:
         params = chat_params(req)
         prompt = render_chat(self.engine.tokenizer, req)
         rid = req.request_id or new_id("chatcmpl")
-        streams = await self._add_all(rid, [prompt], params, "messages")
+        streams = await self._add_all(rid, [prompt], params, "messages", max_tokens_field(req))
         ctx = _Ctx(self, rid, "chat.completion.chunk", params.n, req.stream_options, False)
         ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:

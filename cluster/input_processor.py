@@ -63,9 +63,15 @@ class InputProcessor:
         return text, list(ids)
 
     def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                      kv_capacity: int | None = None) -> list[Request]:
+                      kv_capacity: int | None = None, strict_field: str | None = None) -> list[Request]:
         """``kv_capacity``: tokens the whole KV cache holds; a sequence never grows past it
-        (it could never be scheduled), so it bounds the length like ``max_model_len``."""
+        (it could never be scheduled), so it bounds the length like ``max_model_len``.
+
+        A ``max_tokens`` past that room is cut to it (the sequence ends with
+        ``finish_reason="length"``), as vLLM's offline ``LLM`` does, unless ``strict_field``
+        names the request field the client set it with: then the request is refused, as
+        OpenAI's and vLLM's servers refuse it (an API client asked for that many tokens;
+        an implicit default is still cut)."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -95,6 +101,14 @@ class InputProcessor:
                 "and chunked prefill is disabled", "prompt"
             )
         room = limit - n
+        if strict_field is not None and params.max_tokens is not None and params.max_tokens > room:
+            where = (f"This model's maximum context length is {self.max_model_len} tokens"
+                     if limit == self.max_model_len else
+                     f"The KV cache holds only {limit} tokens (num_kv_blocks x block_size)")
+            raise InvalidRequestError(
+                f"{where}. However, you requested {n + params.max_tokens} tokens ({n} in the "
+                f"prompt, {params.max_tokens} in the completion). Please reduce the length of the "
+                f"prompt or {strict_field} (at most {room} here).", strict_field)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:

@@ -205,6 +205,14 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
+def max_tokens_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The field the client set the output length with (None: the default applies). A set
+    length past the context is refused, a default one is cut to it (as vLLM's server does)."""
+    if getattr(req, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if req.max_tokens is not None else None
+
+
 def render_chat(tokenizer, req: ChatCompletionRequest) -> dict[str, Any]:
     """Apply the tokenizer's chat template; the engine prompt (token ids and text)."""
     if not req.messages:

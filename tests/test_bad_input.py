@@ -91,6 +91,30 @@ def test_longest_prompt_that_fits(llm):
     assert len(c.token_ids) == 1 and c.finish_reason == "length"
 
 
+@pytest.mark.parametrize("prompt_len,max_tokens,capacity,words", [
+    (MAX_MODEL_LEN - 5, 6, None, f"maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+     f"requested {MAX_MODEL_LEN + 1} tokens ({MAX_MODEL_LEN - 5} in the prompt, 6 in the completion)"),
+    (1, MAX_MODEL_LEN, None, f"at most {MAX_MODEL_LEN - 1} here"),
+    (30, 20, 40, "KV cache holds only 40 tokens"),
+])
+def test_server_max_tokens_past_the_context_is_refused(llm, prompt_len, max_tokens, capacity, words):
+    """A length the client set past the context (``strict_field``, the servers' API fields) is
+    refused with OpenAI's wording; one that fits exactly, or the same request offline, is cut."""
+    inputs = llm.engine.inputs
+    params = SamplingParams(max_tokens=max_tokens)
+    prompt = [5] * prompt_len
+    with pytest.raises(InvalidRequestError, match=words.replace("(", r"\(").replace(")", r"\)")) as info:
+        inputs.make_requests("r", prompt, params, capacity, strict_field="max_completion_tokens")
+    assert info.value.field == "max_completion_tokens"
+    room = min(MAX_MODEL_LEN, capacity or MAX_MODEL_LEN) - prompt_len
+    (cut,) = inputs.make_requests("r", prompt, params, capacity)  # offline: cut to the room
+    assert cut.max_tokens == room
+    (fits,) = inputs.make_requests("r", prompt, SamplingParams(max_tokens=room), capacity, strict_field="max_tokens")
+    assert fits.max_tokens == room
+    (default,) = inputs.make_requests("r", prompt, SamplingParams(max_tokens=None), capacity, strict_field="max_tokens")
+    assert default.max_tokens == room
+
+
 BAD_PARAMS = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),

@@ -68,6 +68,11 @@ CASES = [
     (CMPL, {"prompt": "w5 " * 600}, 400, "prompt", "max_model_len is 512"),
     (CMPL, {"prompt": [5] * 520}, 400, "prompt", "max_model_len is 512"),
     (CHAT, {"messages": [{"role": "user", "content": "w5 " * 600}]}, 400, "messages", "max_model_len is 512"),
+    # a set output length past the context (a default one is cut: test_default_length_is_cut)
+    (CMPL, {"prompt": [5] * 500, "max_tokens": 20}, 400, "max_tokens", "maximum context length is 512 "
+     "tokens. However, you requested 520 tokens (500 in the prompt, 20 in the completion)"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 600}, 400, "max_completion_tokens", "context length is 512"),
+    (CHAT, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "context length is 512"),
     # unknown model / route / method
     (CMPL, {"prompt": "w5", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
     (CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -106,6 +111,22 @@ def client(server):
                          ids=[f"{i}-{c[3] or c[4][:12]}" for i, c in enumerate(CASES)])
 def test_bad_request(server, client, path, body, status, param, text):
     _check(_send(client, server, path, body), status, param, text)
+
+
+@pytest.mark.parametrize("path,body", [
+    (CMPL, {"prompt": [5] * 500, "ignore_eos": True}),  # completions' default max_tokens 16
+    (CMPL, {"prompt": [5] * 500, "ignore_eos": True, "max_tokens": 12}),  # exactly the room
+    (CHAT, {"messages": MSG, "ignore_eos": True}),  # chat's default: the whole context
+])
+def test_default_length_is_cut(server, client, path, body):
+    """A length the client did not set (or that fits exactly) ends at the context, as
+    'length'; only a set one past it is refused (CASES)."""
+    resp = _send(client, server, path, body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    use = data["usage"]
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert use["total_tokens"] == 512 and use["completion_tokens"] == 512 - use["prompt_tokens"]
 
 
 @pytest.mark.parametrize("headers,text", [

@@ -126,6 +126,8 @@ def test_health_and_model_info(channel, stub, md, model_name):
     (pb2.GenerateRequest(text=""), "INVALID_ARGUMENT", "prompt"),
     (pb2.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
     (pb2.GenerateRequest(text="w5 " * 600), "INVALID_ARGUMENT", "max_model_len"),
+    (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5] * 500), sampling=pb2.SamplingParams(max_tokens=20)),
+     "INVALID_ARGUMENT", "you requested 520 tokens (500 in the prompt, 20 in the completion)"),
     (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 300])), "INVALID_ARGUMENT", "prompt_token_ids"),
     (pb2.GenerateRequest(text="w5", model="other"), "NOT_FOUND", "model"),
 ], ids=lambda x: x if isinstance(x, str) else None)
