@@ -23,13 +23,12 @@ SHAPE_NAMES = ("qwen3-0.6b", "llama-3.1-8b")
 CONTEXTS = (512, 4096)
 BATCHES = (1, 8)
 BLOCK = 16
-# the default, without each prefetch, bigger weight tiles (more bytes in flight an SM) and
-# half-height attention tiles. Batch 1 compiled for sm_90 by the H200's Triton 3.6 (registers,
-# spill bytes; notes/2026-12-05-triton36-registers.md), Qwen3-0.6B / Llama-3.1-8B: default
-# 251,0 / 255,8; num_warps=4 253,0 / 255,0; tile=16384 254,0 / 255,0; tile=16384 with 16 warps
-# 128,32 / 128,0; att_rows=32 222,0 / 230,0. (tile=32768 with 16 warps spilled 216 bytes.)
-CONFIGS = [{}, dict(prefetch=0), dict(prefetch_next=0), dict(num_warps=4), dict(tile=16384),
-           dict(tile=16384, num_warps=16), dict(att_rows=32)]
+# the default, without each prefetch, bigger weight tiles (more bytes in flight an SM), and
+# the attention's tiles: 32 tensor-core keys, or FMA (att_dot=0, the first default) of 64 or
+# 32 rows. Compiled for sm_90 by the H200's Triton 3.6, none spills but att_dot=0 at the 8B's
+# batch 1 (8 bytes); 4 or 16 warps spill (notes/2026-12-05-triton36-registers.md).
+CONFIGS = [{}, dict(prefetch=0), dict(prefetch_next=0), dict(tile=16384), dict(att_keys=32),
+           dict(att_dot=0), dict(att_dot=0, att_rows=32)]
 
 
 def _layers(name: str, copies: int):

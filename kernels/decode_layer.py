@@ -11,7 +11,7 @@ reads them, so HBM keeps streaming across the phase boundaries:
   A  ``qkv = rms_norm(x + residual) @ Wqkv^T`` (each program computes ``rstd`` itself;
      program 0 stores the new residual ``r1``)
   B  attention: q/k norm + rotary + KV write + split-KV over device ``seq_lens``, merged
-     by the last split of each KV head (``kernels.decode_layer_phases.attention_phase``)
+     by the last split of each KV head (``kernels.decode_layer_attention``)
   C  ``r2 = attn @ Wo^T + r1``, and each program's partial ``sum(r2^2)``
   D  ``act = silu_and_mul(rms_norm(r2) @ Wgu^T)``
   E  ``out = act @ Wd^T``; the layer returns ``(out, r2)`` as the multi-launch path does.
@@ -51,8 +51,8 @@ import triton.language as tl
 
 from kernels import grid_sync, ops, pdl
 from kernels.decode_layer_batched import skinny_phase, sum_squares_rows
-from kernels.decode_layer_phases import (attention_phase, gemv_phase, prefetch_kv, prefetch_lead,
-                                         prefetch_rows, sum_squares)
+from kernels.decode_layer_attention import attention_phase
+from kernels.decode_layer_phases import gemv_phase, prefetch_kv, prefetch_lead, prefetch_rows, sum_squares
 from kernels.grid_sync import grid_barrier, rearm_counters, stamp
 from kernels.paged_attention import row_lines
 from kernels.pdl import release_only, wait_only
@@ -72,19 +72,23 @@ BATCH_BLOCK_N, BATCH_BLOCK_K = 32, 256  # batched GEMV tiles (gate|up: 16 rows e
 # Not yet measured (no GPU since it was written): one program an SM of 8 warps, 16 KB
 # weight tiles (8192 elements: a step's loads, both halves of gate|up together) of up to
 # 1024 columns, each phase's rows prefetched into L2 a phase ahead, the next layer's QKV
-# rows during the last two phases, attention tiles of 64 rows (GQA group x keys), barriers
-# polled with acquire loads (``poll_load=0``: atomics, as the measured ``kernels.mlp_block``);
-# weights too big to prefetch a phase ahead stream with 4 row blocks prefetched ahead (``ahead``).
+# rows during the last two phases, attention tiles of 64 keys on the tensor cores (the GQA
+# group padded to 16 rows; ``att_dot=0``: FMA products of ``att_rows`` = group x keys, which
+# at 64 rows leave GQA 4 16-key tiles and spill 8 bytes under the H200's Triton 3.6,
+# notes/2026-12-05-triton36-registers.md), barriers polled with acquire loads (``poll_load=0``:
+# atomics, as the measured ``kernels.mlp_block``); weights too big to prefetch a phase ahead
+# stream with 4 row blocks prefetched ahead (``ahead``).
 DEFAULT_CONFIG = dict(num_warps=8, tile=8192, block_k=1024, prefetch=1, prefetch_next=1,
-                      att_rows=64, poll_load=1, ahead=4)
+                      att_rows=64, poll_load=1, ahead=4, att_dot=1, att_keys=64)
 NUM_WARPS = DEFAULT_CONFIG["num_warps"]
 CONFIG_ENV = "SYNCLESS_DECODE_LAYER_CONFIG"
 
 
 def config_from_env() -> dict:
     """``DEFAULT_CONFIG`` updated by ``SYNCLESS_DECODE_LAYER_CONFIG`` (``key=value,...``,
-    an A/B knob for benchmarks): ``num_warps`` 4|8|16, ``tile``/``block_k``/``att_rows``
-    powers of two, ``prefetch``/``prefetch_next``/``poll_load`` 0|1, ``ahead`` 0..16.
+    an A/B knob for benchmarks): ``num_warps`` 4|8|16, ``tile``/``block_k``/``att_rows``/
+    ``att_keys`` powers of two (at least 16), ``prefetch``/``prefetch_next``/``poll_load``/
+    ``att_dot`` 0|1, ``ahead`` 0..16.
     Anything else raises ``ValueError``. Parsed once per distinct value."""
     return dict(_parse_config(os.environ.get(CONFIG_ENV, "").strip()))
 
@@ -99,9 +103,10 @@ def _parse_config(raw: str) -> tuple:
             raise ValueError(f"{CONFIG_ENV}: bad item {item!r}; expected key=integer with key "
                              f"in {sorted(cfg)}")
         cfg[key] = int(val)
-    pow2 = all(cfg[k] >= 16 and cfg[k] & (cfg[k] - 1) == 0 for k in ("tile", "block_k", "att_rows"))
+    pow2 = all(cfg[k] >= 16 and cfg[k] & (cfg[k] - 1) == 0
+               for k in ("tile", "block_k", "att_rows", "att_keys"))
     if (cfg["num_warps"] not in (4, 8, 16) or not pow2 or cfg["tile"] < cfg["block_k"]
-            or any(cfg[k] not in (0, 1) for k in ("prefetch", "prefetch_next", "poll_load"))
+            or any(cfg[k] not in (0, 1) for k in ("prefetch", "prefetch_next", "poll_load", "att_dot"))
             or cfg["ahead"] > 16):
         raise ValueError(f"{CONFIG_ENV}: invalid config {cfg}")
     return tuple(cfg.items())
@@ -138,7 +143,8 @@ def _decode_layer_kernel(
     stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-    ATT_BLOCK_N: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    ATT_BLOCK_N: tl.constexpr, ATT_M: tl.constexpr, ATT_DOT: tl.constexpr,
+    Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, GU_ROW_MUL: tl.constexpr, SS_P: tl.constexpr,
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
@@ -194,7 +200,7 @@ def _decode_layer_kernel(
                         stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                         stride_vh, HQ, HK, HEAD_DIM, KV_BLOCK_SIZE, GROUP, GROUP_P, SPLITS,
                         SPLITS_P, ATT_BLOCK_N, Q_NORM, K_NORM, BATCHED, (PREFETCH & 2) != 0,
-                        KV_SPAN, LINE_ELEMS, ROW_LINES)
+                        KV_SPAN, LINE_ELEMS, ROW_LINES, ATT_M, ATT_DOT, UPCAST)
     stamp(prof_ptr, pid, 4, PROFILE)
     grid_barrier(bar_ptr + 1, P, err_ptr, SYNC, POLL_LOAD)
     stamp(prof_ptr, pid, 5, PROFILE)
@@ -340,8 +346,13 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     p = programs or (pdl.sm_count(dev) if x.is_cuda else 4)
     group = hq // hk
     group_p = triton.next_power_of_2(group)
+    # tensor-core attention tiles: the group's rows padded to one 16-row MMA tile, at least
+    # 16 keys (float32 activations keep the FMA tiles: a float32 tl.dot would round to tf32)
+    att_dot = bool(cfg["att_dot"]) and dt != torch.float32 and (block_n or 16) >= 16
+    att_m = max(16, group_p) if att_dot else group_p
     # batched: half the attention rows (the tensor-core phases need the registers)
-    att_block_n = block_n or max(8, cfg["att_rows"] // (2 if batched else 1) // group_p)
+    att_block_n = block_n or (cfg["att_keys"] if att_dot else
+                              max(8, cfg["att_rows"] // (2 if batched else 1) // group_p))
     # not scaled down by the batch: one compiled variant for every batch size (a batch's
     # M * HK * n_splits items are walked round-robin; splits past a row's length skip)
     n_splits = splits or max(1, min(MAX_SPLITS, p // hk,
@@ -407,6 +418,7 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     const = dict(
         HQ=hq, HK=hk, HEAD_DIM=d, KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P=group_p,
         SPLITS=n_splits, SPLITS_P=triton.next_power_of_2(n_splits), ATT_BLOCK_N=att_block_n,
+        ATT_M=att_m, ATT_DOT=att_dot,
         Q_NORM=w.q_norm is not None, K_NORM=w.k_norm is not None, HAS_RES=residual is not None,
         GU_ROW_MUL=2 if w.gate_up_pairs else 1, SS_P=triton.next_power_of_2(p),
         BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o, BK_O=bk_o, BN_GU=bn_gu, BK_GU=bk_gu,

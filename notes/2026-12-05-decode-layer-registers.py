@@ -22,7 +22,7 @@ from test_kernels_compile import _compile, _resource_usage  # noqa: E402
 
 SHAPES = {"qwen3-0.6b": (16, 8, 1024, 3072), "llama-3.1-8b": (32, 8, 4096, 14336)}
 CONFIGS = [{}, dict(num_warps=4), dict(tile=16384), dict(tile=16384, num_warps=16),
-           dict(att_rows=32), dict(tile=32768, num_warps=16)]
+           dict(att_dot=0), dict(att_dot=0, att_rows=32), dict(att_keys=32), dict(att_keys=128)]
 
 
 def compile_layer(shape: str, batched: bool, cfg: dict) -> tuple[int, int]:
@@ -36,9 +36,11 @@ def compile_layer(shape: str, batched: bool, cfg: dict) -> tuple[int, int]:
             bn, bk = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
         blocks[f"BN_{name}"], blocks[f"BK_{name}"] = bn, bk
     big = shape.startswith("llama")  # 8B: weights stream with row blocks prefetched ahead
+    dot = bool(cfg["att_dot"])
     const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
-                 SPLITS=16, SPLITS_P=16,
-                 ATT_BLOCK_N=max(8, cfg["att_rows"] // (2 if batched else 1) // group_p),
+                 SPLITS=16, SPLITS_P=16, ATT_DOT=dot, ATT_M=max(16, group_p) if dot else group_p,
+                 ATT_BLOCK_N=cfg["att_keys"] if dot else
+                 max(8, cfg["att_rows"] // (2 if batched else 1) // group_p),
                  Q_NORM=not big, K_NORM=not big, HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks,
                  **{f"RUN_{c}": True for c in "ABCDE"}, SYNC=True, PREFETCH=2 if big else 31,
                  PREFETCH_NEXT=True, ESZ=2, USE_PDL=True, KV_SPAN=256, LINE_ELEMS=64,

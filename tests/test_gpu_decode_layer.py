@@ -103,10 +103,14 @@ LENGTHS = {1: [[1], [17], [519], [4000]],  # batch 1: first token, short, long
            3: [[1, 519, 4000]], 8: [[17, 4000, 1, 300, 2049, 64, 65, 1000]]}
 
 
+# the default attention tiles (tensor cores), and the FMA tiles (att_dot=0) at batch 1 and 8
+CASES = [(ls, 1) for v in LENGTHS.values() for ls in v] + [(LENGTHS[1][2], 0), (LENGTHS[8][0], 0)]
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("seq_lens", [ls for v in LENGTHS.values() for ls in v],
-                         ids=lambda ls: "-".join(map(str, ls)))
-def test_one_launch_equals_phased_and_reference(shape, seq_lens, monkeypatch):
+@pytest.mark.parametrize("seq_lens,att_dot", CASES,
+                         ids=["-".join(map(str, ls)) + ("" if dot else "-fma") for ls, dot in CASES])
+def test_one_launch_equals_phased_and_reference(shape, seq_lens, att_dot, monkeypatch):
     from kernels.decode_layer import decode_layer_triton
     from kernels.reference import decode_layer_reference
 
@@ -120,13 +124,15 @@ def test_one_launch_equals_phased_and_reference(shape, seq_lens, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     res = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    cfg = dict(att_dot=att_dot)
     with no_sync():
-        one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, **step)
-        if shape == PHASED_SHAPE and m == 1:  # five more compiles: one shape, batch 1
+        one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, config=cfg,
+                                  **step)
+        if shape == PHASED_SHAPE and m == 1 and att_dot:  # five more compiles: batch 1
             phased = decode_layer_triton(x, res, w, k_cache=kc2, v_cache=vc2, phased=True,
-                                         **step)
+                                         config=cfg, **step)
     torch.cuda.synchronize()
-    if shape == PHASED_SHAPE and m == 1:
+    if shape == PHASED_SHAPE and m == 1 and att_dot:
         assert torch.equal(one[0], phased[0]) and torch.equal(one[1], phased[1])
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert _counters_zero()

@@ -152,13 +152,16 @@ def test_silu_and_mul_compiles(pairs):
     _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
 
 
-@pytest.mark.parametrize("shape,phase,batched,profile", [
-    (s, ph, b, False) for s in ("qwen3-0.6b", "llama-3.1-8b")
-    for ph, b in ((None, False), (1, False), (None, True))] + [("qwen3-0.6b", None, False, True)])
-def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched, profile):
+@pytest.mark.parametrize("shape,phase,batched,profile,dot", [
+    (s, ph, b, False, dot) for s in ("qwen3-0.6b", "llama-3.1-8b")
+    for ph, b, dot in ((None, False, False), (1, False, False), (None, True, False),
+                       (None, False, True), (None, True, True))]
+    + [("qwen3-0.6b", None, False, True, False)])
+def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched, profile, dot):
     """The one-launch layer as the engine launches it on an H200 (barriers, PDL, L2
     prefetch), and one interpreter-style phase: it must keep one program an SM resident
-    (the grid barrier needs every program resident) without spilling registers."""
+    (the grid barrier needs every program resident) without spilling registers. ``dot``:
+    the attention's tensor-core tiles (``att_dot=1``, 64 keys)."""
     from kernels import decode_layer as dl
 
     hq, hk, h, inter, group_p = (16, 8, 1024, 3072, 2) if shape == "qwen3-0.6b" else (
@@ -170,7 +173,8 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched,
             blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
     run = {f"RUN_{c}": phase is None or i == phase for i, c in enumerate("ABCDE")}
     const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
-                 SPLITS=16, SPLITS_P=16, ATT_BLOCK_N=(32 if batched else 64) // group_p, Q_NORM=shape[0] == "q",
+                 SPLITS=16, SPLITS_P=16, ATT_DOT=dot, ATT_M=16 if dot else group_p,
+                 ATT_BLOCK_N=64 if dot else (32 if batched else 64) // group_p, Q_NORM=shape[0] == "q",
                  K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
                  SYNC=phase is None,
                  PREFETCH=(31 if shape[0] == "q" else 2) if phase is None else 0,
@@ -195,7 +199,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched,
         assert (needle in ptx) == one_launch, needle
     assert ("prefetch.global.L2" in ptx) == one_launch  # K/V rows
     assert ("%globaltimer" in ptx) == profile
-    assert ("mma.sync" in ptx or "wgmma" in ptx) == batched  # batched GEMVs on tensor cores
+    assert ("mma.sync" in ptx or "wgmma" in ptx) == (batched or dot)  # tensor-core GEMVs / tiles
     regs, spills = _resource_usage(compiled.asm["cubin"])
     assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
     if phase is None and not batched:  # the GPU watchdog test needs 2 programs an SM not to fit

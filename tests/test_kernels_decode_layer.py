@@ -107,6 +107,31 @@ def test_small_batch_matches_reference(hq, hk, dtype):
     torch.testing.assert_close(case["v_cache"], vc, **tol)
 
 
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8: 16-row MMA tiles
+@pytest.mark.parametrize("seq_lens,splits", [([29], 1), ([29], 2), ([1, 8, 29], 3), ([16, 33], 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_attention_tiles(hq, hk, seq_lens, splits, dtype):
+    """``att_dot=1``: scores and P @ V of 16-key tiles on the tensor cores (the group padded
+    to 16 rows): one request with two tiles in a split or one a split, three requests, and
+    lengths at a tile boundary (16, 33: the new key alone in a tile) with every tile in one
+    split. (float32 layers keep the FMA tiles: checked by the kernel's own fallback.)"""
+    bound = 48
+    if len(seq_lens) == 1:
+        case, w = _case(hq, hk, 16, 48, 40, dtype, seq_lens[0], qk_norm=hk == 2, pairs=hk != 1,
+                        first=False, seed=hq * 3 + hk + splits, bound=bound)
+    else:
+        case, w = _batched(hq, hk, 16, 48, 40, dtype, seq_lens, qk_norm=hk == 2, pairs=hk != 1,
+                           seed=hq + hk + splits, bound=bound)
+    (out, r2), (out_e, r2_e), (kc, vc) = _run_both(
+        case, w, programs=24, splits=splits, config=dict(att_dot=1, att_keys=16))
+    # float16 keeps 3 more mantissa bits than bfloat16: a 1 % error in P @ V shows there
+    tol = dict(atol=4e-2, rtol=4e-2) if dtype == torch.bfloat16 else dict(atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(r2, r2_e, **tol)
+    torch.testing.assert_close(out, out_e, **tol)
+    torch.testing.assert_close(case["k_cache"], kc, **tol)
+    torch.testing.assert_close(case["v_cache"], vc, **tol)
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_small_batch_first_layer_multi_chunk(pairs, monkeypatch):
     """Two requests, no residual, every K streamed in 16-column chunks (48 = 3 x 16; 40 =
@@ -146,7 +171,8 @@ def test_weight_streams_of_several_k_chunks(config):
 def test_config_switch_is_parsed_strictly(monkeypatch):
     monkeypatch.setenv(dl.CONFIG_ENV, "num_warps=4, tile=4096")
     assert dl.config_from_env() == dict(dl.DEFAULT_CONFIG, num_warps=4, tile=4096)
-    for bad in ("warps=4", "tile=1000", "num_warps=3", "prefetch=2", "tile=x", "block_k=2048,tile=1024"):
+    for bad in ("warps=4", "tile=1000", "num_warps=3", "prefetch=2", "tile=x", "block_k=2048,tile=1024",
+                "att_dot=2", "att_keys=8", "att_keys=48"):
         monkeypatch.setenv(dl.CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=dl.CONFIG_ENV):
             dl.config_from_env()
