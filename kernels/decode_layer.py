@@ -351,7 +351,8 @@ def decode_layer_triton(x, residual, w: LayerWeights, positions, cos_sin_cache, 
     att_dot = bool(cfg["att_dot"]) and dt != torch.float32 and (block_n or 16) >= 16
     att_m = max(16, group_p) if att_dot else group_p
     # batched: half the attention rows (the tensor-core phases need the registers)
-    att_block_n = block_n or (cfg["att_keys"] if att_dot else
+    # (head_dim 256 halves the keys: a 64 x 256 tile spilled, review 2026-12-05)
+    att_block_n = block_n or (max(16, cfg["att_keys"] * 128 // max(d, 128)) if att_dot else
                               max(8, cfg["att_rows"] // (2 if batched else 1) // group_p))
     # not scaled down by the batch: one compiled variant for every batch size (a batch's
     # M * HK * n_splits items are walked round-robin; splits past a row's length skip)

@@ -6,7 +6,8 @@ A tile's scores and ``P @ V`` run either as float32 FMA products of the GQA grou
 GQA 4) or on the tensor cores (``ATT_DOT=True``: the group's rows padded to one 16-row MMA
 tile, ``tl.dot`` in float32 accumulators, so a tile holds 64 keys in fewer registers). Both
 take q rotated and rounded to the dtype (exact in either), round P to the dtype before
-``P @ V``, and differ only in the order of float32 sums.
+``P @ V``, and differ in how the float32 sums run (order; the tensor cores' accumulation is
+not strictly IEEE round-to-nearest).
 """
 
 from __future__ import annotations

@@ -124,6 +124,9 @@ def test_one_launch_equals_phased_and_reference(shape, seq_lens, att_dot, monkey
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     res = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    # a small residual stream: the attention's part dominates r2 (at scale 1 a zeroed
+    # attention passed the checks below at 4,000 keys, review 2026-12-05)
+    x, res = (x.float() * 0.01).to(torch.bfloat16), (res.float() * 0.01).to(torch.bfloat16)
     cfg = dict(att_dot=att_dot)
     with no_sync():
         one = decode_layer_triton(x, res, w, k_cache=kc, v_cache=vc, phased=False, config=cfg,
@@ -146,6 +149,9 @@ def test_one_launch_equals_phased_and_reference(shape, seq_lens, att_dot, monkey
     for got, want in ((one[1], r64), (one[0], out64)):
         err = float((got.double() - want).abs().max() / want.abs().max())
         assert err < 3e-2, (shape, seq_lens, err)
+    r1 = x.double() + res.double()  # the attention's part of r2 (o_proj of it), on its own
+    att_err = float((one[1].double() - r1 - (r64 - r1)).norm() / (r64 - r1).norm())
+    assert att_err < 2e-2, (shape, seq_lens, att_err)
     slots = step["slot_mapping"]  # the new K/V (rounded once to bf16) in their slots
     k_new = kc.view(-1, hk, d)[slots].double()
     assert float((k_new - kc64.view(-1, hk, d)[slots]).abs().max()) < 5e-2

@@ -113,8 +113,8 @@ def test_small_batch_matches_reference(hq, hk, dtype):
 def test_tensor_core_attention_tiles(hq, hk, seq_lens, splits, dtype):
     """``att_dot=1``: scores and P @ V of 16-key tiles on the tensor cores (the group padded
     to 16 rows): one request with two tiles in a split or one a split, three requests, and
-    lengths at a tile boundary (16, 33: the new key alone in a tile) with every tile in one
-    split. (float32 layers keep the FMA tiles: checked by the kernel's own fallback.)"""
+    lengths ending on a tile (16) or one past it (33: the new key alone in its tile) with
+    every tile in one split. (float32 layers keep the FMA tiles: checked by the kernel's own fallback.)"""
     bound = 48
     if len(seq_lens) == 1:
         case, w = _case(hq, hk, 16, 48, 40, dtype, seq_lens[0], qk_norm=hk == 2, pairs=hk != 1,
