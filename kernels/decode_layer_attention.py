@@ -65,9 +65,7 @@ def _attend_item(qkv_ptr, k_ptr, v_ptr, bt_ptr, qw_ptr, kw_ptr, part_ptr, lse_pt
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     q = rope_rows(qkv_ptr, head_r * HEAD_DIM, offs_d, r_ok, qw_ptr, qk_eps, cos, sin,
                   Q_NORM, HALF, DT, True)  # in the dtype, padded rows 0
-    if not ATT_DOT:
-        q = q.to(tl.float32)
-    elif UPCAST:
+    if UPCAST or not ATT_DOT:  # FMA products, or the interpreter's float32 dots
         q = q.to(tl.float32)
     kn_row = tl.zeros([1], dtype=tl.int32) + (HQ + kvh) * HEAD_DIM
     k_new = rope_rows(qkv_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, qk_eps, cos, sin,

@@ -152,6 +152,48 @@ def test_silu_and_mul_compiles(pairs):
     _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
 
 
+LAYER_SHAPES = {"qwen3-0.6b": (16, 8, 1024, 3072), "llama-3.1-8b": (32, 8, 4096, 14336)}
+
+
+def compile_decode_layer(shape: str, batched: bool, cfg: dict, phase: int | None = None,
+                         profile: bool = False):
+    """The one-launch layer compiled for sm_90 at a ``LAYER_SHAPES`` shape (head_dim 128) as
+    the engine launches it (barriers, PDL, L2 prefetches; the 8B's weights stream with
+    ``ahead`` row blocks) under ``cfg`` (``DEFAULT_CONFIG`` overrides), or only ``phase``
+    (0-4) as the interpreter runs it. Also used by notes/2026-12-05-decode-layer-registers.py."""
+    from kernels import decode_layer as dl
+
+    hq, hk, h, inter = LAYER_SHAPES[shape]
+    cfg = dict(dl.DEFAULT_CONFIG, **cfg)
+    group_p = triton.next_power_of_2(hq // hk)
+    big = shape.startswith("llama")  # weights over the L2 budget: no whole-phase prefetch
+    one = phase is None
+    dot = bool(cfg["att_dot"])
+    blocks = {}
+    for name, k, rows in (("QKV", h, 1), ("O", hq * 128, 1), ("GU", h, 2), ("D", inter, 1)):
+        bn, bk = dl._blocks(k, rows, cfg)
+        if batched:  # 16-row tensor-core tiles
+            bn, bk = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
+        blocks[f"BN_{name}"], blocks[f"BK_{name}"] = bn, bk
+    const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
+                 SPLITS=16, SPLITS_P=16, ATT_DOT=dot, ATT_M=max(16, group_p) if dot else group_p,
+                 ATT_BLOCK_N=cfg["att_keys"] if dot else
+                 max(8, cfg["att_rows"] // (2 if batched else 1) // group_p),
+                 Q_NORM=not big, K_NORM=not big, HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks,
+                 **{f"RUN_{c}": one or i == phase for i, c in enumerate("ABCDE")},
+                 SYNC=one, PREFETCH=(2 if big else 31) if one else 0, PREFETCH_NEXT=one, ESZ=2,
+                 USE_PDL=one, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2, POLL_LOAD=one,
+                 SS_BLOCK=512 if batched else 4096,
+                 **{f"AHEAD_{n}": cfg["ahead"] if one and big else 0 for n in ("QKV", "O", "GU", "D")},
+                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False, PROFILE=profile)
+    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
+    ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
+                pos_ptr="*i64", slot_ptr="*i64", prof_ptr="*i64")
+    return _compile(dl._decode_layer_kernel, const, ptrs, floats=("eps", "qk_eps", "scale_log2"),
+                    aligned_ints=("H", "N_QKV", "INTER"),
+                    options=dict(num_warps=cfg["num_warps"], num_stages=1))
+
+
 @pytest.mark.parametrize("shape,phase,batched,profile,dot", [
     (s, ph, b, False, dot) for s in ("qwen3-0.6b", "llama-3.1-8b")
     for ph, b, dot in ((None, False, False), (1, False, False), (None, True, False),
@@ -164,34 +206,7 @@ def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched,
     the attention's tensor-core tiles (``att_dot=1``, 64 keys)."""
     from kernels import decode_layer as dl
 
-    hq, hk, h, inter, group_p = (16, 8, 1024, 3072, 2) if shape == "qwen3-0.6b" else (
-        32, 8, 4096, 14336, 4)
-    blocks = {}
-    for name, k, rows in (("QKV", h, 1), ("O", hq * 128, 1), ("GU", h, 2), ("D", inter, 1)):
-        blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl._blocks(k, rows)
-        if batched:  # 16-row tensor-core tiles
-            blocks[f"BN_{name}"], blocks[f"BK_{name}"] = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
-    run = {f"RUN_{c}": phase is None or i == phase for i, c in enumerate("ABCDE")}
-    const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
-                 SPLITS=16, SPLITS_P=16, ATT_DOT=dot, ATT_M=16 if dot else group_p,
-                 ATT_BLOCK_N=64 if dot else (32 if batched else 64) // group_p, Q_NORM=shape[0] == "q",
-                 K_NORM=shape[0] == "q", HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks, **run,
-                 SYNC=phase is None,
-                 PREFETCH=(31 if shape[0] == "q" else 2) if phase is None else 0,
-                 PREFETCH_NEXT=phase is None, ESZ=2,
-                 USE_PDL=phase is None, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2,
-                 POLL_LOAD=phase is None, SS_BLOCK=512 if batched else 4096,
-                 **{f"AHEAD_{n}": 4 if phase is None and shape[0] == "l" else 0
-                    for n in ("QKV", "O", "GU", "D")},
-                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False,
-                 PROFILE=profile)
-    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
-    ptrs["prof_ptr"] = "*i64"
-    ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
-                pos_ptr="*i64", slot_ptr="*i64")
-    compiled = _compile(dl._decode_layer_kernel, const, ptrs,
-                        floats=("eps", "qk_eps", "scale_log2"), aligned_ints=("H", "N_QKV", "INTER"),
-                        options=dict(num_warps=dl.NUM_WARPS, num_stages=1))
+    compiled = compile_decode_layer(shape, batched, dict(att_dot=int(dot)), phase, profile)
     ptx = compiled.asm["ptx"]
     one_launch = phase is None  # barriers polled with acquire loads, L2 prefetches, PDL
     for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "griddepcontrol.wait",
