@@ -9,6 +9,8 @@
 #               default / 1 (SYNCLESS_DECODE_ATTN_STAGES=1); rope0: rope + KV write in their own launch;
 #               nohandoff: SYNCLESS_NORM_HANDOFF=0 (norms fused into the consumer GEMV's prologue);
 #               ogemv: the 8B o_proj as the persistent GEMV (is the 8B attention's cost its neighbour's?)
+#               pf8192/pf4096/pf2048: the 8B o_proj bulk-prefetches that many bytes of each weight row
+#               into L2 before its PDL wait, i.e. while the attention runs (2026-12-05b)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
@@ -60,7 +62,8 @@ PY
           case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
-            ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";; esac
+            ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
+            pf*) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-05b-tuning-8b-oproj-$v.json";; esac
           env $envs timeout 120 python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${AB_B:-1,8}" \
             --context-lens "${AB_CTX:-512,4096}" --warmup 3 --iters 10 --placement local \
             --output "$OUT/ab-$shape-$v.json" >> "$OUT/ab.log" 2>&1 || tail -8 "$OUT/ab.log"
