@@ -15,6 +15,7 @@
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
 #               CI): the one-launch layer's registers and spill bytes a config (CPU only, ~1 min)
+#   prof        decode_roofline --profile of one cell (PROF_SHAPE, PROF_CELL): the top kernels a step
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
 #   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
 #               (LAYER_CONFIG: a SYNCLESS_DECODE_LAYER_CONFIG for the "1" run)
@@ -86,6 +87,22 @@ PY
             "$OUT/layer-$shape-$v.json" "$shape" "$v"
         done
       done;;
+    prof)  # PROF_SHAPE (qwen3-0.6b), PROF_CELL (128,512): one profiled cell, the top kernels a step
+      c=${PROF_CELL:-128,512}
+      env ${EXTRA:-} timeout 150 python -m benchmarks.decode_roofline --shape "${PROF_SHAPE:-qwen3-0.6b}" \
+        --batch-sizes "${c%,*}" --context-lens "${c#*,}" --warmup 3 --iters 10 --placement local \
+        --profile "$c" --output "$OUT/prof-${PROF_SHAPE:-qwen3-0.6b}-${c/,/-}${TAG:-}.json" >> "$OUT/prof.log" 2>&1 \
+        || tail -8 "$OUT/prof.log"
+      python - "$OUT/prof-${PROF_SHAPE:-qwen3-0.6b}-${c/,/-}${TAG:-}.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["cells"][0]
+p = c["profile"]
+print(f"b{c['batch_size']} ctx{c['context_len']} step {c['step_ms_median']:.3f} ms ratio {c['ratio']:.3f} "
+      f"kernels {p['kernel_us_per_step']:.1f} us in {p['kernels_per_step']:.0f} launches")
+for k in p["top"][:14]:
+    print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}")
+PY
+      ;;
     probe)
       for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
         for pr in none nonorm noattn; do
