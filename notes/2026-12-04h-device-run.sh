@@ -15,6 +15,7 @@
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
 #               CI): the one-launch layer's registers and spill bytes a config (CPU only, ~1 min)
+#   kvlayout    notes/2026-12-05b-kv-layout-probe.py: decode attention on token-major vs head-major KV pages
 #   prof        decode_roofline --profile of one cell (PROF_SHAPE, PROF_CELL): the top kernels a step
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
 #   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
@@ -87,6 +88,8 @@ PY
             "$OUT/layer-$shape-$v.json" "$shape" "$v"
         done
       done;;
+    kvlayout) timeout ${KV_TIMEOUT:-200} python notes/2026-12-05b-kv-layout-probe.py --out "$OUT/kv-layout.json" 2>&1 \
+                | grep -v -i warn | tee -a "$OUT/kv-layout.log";;
     prof)  # PROF_SHAPE (qwen3-0.6b), PROF_CELL (128,512): one profiled cell, the top kernels a step
       c=${PROF_CELL:-128,512}
       env ${EXTRA:-} timeout 150 python -m benchmarks.decode_roofline --shape "${PROF_SHAPE:-qwen3-0.6b}" \
