@@ -61,6 +61,13 @@ def test_skinny_linear_peeled_chunks_under_pdl(n, k, variant, m, preload, monkey
 
     monkeypatch.setenv("SYNCLESS_PDL", "1")
     x, w, kw = skinny_inputs(m, n, k, variant)
+    # The peeled chunks read the weights before the PDL wait, which kernels.pdl allows
+    # because no kernel writes weights. Here the kernel just before the launch is the one
+    # that wrote them ("plain": w is created last), and before the wait nothing makes its
+    # writes visible. Without this synchronize the plain case (1000x1000, M 8, one peeled
+    # chunk) failed once on the H200 and passed on a rerun (2026-12-05): a race of this
+    # test's set-up, not of the engine, whose weights are written at load time.
+    torch.cuda.synchronize()
     cfg = dict(fallback_config(m), preload=preload)
     if m == 1:  # the FMA path's tuned chunk: K <= 1024 is one chunk
         cfg["block_k"] = 1024
