@@ -65,7 +65,14 @@ PY
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
-            pf*) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-05b-tuning-8b-oproj-$v.json";; esac
+            pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
+                 python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'
+import json, sys  # the shipped table, the 8B o_proj entry prefetching N bytes of each row
+t = json.load(open("kernels/skinny_tuning.json"))
+t["entries"]["plain|m1|4096x4096"] = dict(t["entries"]["plain|m1|4096x4096"], prefetch_l2=int(sys.argv[1]))
+json.dump(t, open(sys.argv[2], "w"), indent=1)
+PY
+                 ;; esac
           env $envs timeout 120 python -m benchmarks.decode_roofline --shape "$shape" --batch-sizes "${AB_B:-1,8}" \
             --context-lens "${AB_CTX:-512,4096}" --warmup 3 --iters 10 --placement local \
             --output "$OUT/ab-$shape-$v.json" >> "$OUT/ab.log" 2>&1 || tail -8 "$OUT/ab.log"
@@ -91,12 +98,11 @@ PY
     kvlayout) timeout ${KV_TIMEOUT:-200} python notes/2026-12-05b-kv-layout-probe.py --out "$OUT/kv-layout.json" 2>&1 \
                 | grep -v -i warn | tee -a "$OUT/kv-layout.log";;
     prof)  # PROF_SHAPE (qwen3-0.6b), PROF_CELL (128,512): one profiled cell, the top kernels a step
-      c=${PROF_CELL:-128,512}
-      env ${EXTRA:-} timeout 150 python -m benchmarks.decode_roofline --shape "${PROF_SHAPE:-qwen3-0.6b}" \
+      c=${PROF_CELL:-128,512}; shape=${PROF_SHAPE:-qwen3-0.6b}; json="$OUT/prof-$shape-${c/,/-}${TAG:-}.json"
+      env ${EXTRA:-} timeout 150 python -m benchmarks.decode_roofline --shape "$shape" \
         --batch-sizes "${c%,*}" --context-lens "${c#*,}" --warmup 3 --iters 10 --placement local \
-        --profile "$c" --output "$OUT/prof-${PROF_SHAPE:-qwen3-0.6b}-${c/,/-}${TAG:-}.json" >> "$OUT/prof.log" 2>&1 \
-        || tail -8 "$OUT/prof.log"
-      python - "$OUT/prof-${PROF_SHAPE:-qwen3-0.6b}-${c/,/-}${TAG:-}.json" <<'PY'
+        --profile "$c" --output "$json" >> "$OUT/prof.log" 2>&1 || tail -8 "$OUT/prof.log"
+      python - "$json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["cells"][0]
 p = c["profile"]

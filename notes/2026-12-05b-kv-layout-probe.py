@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from kernels.bench import graph_time_us, rotation_copies
+from kernels.bench import _attention_caches, graph_time_us
 from kernels.paged_attention import paged_attention_triton
 
 CASES = [  # (batch, context, q heads, kv heads, graph bucket bound)
@@ -27,18 +27,6 @@ CASES = [  # (batch, context, q heads, kv heads, graph bucket bound)
     (32, 512, 16, 8, 1024), (128, 512, 16, 8, 1024), (256, 512, 16, 8, 1024),
     (128, 4096, 16, 8, 4126),
 ]
-
-
-def caches(b, ctx, hkv, bound, d, bs, dev, dt):
-    per = -(-bound // bs)
-    kv_bytes = b * ctx * hkv * d * 2 * 2
-    out = []
-    for _ in range(rotation_copies(kv_bytes, cap=64)):
-        k = torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt)
-        v = torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt)
-        bt = torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per)
-        out.append((k, v, bt))
-    return kv_bytes, out
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +41,7 @@ def main() -> None:
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for b, ctx, hq, hkv, bound in CASES:
-        kv_bytes, nhd = caches(b, ctx, hkv, bound, d, bs, dev, dt)
+        kv_bytes, nhd = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         hnd = [(head_major(k), head_major(v), bt) for k, v, bt in nhd]
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
