@@ -1,0 +1,144 @@
+"""Triton tiled GEMM for mid-sized decode batches (``16 < M <= 256``), optionally split-K.
+
+``y = x @ W^T`` for ``x [M, K]`` and ``W [N, K]`` row-major (as ``nn.Linear`` stores it).
+At these batch sizes the small-hidden projections (Qwen3-0.6B: ``N`` or ``K`` of 1,024) give
+cuBLAS too few output tiles to fill the GPU: its kernels measured 1.3-2 TB/s of weight
+streaming on an H200 (0.6B batch 128, notes/2026-12-05b-h200-results.md). Here a program owns
+a ``[BLOCK_M, BLOCK_N]`` output tile and one of ``split_k`` equal slices of ``K``, so the grid
+can be sized to the SM count by ``BLOCK_N`` and ``split_k`` alone.
+
+With ``split_k > 1`` each program stores its float32 partial tile; a second launch sums the
+slices in a fixed order (deterministic: no atomics) and rounds once to the output dtype, as
+an unsplit product would be rounded. The result is therefore the float32 sum of the same
+products in another order than cuBLAS's: equal within 16-bit rounding, not bit for bit.
+
+``out_dtype=torch.float32`` (logits): the product is rounded to ``x``'s dtype first and then
+widened, exactly ``linear(x, W).to(torch.float32)``, without the separate widening copy.
+
+No host syncs: the grid depends on CPU shapes only, and ``M`` is not specialised, so every
+padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 256
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tile_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + offs_k) < k_hi
+        a = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's dot mishandles bf16: exact fp32 copies instead
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b))
+    mask = m_ok[:, None] & n_ok[None, :]
+    o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + split * stride_os + o_off, acc, mask=mask)
+    else:
+        y = acc
+        if ROUND_TO_X:
+            y = y.to(x_ptr.dtype.element_ty)
+        tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
+                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ROUND_TO: tl.constexpr):
+    """``out = sum_s part[s]`` in split order, rounded once (via ``ROUND_TO``'s dtype)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < M)[:, None] & (offs_c < N)[None, :]
+    p_off = offs_r.to(tl.int64)[:, None] * stride_pm + offs_c[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0)
+    y = acc.to(ROUND_TO)
+    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def check_config(cfg: dict, k: int) -> None:
+    """Reject a config this kernel cannot run (a bad tuning entry, a typo in a sweep)."""
+    for key in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise ValueError(f"tile GEMM config needs a positive int {key!r}: {cfg}")
+    for key in ("block_m", "block_n", "block_k"):
+        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"tile GEMM {key} must be a power of two >= 16: {cfg}")
+    if k % (cfg["split_k"] * cfg["block_k"]):
+        raise ValueError(f"tile GEMM: K={k} is not a multiple of split_k x block_k: {cfg}")
+
+
+def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``linear(x, weight)`` (no bias), widened to ``out_dtype`` after rounding to ``x``'s
+    dtype; ``config``: ``block_m``, ``block_n``, ``block_k``, ``split_k``, ``num_warps``,
+    ``num_stages`` (see ``check_config``)."""
+    m, k = x.shape
+    n, k2 = weight.shape
+    assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+    check_config(config, k)
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, split = config["block_m"], config["block_n"], config["block_k"], config["split_k"]
+    upcast = (not x.is_cuda) and x.dtype == torch.bfloat16
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=upcast,
+                  IEEE=x.dtype == torch.float32, num_warps=config["num_warps"],
+                  num_stages=config["num_stages"])
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    if split == 1:
+        _tile_gemm_kernel[grid](x, weight, out, m, n, k, k, x.stride(0), weight.stride(0),
+                                out.stride(0), 0, PARTIAL=False,
+                                ROUND_TO_X=out_dtype != x.dtype, **common)
+        return out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _tile_gemm_kernel[grid](x, weight, part, m, n, k, k // split, x.stride(0), weight.stride(0),
+                            part.stride(1), part.stride(0), PARTIAL=True, ROUND_TO_X=False,
+                            **common)
+    block_r, block_c = 16, 128
+    _split_sum_kernel[(triton.cdiv(m, block_r), triton.cdiv(n, block_c))](
+        part, out, m, n, part.stride(0), part.stride(1), out.stride(0),
+        SPLIT_K=split, BLOCK_R=block_r, BLOCK_C=block_c, ROUND_TO=_TL_DTYPES[x.dtype],
+        num_warps=4)
+    return out
+
+
+def tile_linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The plain-torch meaning: float32 products and sums, rounded once to ``x``'s dtype."""
+    y = (x.float() @ weight.float().t()).to(x.dtype)
+    return y.to(out_dtype) if out_dtype is not None else y
