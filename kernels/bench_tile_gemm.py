@@ -2,6 +2,7 @@
 Qwen3-0.6B decode projections at batch 32-256, where cuBLAS streams the weights at 1.3-2 TB/s.
 
     python -m kernels.bench_tile_gemm --out /tmp/tile-gemm.json [--ms 32,128] [--shapes 06b_o]
+        [--tuning-out kernels/tile_gemm_tuning.json]
 
 Timings as in ``kernels.bench``: CUDA-graph replay of back-to-back calls over weight copies
 larger than L2 (so every call reads its weights from HBM). The logits shape is compared
@@ -19,6 +20,8 @@ import torch
 
 from kernels.bench import GEMM_SHAPES, graph_time_us, rotation_copies
 
+# A config replaces cuBLAS only when it is this much faster (run-to-run noise of one shape).
+WIN_MARGIN = 0.95
 SHAPES = ("06b_qkv", "06b_o", "06b_gate_up", "06b_down", "06b_lm_head")
 
 
@@ -82,11 +85,34 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
     return rows
 
 
+def tuning_table(rows: list[dict], device: str | None = None) -> dict:
+    """The ``kernels.tile_gemm`` tuning file of a sweep: per (M class, N, K), the fastest
+    config where it beat cuBLAS by ``WIN_MARGIN``, else null (cuBLAS)."""
+    from kernels.tile_gemm import m_class, tuning_key
+
+    entries, why = {}, {}
+    for r in rows:
+        mc, best = m_class(r["m"]), r["best"]
+        if mc is None or mc != r["m"]:
+            continue  # only a class's own batch size speaks for it
+        win = best is not None and best["us"] < WIN_MARGIN * r["cublas_us"]
+        entries[tuning_key(mc, r["n"], r["k"])] = (
+            {key: best[key] for key in ("block_m", "block_n", "block_k", "split_k", "num_warps",
+                                        "num_stages")} if win else None)
+        why[tuning_key(mc, r["n"], r["k"])] = (
+            f"{r['shape']}: cuBLAS {r['cublas_us']:.2f} us, tile {best['us']:.2f} us"
+            if best is not None else f"{r['shape']}: no config ran")
+    return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__,
+            "command": "python -m kernels.bench_tile_gemm --tuning-out", "entries": entries,
+            "measured": why}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--ms", default="32,64,128,256")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tuning-out", help="write the winners as a kernels.tile_gemm tuning file")
     a = p.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",")]
     shapes = a.shapes.split(",")
@@ -97,6 +123,9 @@ def main(argv=None) -> None:
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "tile_gemm": rows}, f, indent=1)
+    if a.tuning_out:
+        with open(a.tuning_out, "w") as f:
+            json.dump(tuning_table(rows), f, indent=1)
 
 
 if __name__ == "__main__":

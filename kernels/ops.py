@@ -182,12 +182,29 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     new_res = None
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
-    y = torch.nn.functional.linear(x, weight, bias)
+    tile = tile_config(x, weight, bias)
+    if tile is not None:  # mid-sized batches: kernels.tile_gemm where it beat cuBLAS
+        from kernels.tile_gemm import tile_linear_triton
+
+        y = tile_linear_triton(x, weight, tile, out_dtype=out_dtype if act is None else None)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
     if act in ("silu_and_mul", "silu_and_mul_pairs"):
         y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
+
+
+def tile_config(x, weight, bias) -> dict | None:
+    """The ``kernels.tile_gemm`` config for a mid-sized 16-bit batch on CUDA, or None."""
+    if not (_use_triton(x) and bias is None and x.dim() == 2 and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+        return None
+    from kernels.tile_gemm import select_config
+
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1])
 
 
 def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,

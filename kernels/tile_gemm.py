@@ -21,11 +21,22 @@ padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_M = 256
+M_CLASSES = (32, 64, 128, 256)  # a batch takes the smallest class that holds it
+# Per (M class, N, K): the fastest config on the target GPU, or null where cuBLAS won.
+# Written by ``python -m kernels.bench_tile_gemm --tuning-out``; no entry: cuBLAS.
+TUNING_FILE = Path(__file__).with_name("tile_gemm_tuning.json")
+TUNING_ENV = "SYNCLESS_TILE_GEMM_TUNING"  # another tuning file (a benchmark's fresh table)
+SWITCH_ENV = "SYNCLESS_TILE_GEMM"  # 0: cuBLAS everywhere (an A/B knob)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -99,6 +110,49 @@ def check_config(cfg: dict, k: int) -> None:
             raise ValueError(f"tile GEMM {key} must be a power of two >= 16: {cfg}")
     if k % (cfg["split_k"] * cfg["block_k"]):
         raise ValueError(f"tile GEMM: K={k} is not a multiple of split_k x block_k: {cfg}")
+
+
+def m_class(m: int) -> int | None:
+    """The tuning class of a batch of ``m`` rows (None: not a mid-sized batch)."""
+    return next((c for c in M_CLASSES if 16 < m <= c), None)
+
+
+def tuning_key(mc: int, n: int, k: int) -> str:
+    return f"m{mc}|{n}x{k}"
+
+
+def enabled() -> bool:
+    raw = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{SWITCH_ENV} must be 0 or 1, got {raw!r}")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tuning(path: str) -> dict[str, dict | None]:
+    """A tuning file's entries, each checked. The packaged file may be absent (no entries:
+    cuBLAS everywhere); a file named by ``SYNCLESS_TILE_GEMM_TUNING`` must load."""
+    try:
+        entries = json.loads(Path(path).read_text())["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        if path != str(TUNING_FILE):
+            raise ValueError(f"{TUNING_ENV}={path}: not a tile-GEMM tuning file ({e!r})") from e
+        return {}
+    for key, cfg in entries.items():
+        if cfg is not None:
+            check_config(cfg, int(key.rsplit("x", 1)[1]))
+    return entries
+
+
+def select_config(m: int, n: int, k: int) -> dict | None:
+    """The tile config for ``x [m, k] @ W[n, k]^T``, or None for cuBLAS (CPU ints only)."""
+    mc = m_class(m)
+    if mc is None or not enabled():
+        return None
+    table = _load_tuning(os.environ.get(TUNING_ENV, "").strip() or str(TUNING_FILE))
+    return table.get(tuning_key(mc, n, k))
 
 
 def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,

@@ -68,4 +68,58 @@ def test_tile_gemm_bad_config():
         tile_gemm.tile_linear_triton(x, w, dict(_cfg(16, 16, 32, 1), split_k=0))
 
 
+def test_tile_gemm_m_classes():
+    assert [tile_gemm.m_class(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257)] == [
+        None, None, 32, 32, 64, 64, 128, 128, 256, 256, None]
+
+
+def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path, monkeypatch):
+    import json
+
+    cfg = _cfg(64, 32, 64, 2)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None}}))
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
+    assert tile_gemm.select_config(40, 1024, 2048) == cfg     # class 64
+    assert tile_gemm.select_config(100, 1024, 2048) is None   # null entry: cuBLAS won
+    assert tile_gemm.select_config(40, 2048, 1024) is None    # no entry for the shape
+    assert tile_gemm.select_config(8, 1024, 2048) is None     # not a mid-sized batch
+    monkeypatch.setenv(tile_gemm.SWITCH_ENV, "0")
+    assert tile_gemm.select_config(40, 1024, 2048) is None
+    monkeypatch.setenv(tile_gemm.SWITCH_ENV, "maybe")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        tile_gemm.select_config(40, 1024, 2048)
+
+
+def test_tile_gemm_bad_tuning_file(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "bad.json"
+    path.write_text("{}")
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
+    with pytest.raises(ValueError, match="not a tile-GEMM tuning file"):
+        tile_gemm.select_config(40, 1024, 2048)
+    path2 = tmp_path / "bad2.json"  # an entry whose split does not divide K
+    path2.write_text(json.dumps({"entries": {"m64|1024x2048": _cfg(64, 32, 128, 3)}}))
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path2))
+    with pytest.raises(ValueError, match="multiple of split_k"):
+        tile_gemm.select_config(40, 1024, 2048)
+
+
+def test_tuning_table_keeps_only_clear_wins():
+    from kernels.bench_tile_gemm import WIN_MARGIN, tuning_table
+
+    cfg = dict(_cfg(32, 64, 64, 4), us=1.0)
+    rows = [
+        {"shape": "a", "m": 32, "n": 1024, "k": 2048, "cublas_us": 2.0, "best": cfg},
+        {"shape": "b", "m": 128, "n": 1024, "k": 2048, "cublas_us": 1.0 * WIN_MARGIN,
+         "best": cfg},  # only as fast as the margin: cuBLAS stays
+        {"shape": "c", "m": 48, "n": 1024, "k": 2048, "cublas_us": 9.0, "best": cfg},  # no class
+        {"shape": "d", "m": 256, "n": 4096, "k": 1024, "cublas_us": 5.0, "best": None},
+    ]
+    entries = tuning_table(rows, device="test")["entries"]
+    assert entries == {"m32|1024x2048": _cfg(32, 64, 64, 4), "m128|1024x2048": None,
+                       "m256|4096x1024": None}
+
+
 delegate_all(globals(), __file__)
