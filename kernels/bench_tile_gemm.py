@@ -39,14 +39,17 @@ def candidates(m: int, k: int) -> list[dict]:
 
 
 def bench(ms: list[int], shapes: list[str]) -> list[dict]:
+    from kernels.activation import silu_and_mul_triton
     from kernels.tile_gemm import tile_linear_triton
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
     for name in shapes:
-        n, k, _variant = GEMM_SHAPES[name]
+        n, k, variant = GEMM_SHAPES[name]
         logits = name.endswith("lm_head")
         out_dtype = torch.float32 if logits else None
+        # gate|up: the model's row-pair layout, SiLU*mul fused here vs cuBLAS + its kernel
+        act = "silu_and_mul_pairs" if variant == "norm_act_pairs" else None
         ws = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
               for _ in range(rotation_copies(n * k * 2))]
         for m in ms:
@@ -54,6 +57,9 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
             if logits:
                 def base(w):
                     return torch.nn.functional.linear(x, w).float()
+            elif act:
+                def base(w):
+                    return silu_and_mul_triton(torch.nn.functional.linear(x, w), pairs=True)
             else:
                 def base(w):
                     return torch.nn.functional.linear(x, w)
@@ -62,10 +68,10 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
             res = []
             for cfg in candidates(m, k):
                 try:
-                    y = tile_linear_triton(x, ws[0], cfg, out_dtype=out_dtype)
+                    y = tile_linear_triton(x, ws[0], cfg, out_dtype=out_dtype, act=act)
                     err = (y.float() - ref).abs().max().item()
                     us = graph_time_us([lambda w=w, c=cfg: tile_linear_triton(
-                        x, w, c, out_dtype=out_dtype) for w in ws])
+                        x, w, c, out_dtype=out_dtype, act=act) for w in ws])
                 except Exception as e:  # resources (shared memory) or a compile failure
                     res.append({**cfg, "error": repr(e)[:160]})
                     continue

@@ -186,7 +186,11 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     if tile is not None:  # mid-sized batches: kernels.tile_gemm where it beat cuBLAS
         from kernels.tile_gemm import tile_linear_triton
 
-        y = tile_linear_triton(x, weight, tile, out_dtype=out_dtype if act is None else None)
+        fused = act == "silu_and_mul_pairs"  # in the GEMM's (or its split sum's) epilogue
+        y = tile_linear_triton(x, weight, tile, out_dtype=out_dtype if act is None else None,
+                               act=act if fused else None)
+        if fused:
+            return (y.to(out_dtype) if out_dtype is not None else y), new_res
     else:
         y = torch.nn.functional.linear(x, weight, bias)
     if act in ("silu_and_mul", "silu_and_mul_pairs"):

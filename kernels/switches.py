@@ -17,6 +17,8 @@ KERNEL_SWITCHES = (
     "SYNCLESS_FUSED_MLP",       # one-launch batch-1 MLP block (kernels.ops.mlp_block)
     "SYNCLESS_ROPE_IN_ATTENTION",  # decode: rope + KV write inside attention (kernels.ops)
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
+    "SYNCLESS_TILE_GEMM",       # 0: cuBLAS for mid-sized batches too (kernels.tile_gemm)
+    "SYNCLESS_TILE_GEMM_TUNING",  # another mid-batch GEMM tuning table (kernels.tile_gemm)
     "SYNCLESS_TP_ALLREDUCE",    # nccl | symm: small TP all-reduces (workers.symm_all_reduce)
     "SYNCLESS_TP_SYMM_MAX_BYTES",  # ... the symmetric buffer's size
     "SYNCLESS_NORM_HANDOFF",    # batch 1: RMSNorm done by the producing GEMV (kernels.norm_handoff)
@@ -32,12 +34,13 @@ def kernel_env_vars() -> dict[str, str]:
     the driver, and what a worker sees (``WorkerActor.describe``). A malformed PDL,
     norm-handoff, decode-layer or TP all-reduce switch raises ``ValueError`` here, at
     start-up, rather than at a kernel launch mid-serving."""
-    from kernels import decode_layer, norm_handoff, ops, pdl
+    from kernels import decode_layer, norm_handoff, ops, pdl, tile_gemm
     from workers import symm_all_reduce
 
     pdl.validate_switches()
     norm_handoff.enabled()
     ops.decode_layer_enabled()
+    tile_gemm.enabled()
     decode_layer.config_from_env()
     symm_all_reduce.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

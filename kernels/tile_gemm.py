@@ -45,6 +45,7 @@ def _tile_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
     pid_n = tl.program_id(1)
@@ -73,6 +74,10 @@ def _tile_gemm_kernel(
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:
         tl.store(out_ptr + split * stride_os + o_off, acc, mask=mask)
+    elif ACT:
+        y, offs_j = _silu_mul_pairs(acc, pid_n, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_j < N // 2)[None, :])
     else:
         y = acc
         if ROUND_TO_X:
@@ -80,11 +85,24 @@ def _tile_gemm_kernel(
         tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_pairs(acc, tile, ROWS: tl.constexpr, COLS: tl.constexpr, DT: tl.constexpr):
+    """``silu(gate) * up`` of a tile whose columns (2j, 2j + 1) are output j's (gate, up),
+    rounded as ``kernels.reference`` rounds (gate, up, silu and the product to ``DT``); and
+    the tile's output columns."""
+    gate, up = tl.split(tl.reshape(acc, [ROWS, COLS // 2, 2]))
+    gate = gate.to(DT).to(tl.float32)
+    up = up.to(DT).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up
+    return y.to(DT), tile * (COLS // 2) + tl.arange(0, COLS // 2)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      ROUND_TO: tl.constexpr):
-    """``out = sum_s part[s]`` in split order, rounded once (via ``ROUND_TO``'s dtype)."""
+                      ROUND_TO: tl.constexpr, ACT: tl.constexpr = False):
+    """``out = sum_s part[s]`` in split order, rounded once (via ``ROUND_TO``'s dtype);
+    ``ACT``: then ``silu(gate) * up`` of the column pairs."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r < M)[:, None] & (offs_c < N)[None, :]
@@ -92,9 +110,15 @@ def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0)
-    y = acc.to(ROUND_TO)
-    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=mask)
+    if ACT:
+        y, offs_j = _silu_mul_pairs(acc, tl.program_id(1), BLOCK_R, BLOCK_C, ROUND_TO)
+        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
+                 y.to(out_ptr.dtype.element_ty),
+                 mask=(offs_r < M)[:, None] & (offs_j < N // 2)[None, :])
+    else:
+        y = acc.to(ROUND_TO)
+        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -155,17 +179,27 @@ def select_config(m: int, n: int, k: int) -> dict | None:
     return table.get(tuning_key(mc, n, k))
 
 
+ACTS = (None, "silu_and_mul_pairs")
+
+
 def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None,
+                       act: str | None = None) -> torch.Tensor:
     """``linear(x, weight)`` (no bias), widened to ``out_dtype`` after rounding to ``x``'s
     dtype; ``config``: ``block_m``, ``block_n``, ``block_k``, ``split_k``, ``num_warps``,
-    ``num_stages`` (see ``check_config``)."""
+    ``num_stages`` (see ``check_config``). ``act="silu_and_mul_pairs"``: ``weight`` holds
+    (gate j, up j) row pairs and the result is ``silu(gate) * up`` ``[M, N / 2]``, fused
+    into the epilogue (of the GEMM, or of the split sum)."""
     m, k = x.shape
     n, k2 = weight.shape
     assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
     check_config(config, k)
+    if act not in ACTS:
+        raise ValueError(f"tile GEMM: unknown activation {act!r} (known: {ACTS})")
+    if act is not None and (n % 2 or out_dtype not in (None, x.dtype)):
+        raise ValueError("tile GEMM: silu_and_mul_pairs needs an even N and x's dtype out")
     out_dtype = out_dtype or x.dtype
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n // 2 if act else n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     bm, bn, bk, split = config["block_m"], config["block_n"], config["block_k"], config["split_k"]
@@ -177,7 +211,7 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
     if split == 1:
         _tile_gemm_kernel[grid](x, weight, out, m, n, k, k, x.stride(0), weight.stride(0),
                                 out.stride(0), 0, PARTIAL=False,
-                                ROUND_TO_X=out_dtype != x.dtype, **common)
+                                ROUND_TO_X=out_dtype != x.dtype, ACT=act is not None, **common)
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _tile_gemm_kernel[grid](x, weight, part, m, n, k, k // split, x.stride(0), weight.stride(0),
@@ -187,12 +221,18 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
     _split_sum_kernel[(triton.cdiv(m, block_r), triton.cdiv(n, block_c))](
         part, out, m, n, part.stride(0), part.stride(1), out.stride(0),
         SPLIT_K=split, BLOCK_R=block_r, BLOCK_C=block_c, ROUND_TO=_TL_DTYPES[x.dtype],
-        num_warps=4)
+        ACT=act is not None, num_warps=4)
     return out
 
 
 def tile_linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The plain-torch meaning: float32 products and sums, rounded once to ``x``'s dtype."""
+                          out_dtype: torch.dtype | None = None,
+                          act: str | None = None) -> torch.Tensor:
+    """The plain-torch meaning: float32 products and sums, rounded once to ``x``'s dtype
+    (then ``kernels.reference.silu_and_mul_reference`` of the pairs, with ``act``)."""
+    from kernels.reference import silu_and_mul_reference
+
     y = (x.float() @ weight.float().t()).to(x.dtype)
+    if act is not None:
+        y = silu_and_mul_reference(y, pairs=True)
     return y.to(out_dtype) if out_dtype is not None else y

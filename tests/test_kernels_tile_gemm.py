@@ -49,6 +49,21 @@ def test_tile_gemm_float32_logits_are_rounded_then_widened(split):
                                atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_tile_gemm_silu_and_mul_pairs_epilogue(split):
+    # gate|up as row pairs, the activation in the GEMM (split 1) or the split sum (split 2)
+    g = torch.Generator().manual_seed(10 + split)
+    x = torch.randn(21, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(2 * 72, 64, generator=g) / 4).to(torch.bfloat16)
+    y = tile_gemm.tile_linear_triton(x, w, _cfg(16, 32, 32, split), act="silu_and_mul_pairs")
+    assert y.shape == (21, 72) and y.dtype == torch.bfloat16
+    ref = tile_gemm.tile_linear_reference(x, w, act="silu_and_mul_pairs")
+    torch.testing.assert_close(y, ref, atol=3e-2, rtol=3e-2)
+    full = x.double() @ w.double().t()  # independent: silu(gate) * up of the exact product
+    exact = torch.nn.functional.silu(full[:, 0::2]) * full[:, 1::2]
+    torch.testing.assert_close(y.double(), exact, atol=6e-2, rtol=4e-2)
+
+
 def test_tile_gemm_every_output_tile_written():
     # distinct rows and columns: a tile skipped, written twice or by the wrong split shows up
     x = torch.eye(40, 96)[:, :96] + torch.arange(96.0)[None, :] / 96
@@ -64,6 +79,11 @@ def test_tile_gemm_bad_config():
         tile_gemm.tile_linear_triton(x, w, _cfg(16, 16, 32, 3))
     with pytest.raises(ValueError, match="power of two"):
         tile_gemm.tile_linear_triton(x, w, _cfg(16, 24, 32, 1))
+    with pytest.raises(ValueError, match="unknown activation"):
+        tile_gemm.tile_linear_triton(x, w, _cfg(16, 16, 32, 1), act="silu_and_mul")
+    with pytest.raises(ValueError, match="even N"):
+        tile_gemm.tile_linear_triton(x, torch.randn(15, 64), _cfg(16, 16, 32, 1),
+                                     act="silu_and_mul_pairs")
     with pytest.raises(ValueError, match="positive int 'split_k'"):
         tile_gemm.tile_linear_triton(x, w, dict(_cfg(16, 16, 32, 1), split_k=0))
 
