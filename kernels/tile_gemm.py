@@ -121,6 +121,29 @@ def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
                  y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, M, N, eps,
+                               stride_ps, stride_pm, stride_rm, stride_om, stride_nrm,
+                               SPLIT_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                               DT: tl.constexpr):
+    """One row: the split sum rounded to ``DT`` (the GEMM's output), plus the residual
+    (rounded: the new residual), then RMSNorm, in ``kernels.rms_norm``'s exact order."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    ok = cols < N
+    g = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + cols, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)
+    x = (acc.to(DT).to(tl.float32) + r).to(DT)
+    tl.store(new_res_ptr + row * stride_nrm + cols, x.to(new_res_ptr.dtype.element_ty), mask=ok)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * rstd).to(DT).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, (normed * g).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -223,6 +246,40 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
         SPLIT_K=split, BLOCK_R=block_r, BLOCK_C=block_c, ROUND_TO=_TL_DTYPES[x.dtype],
         ACT=act is not None, num_warps=4)
     return out
+
+
+def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
+                                residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(linear(x, weight), norm_weight, eps, residual)`` -> ``(normed,
+    new_residual)`` in two launches: the GEMM's float32 partials (any ``split_k``, 1 too),
+    then one program a row sums them, adds the residual and normalises, with the rounding
+    of the unfused ops (so the result equals the tile GEMM followed by ``kernels.rms_norm``
+    bit for bit). Saves the norm's launch and its round trip through memory."""
+    m, k = x.shape
+    n, k2 = weight.shape
+    assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)
+    check_config(config, k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out, new_res
+    bm, bn, bk, split = config["block_m"], config["block_n"], config["block_k"], config["split_k"]
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, weight, part, m, n, k, k // split, x.stride(0), weight.stride(0),
+        part.stride(1), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=True,
+        ROUND_TO_X=False, UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+        IEEE=x.dtype == torch.float32, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+    block_c = triton.next_power_of_2(n)
+    _split_sum_add_norm_kernel[(m,)](
+        part, residual, norm_weight, out, new_res, m, n, float(eps),
+        part.stride(0), part.stride(1), residual.stride(0), out.stride(0), new_res.stride(0),
+        SPLIT_K=split, BLOCK_C=block_c, DT=_TL_DTYPES[x.dtype],
+        num_warps=max(1, min(8, block_c // 256)))
+    return out, new_res
 
 
 def tile_linear_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -64,6 +64,31 @@ def test_tile_gemm_silu_and_mul_pairs_epilogue(split):
     torch.testing.assert_close(y.double(), exact, atol=6e-2, rtol=4e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_tile_gemm_add_norm_matches_gemm_then_rms_norm(dtype, split):
+    from kernels import reference as ref
+
+    g = torch.Generator().manual_seed(20 + split)
+    x = torch.randn(19, 96, generator=g).to(dtype)
+    w = (torch.randn(40, 96, generator=g) / 10).to(dtype)
+    res = torch.randn(19, 40, generator=g).to(dtype)
+    nw = (1 + torch.rand(40, generator=g)).to(dtype)
+    cfg = _cfg(16, 16, 32, split)
+    out, new_res = tile_gemm.tile_linear_add_norm_triton(x, w, cfg, res, nw, 1e-6)
+    y = tile_gemm.tile_linear_triton(x, w, cfg)
+    out_exp, res_exp = ref.rms_norm_reference(y, nw, 1e-6, res)
+    # the same rounded GEMM output, then the reference's order (the interpreter's bf16
+    # casts are not round-to-nearest: one ulp of slack there)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(new_res, res_exp, **tol)
+    torch.testing.assert_close(out, out_exp, **tol)
+    # independent of the kernels: the exact product, added and normalised in float64
+    s = x.double() @ w.double().t() + res.double()
+    exact = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    torch.testing.assert_close(out.double(), exact, atol=5e-2, rtol=5e-2)
+
+
 def test_tile_gemm_every_output_tile_written():
     # distinct rows and columns: a tile skipped, written twice or by the wrong split shows up
     x = torch.eye(40, 96)[:, :96] + torch.arange(96.0)[None, :] / 96
