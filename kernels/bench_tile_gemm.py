@@ -77,9 +77,13 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
                     continue
                 res.append({**cfg, "us": us, "max_abs_err": err})
             ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+            if variant == "plain" and not logits:  # o_proj, down: feed residual + RMSNorm
+                res_n = _bench_add_norm(x, ws, n, k, m)
+            else:
+                res_n = None
             row = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": n * k * 2,
                    "cublas_us": cublas_us, "results": res, "best": ok[0] if ok else None,
-                   "ref_max_abs": ref.abs().max().item()}
+                   "ref_max_abs": ref.abs().max().item(), "add_norm": res_n}
             rows.append(row)
             best = ok[0] if ok else {}
             print(f"tile-gemm {name:12s} M={m:3d}: cuBLAS {cublas_us:7.2f} us; best "
@@ -89,6 +93,36 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
         del ws
         torch.cuda.empty_cache()
     return rows
+
+
+def _bench_add_norm(x, ws, n: int, k: int, m: int) -> dict:
+    """GEMM + residual add + RMSNorm: cuBLAS then ``kernels.rms_norm`` against the tile
+    GEMM's partials summed, added and normalised in one launch."""
+    from kernels.rms_norm import rms_norm_triton
+    from kernels.tile_gemm import tile_linear_add_norm_triton
+
+    res = torch.randn(m, n, device=x.device, dtype=x.dtype)
+    nw = torch.rand(n, device=x.device, dtype=x.dtype) + 0.5
+    base_us = graph_time_us([lambda w=w: rms_norm_triton(torch.nn.functional.linear(x, w), nw,
+                                                         1e-6, res) for w in ws])
+    ref = rms_norm_triton(torch.nn.functional.linear(x, ws[0]), nw, 1e-6, res)[0].float()
+    out = []
+    for cfg in candidates(m, k):
+        try:
+            err = (tile_linear_add_norm_triton(x, ws[0], cfg, res, nw, 1e-6)[0].float()
+                   - ref).abs().max().item()
+            us = graph_time_us([lambda w=w, c=cfg: tile_linear_add_norm_triton(
+                x, w, c, res, nw, 1e-6) for w in ws])
+        except Exception as e:
+            out.append({**cfg, "error": repr(e)[:160]})
+            continue
+        out.append({**cfg, "us": us, "max_abs_err": err})
+    ok = sorted((r for r in out if "us" in r), key=lambda r: r["us"])
+    if ok:
+        print(f"tile-gemm   +add+norm  M={m:3d}: cuBLAS+rms_norm {base_us:7.2f} us; best "
+              f"bm{ok[0]['block_m']} bn{ok[0]['block_n']} bk{ok[0]['block_k']} s{ok[0]['split_k']}"
+              f" {ok[0]['us']:.2f} (err {ok[0]['max_abs_err']:.3g})", flush=True)
+    return {"cublas_norm_us": base_us, "best": ok[0] if ok else None, "results": out}
 
 
 def tuning_table(rows: list[dict], device: str | None = None) -> dict:
