@@ -131,17 +131,20 @@ def tuning_table(rows: list[dict], device: str | None = None) -> dict:
     from kernels.tile_gemm import m_class, tuning_key
 
     entries, why = {}, {}
+    keys = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
     for r in rows:
-        mc, best = m_class(r["m"]), r["best"]
+        mc = m_class(r["m"])
         if mc is None or mc != r["m"]:
             continue  # only a class's own batch size speaks for it
-        win = best is not None and best["us"] < WIN_MARGIN * r["cublas_us"]
-        entries[tuning_key(mc, r["n"], r["k"])] = (
-            {key: best[key] for key in ("block_m", "block_n", "block_k", "split_k", "num_warps",
-                                        "num_stages")} if win else None)
-        why[tuning_key(mc, r["n"], r["k"])] = (
-            f"{r['shape']}: cuBLAS {r['cublas_us']:.2f} us, tile {best['us']:.2f} us"
-            if best is not None else f"{r['shape']}: no config ran")
+        kinds = [("plain", r["best"], r["cublas_us"])]
+        if r.get("add_norm"):
+            kinds.append(("add_norm", r["add_norm"]["best"], r["add_norm"]["cublas_norm_us"]))
+        for kind, best, base in kinds:
+            key = tuning_key(mc, r["n"], r["k"], kind)
+            win = best is not None and best["us"] < WIN_MARGIN * base
+            entries[key] = {c: best[c] for c in keys} if win else None
+            why[key] = (f"{r['shape']}: cuBLAS {base:.2f} us, tile {best['us']:.2f} us"
+                        if best is not None else f"{r['shape']}: no config ran")
     return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__,
             "command": "python -m kernels.bench_tile_gemm --tuning-out", "entries": entries,
             "measured": why}

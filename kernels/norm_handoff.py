@@ -47,6 +47,14 @@ class PreNormed(NamedTuple):
         return (self.sg.float() * rstd).to(self.sg.dtype)
 
 
+class Normed(NamedTuple):
+    """A hidden state handed over already normalised (``x``, the next RMSNorm applied; its
+    residual add already in the caller's residual): the producer's split-K sum did the norm
+    (``kernels.tile_gemm.tile_linear_add_norm_triton``, mid-sized batches)."""
+
+    x: torch.Tensor
+
+
 @triton.jit
 def handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, stride_rm,
                  stride_nrm, n_parts, pid, DT: tl.constexpr):

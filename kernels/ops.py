@@ -200,11 +200,15 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
 
 
+def _tile_ready(x, weight) -> bool:
+    return (_use_triton(x) and x.dim() == 2 and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
 def tile_config(x, weight, bias) -> dict | None:
     """The ``kernels.tile_gemm`` config for a mid-sized 16-bit batch on CUDA, or None."""
-    if not (_use_triton(x) and bias is None and x.dim() == 2 and x.dtype == weight.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+    if bias is not None or not _tile_ready(x, weight):
         return None
     from kernels.tile_gemm import select_config
 
@@ -288,8 +292,11 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
     from kernels import norm_handoff
 
     handed = norm_handoff.linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
+    normed = None if handed is not None else linear_add_norm(attn, wo, residual, norm_weight, eps)
     if handed is not None:
         h, new_res = norm_handoff.linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
+    elif normed is not None:
+        h, new_res = linear(normed[0], w_gate_up, act=act)[0], normed[1]
     else:
         o, _ = linear(attn, wo)
         h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
@@ -298,7 +305,24 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
         handed = norm_handoff.linear_handoff(h, w_down, new_res, *handoff_to)
         if handed is not None:
             return handed
+        normed = linear_add_norm(h, w_down, new_res, handoff_to[0], handoff_to[1])
+        if normed is not None:
+            return norm_handoff.Normed(normed[0]), normed[1]
     return linear(h, w_down)[0], new_res
+
+
+def linear_add_norm(x, weight, residual, norm_weight, eps: float):
+    """``rms_norm(x @ weight^T, norm_weight, eps, residual)`` -> ``(normed, new_residual)``
+    as the tile GEMM's split sum + add + norm (two launches, the norm's own launch saved)
+    where its tuning table has an ``add_norm`` entry for this mid-sized batch; else None."""
+    if residual is None or not _tile_ready(x, weight):
+        return None
+    from kernels.tile_gemm import select_config, tile_linear_add_norm_triton
+
+    cfg = select_config(x.shape[0], weight.shape[0], weight.shape[1], "add_norm")
+    if cfg is None or residual.stride(-1) != 1 or residual.dtype != x.dtype:
+        return None
+    return tile_linear_add_norm_triton(x, weight, cfg, residual, norm_weight, eps)
 
 
 DECODE_LAYER_MAX_TOKENS = 16  # kernels.decode_layer.MAX_BATCH: one 16-row MMA tile

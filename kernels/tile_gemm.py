@@ -164,8 +164,10 @@ def m_class(m: int) -> int | None:
     return next((c for c in M_CLASSES if 16 < m <= c), None)
 
 
-def tuning_key(mc: int, n: int, k: int) -> str:
-    return f"m{mc}|{n}x{k}"
+def tuning_key(mc: int, n: int, k: int, kind: str = "plain") -> str:
+    """``kind``: "plain" (the GEMM, with whatever epilogue its shape is always called with),
+    or "add_norm" (``tile_linear_add_norm_triton``)."""
+    return f"m{mc}|{n}x{k}" if kind == "plain" else f"{kind}|m{mc}|{n}x{k}"
 
 
 def enabled() -> bool:
@@ -193,13 +195,14 @@ def _load_tuning(path: str) -> dict[str, dict | None]:
     return entries
 
 
-def select_config(m: int, n: int, k: int) -> dict | None:
-    """The tile config for ``x [m, k] @ W[n, k]^T``, or None for cuBLAS (CPU ints only)."""
+def select_config(m: int, n: int, k: int, kind: str = "plain") -> dict | None:
+    """The tile config for ``x [m, k] @ W[n, k]^T`` (``kind`` as in ``tuning_key``), or None
+    for cuBLAS (CPU ints only)."""
     mc = m_class(m)
     if mc is None or not enabled():
         return None
     table = _load_tuning(os.environ.get(TUNING_ENV, "").strip() or str(TUNING_FILE))
-    return table.get(tuning_key(mc, n, k))
+    return table.get(tuning_key(mc, n, k, kind))
 
 
 ACTS = (None, "silu_and_mul_pairs")

@@ -160,11 +160,13 @@ def test_tuning_table_keeps_only_clear_wins():
         {"shape": "b", "m": 128, "n": 1024, "k": 2048, "cublas_us": 1.0 * WIN_MARGIN,
          "best": cfg},  # only as fast as the margin: cuBLAS stays
         {"shape": "c", "m": 48, "n": 1024, "k": 2048, "cublas_us": 9.0, "best": cfg},  # no class
-        {"shape": "d", "m": 256, "n": 4096, "k": 1024, "cublas_us": 5.0, "best": None},
+        {"shape": "d", "m": 256, "n": 4096, "k": 1024, "cublas_us": 5.0, "best": None,
+         "add_norm": {"cublas_norm_us": 9.0, "best": cfg}},
     ]
     entries = tuning_table(rows, device="test")["entries"]
     assert entries == {"m32|1024x2048": _cfg(32, 64, 64, 4), "m128|1024x2048": None,
-                       "m256|4096x1024": None}
+                       "m256|4096x1024": None, "add_norm|m256|4096x1024": _cfg(32, 64, 64, 4)}
+    assert tile_gemm.tuning_key(256, 4096, 1024, "add_norm") == "add_norm|m256|4096x1024"
 
 
 delegate_all(globals(), __file__)

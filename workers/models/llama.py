@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kernels import ops, pdl
-from kernels.norm_handoff import PreNormed, linear_prenormed
+from kernels.norm_handoff import Normed, PreNormed, linear_prenormed
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch
@@ -127,7 +127,9 @@ class DecoderLayer(nn.Module):
         with ``SYNCLESS_FUSED_MLP=1`` at batch 1 (tp 1) the last three are one (``ops.mlp_block``).
         At batch 1 (tp 1, CUDA) the producing GEMV may do a norm's elementwise part
         (``kernels.norm_handoff``): ``h`` may then arrive as a ``PreNormed`` with its residual
-        already added, and with ``next_layer`` the output may leave as one."""
+        already added, and with ``next_layer`` the output may leave as one. At mid-sized
+        batches the down projection's split sum may do the next layer's whole norm: ``h``
+        then arrives as a ``Normed``."""
         attn, mlp = self.self_attn, self.mlp
         if self.one_launch_applies(h, meta):
             done = ops.decode_layer(h, residual, self.layer_weights(), positions, cos_sin, *kv,
@@ -139,6 +141,8 @@ class DecoderLayer(nn.Module):
                 return done
         if isinstance(h, PreNormed):
             qkv = linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        elif isinstance(h, Normed):  # the previous down's split sum did this norm
+            qkv = attn.qkv_proj(h.x)
         else:
             qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
         if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
@@ -162,7 +166,7 @@ class DecoderLayer(nn.Module):
         one query token a request, at most ``ops.DECODE_LAYER_MAX_TOKENS`` of them, tensor
         parallelism 1, no QKV or MLP bias."""
         return (self.whole_mlp_block and self.self_attn.qkv_proj.bias is None
-                and not isinstance(h, PreNormed) and meta.max_query_len == 1
+                and not isinstance(h, (PreNormed, Normed)) and meta.max_query_len == 1
                 and h.shape[0] == meta.num_reqs <= ops.DECODE_LAYER_MAX_TOKENS
                 and ops.decode_layer_enabled())
 
