@@ -257,8 +257,9 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     """``rms_norm(linear(x, weight), norm_weight, eps, residual)`` -> ``(normed,
     new_residual)`` in two launches: the GEMM's float32 partials (any ``split_k``, 1 too),
     then one program a row sums them, adds the residual and normalises, with the rounding
-    of the unfused ops (so the result equals the tile GEMM followed by ``kernels.rms_norm``
-    bit for bit). Saves the norm's launch and its round trip through memory."""
+    points of the unfused ops (the new residual equals the tile GEMM then ``kernels.rms_norm``
+    bit for bit; the normalised output may differ by one rounding, its sum of squares
+    reducing in another order). Saves the norm's launch and its round trip through memory."""
     m, k = x.shape
     n, k2 = weight.shape
     assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1

@@ -1,0 +1,172 @@
+"""GPU tests of the mid-batch tile GEMM (``kernels.tile_gemm``): the kernels at the Qwen3-0.6B
+decode shapes against the plain-torch reference, the layer dispatch taking them where a
+tuning table says so, and greedy generation equal to transformers with them on."""
+
+import json
+
+import pytest
+import torch
+
+from tests.checkpoints import write_checkpoint
+from tests.test_gpu_engine import _hf_greedy, assert_greedy_equal
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cfg(bm, bn, bk, split, warps=4, stages=3):
+    return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                num_stages=stages)
+
+
+@cuda
+@pytest.mark.parametrize("m", [32, 128, 200])
+@pytest.mark.parametrize("n,k,cfg,mode", [
+    (4096, 1024, _cfg(64, 64, 64, 1), "plain"),           # qkv
+    (1024, 2048, _cfg(64, 64, 128, 4), "plain"),          # o_proj, split-K
+    (1024, 2048, _cfg(128, 64, 64, 8, warps=8), "add_norm"),
+    (6144, 1024, _cfg(64, 128, 64, 1, warps=8), "act"),   # gate|up row pairs, act in the GEMM
+    (6144, 1024, _cfg(64, 64, 64, 2), "act"),             # ... in the split sum
+    (1024, 3072, _cfg(32, 32, 128, 2), "add_norm"),       # down
+    (151936, 1024, _cfg(128, 128, 64, 1, warps=8), "logits"),
+])
+def test_tile_gemm_gpu_matches_reference(m, n, k, cfg, mode):
+    from kernels import reference as ref
+    from kernels.tile_gemm import (tile_linear_add_norm_triton, tile_linear_reference,
+                                   tile_linear_triton)
+
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    if mode == "add_norm":
+        res = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+        nw = (torch.rand(n, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        out, new_res = tile_linear_add_norm_triton(x, w, cfg, res, nw, 1e-6)
+        out_exp, res_exp = ref.rms_norm_reference(tile_linear_reference(x, w), nw, 1e-6, res)
+        torch.testing.assert_close(new_res, res_exp, **tol)
+        torch.testing.assert_close(out, out_exp, **tol)
+        # the tile GEMM then the norm kernel: the same rounded sum (the new residual bit for
+        # bit); the normalised output within one rounding (the sum of squares may reduce in
+        # another order)
+        from kernels.rms_norm import rms_norm_triton
+        o2, r2 = rms_norm_triton(tile_linear_triton(x, w, cfg), nw, 1e-6, res)
+        assert torch.equal(new_res, r2)
+        torch.testing.assert_close(out, o2, atol=1e-2, rtol=8e-3)
+        return
+    act = "silu_and_mul_pairs" if mode == "act" else None
+    out_dtype = torch.float32 if mode == "logits" else None
+    y = tile_linear_triton(x, w, cfg, out_dtype=out_dtype, act=act)
+    y_exp = tile_linear_reference(x, w, out_dtype=out_dtype, act=act)
+    assert y.dtype == y_exp.dtype and y.shape == y_exp.shape
+    torch.testing.assert_close(y.float(), y_exp.float(), **tol)
+    if mode == "logits":
+        assert torch.equal(y, y.to(torch.bfloat16).float())  # bf16 values, widened
+
+
+@pytest.fixture(scope="module")
+def tile_ckpt(tmp_path_factory):
+    # the engine tests' checkpoint (small vocabulary: top-2 gaps above bf16 noise)
+    return write_checkpoint(tmp_path_factory.mktemp("tile-llama"), "llama", hidden=256, heads=8,
+                            kv_heads=2, layers=2, vocab_size=96, max_pos=1024)
+
+
+def _tile_table(path, classes=(32,)):
+    """A tuning table for the test checkpoint's projections (hidden 256, 8 x 32 q heads, 2 KV
+    heads, intermediate 512, vocabulary 96): every path of the dispatch, split or not."""
+    entries = {}
+    for mc in classes:
+        entries.update({
+            f"m{mc}|384x256": _cfg(32, 32, 64, 1),               # qkv
+            f"m{mc}|256x256": _cfg(32, 32, 64, 2),               # o_proj (unfused use)
+            f"add_norm|m{mc}|256x256": _cfg(32, 32, 64, 4),      # o_proj + post-attn norm
+            f"m{mc}|1024x256": _cfg(32, 64, 64, 2),              # gate|up, act in the split sum
+            f"m{mc}|256x512": _cfg(32, 32, 128, 1),              # down of the last layer
+            f"add_norm|m{mc}|256x512": _cfg(32, 32, 64, 2),      # down + next input norm
+            f"m{mc}|96x256": _cfg(32, 32, 64, 1),                # logits (float32)
+        })
+    path.write_text(json.dumps({"entries": entries}))
+    return str(path)
+
+
+@cuda
+def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
+    """In-process, 24 rows at the test checkpoint's shapes: ``ops.linear`` and
+    ``ops.mlp_block`` take every tile kernel the table names (the down projection handing
+    the next layer a ``Normed`` input), with the cuBLAS path's results within bf16
+    tolerance; ``SYNCLESS_TILE_GEMM=0`` takes none."""
+    from kernels import ops, tile_gemm
+    from kernels.norm_handoff import Normed
+    from kernels.rms_norm import rms_norm_triton
+
+    calls = {"plain": 0, "add_norm": 0}
+    plain, add_norm = tile_gemm.tile_linear_triton, tile_gemm.tile_linear_add_norm_triton
+
+    def count(kind, fn):
+        def wrapped(*a, **kw):
+            calls[kind] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(tile_gemm, "tile_linear_triton", count("plain", plain))
+    monkeypatch.setattr(tile_gemm, "tile_linear_add_norm_triton", count("add_norm", add_norm))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    x, res, attn = rnd(24, 256), rnd(24, 256), rnd(24, 256)
+    nw1, nw2 = rnd(256, scale=0.1) + 1, rnd(256, scale=0.1) + 1
+    w_qkv, w_o, w_gu = rnd(384, 256, scale=0.06), rnd(256, 256, scale=0.06), rnd(1024, 256, scale=0.06)
+    w_down, w_lm = rnd(256, 512, scale=0.04), rnd(96, 256, scale=0.06)
+
+    def run():
+        qkv, r1 = ops.linear(x, w_qkv, residual=res, norm_weight=nw1, eps=1e-6)
+        h, r2 = ops.mlp_block(attn, w_o, r1, nw2, 1e-6, w_gu, w_down, act="silu_and_mul_pairs",
+                              handoff_to=(nw1, 1e-6, w_qkv))
+        if not isinstance(h, Normed):  # cuBLAS path: the next layer's norm still to do
+            h = Normed(rms_norm_triton(h, nw1, 1e-6, r2)[0])
+        else:
+            r2 = r2.clone()
+        logits, _ = ops.linear(h.x, w_lm, out_dtype=torch.float32)
+        return qkv, h.x, r2, logits
+
+    with torch.no_grad():
+        monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")
+        base = run()
+        assert calls == {"plain": 0, "add_norm": 0}
+        monkeypatch.setenv("SYNCLESS_TILE_GEMM", "1")
+        monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json"))
+        got = run()
+    # qkv, gate|up, logits: the GEMM; o_proj + norm and down + next norm: add_norm
+    assert calls == {"plain": 3, "add_norm": 2}, calls
+    for a, b in zip(got, base):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=0.03 * b.abs().max().item(),
+                                   rtol=0.03)
+
+
+@cuda
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tmp_path,
+                                                        monkeypatch, eager):
+    """24 concurrent requests (decode steps in the 32-row class) with the test table: the
+    o_proj/down split sums do the norms between layers; greedy equal to transformers."""
+    import random
+
+    from cluster import LLM, SamplingParams
+    from kernels import tile_gemm
+
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 96) for _ in range(rng.randrange(4, 120))] for _ in range(24)]
+    expected, hf_logits = _hf_greedy(tile_ckpt, prompts, 24)
+    llm = LLM(model=str(tile_ckpt), dtype="bfloat16", enforce_eager=eager, max_model_len=1024,
+              kv_cache_memory_bytes=256 << 20, max_num_seqs=32)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        got = [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+    assert_greedy_equal(prompts, got, expected, hf_logits, torch.bfloat16, num_layers=2)
