@@ -124,10 +124,9 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
         qkv, r1 = ops.linear(x, w_qkv, residual=res, norm_weight=nw1, eps=1e-6)
         h, r2 = ops.mlp_block(attn, w_o, r1, nw2, 1e-6, w_gu, w_down, act="silu_and_mul_pairs",
                               handoff_to=(nw1, 1e-6, w_qkv))
-        if not isinstance(h, Normed):  # cuBLAS path: the next layer's norm still to do
-            h = Normed(rms_norm_triton(h, nw1, 1e-6, r2)[0])
-        else:
-            r2 = r2.clone()
+        if not isinstance(h, Normed):  # cuBLAS path: the next layer's add + norm still to do
+            normed, r2 = rms_norm_triton(h, nw1, 1e-6, r2)
+            h = Normed(normed)
         logits, _ = ops.linear(h.x, w_lm, out_dtype=torch.float32)
         return qkv, h.x, r2, logits
 
