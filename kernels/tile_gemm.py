@@ -286,6 +286,39 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     return out, new_res
 
 
+USES = ("plain", "act", "logits", "add_norm")  # how a model calls a weight (precompile)
+
+
+def precompile(uses: list[tuple[torch.Tensor, str]]) -> int:
+    """Launch, once on zero rows of each class's size, every kernel variant the tuning table
+    selects for these ``(weight, use)`` pairs (``use`` in ``USES``), so that no eager step of
+    a mid-sized batch compiles one while serving (M is not specialised: one launch a config
+    suffices). Returns the number of launches."""
+    launched = 0
+    for weight, use in uses:
+        if use not in USES:
+            raise ValueError(f"tile GEMM precompile: unknown use {use!r} (known: {USES})")
+        if not (weight.is_cuda and weight.dim() == 2 and weight.dtype in _TL_DTYPES
+                and weight.dtype != torch.float32):
+            continue
+        n, k = weight.shape
+        for mc in M_CLASSES:
+            cfg = select_config(mc, n, k, "add_norm" if use == "add_norm" else "plain")
+            if cfg is None:
+                continue
+            x = torch.zeros((mc, k), dtype=weight.dtype, device=weight.device)
+            if use == "add_norm":
+                tile_linear_add_norm_triton(x, weight, cfg, torch.zeros((mc, n), dtype=x.dtype,
+                                                                        device=x.device),
+                                            torch.ones(n, dtype=x.dtype, device=x.device), 1e-6)
+            else:
+                tile_linear_triton(x, weight, cfg,
+                                   out_dtype=torch.float32 if use == "logits" else None,
+                                   act="silu_and_mul_pairs" if use == "act" else None)
+            launched += 1
+    return launched
+
+
 def tile_linear_reference(x: torch.Tensor, weight: torch.Tensor,
                           out_dtype: torch.dtype | None = None,
                           act: str | None = None) -> torch.Tensor:

@@ -146,6 +146,19 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
 
 
 @cuda
+def test_precompile_launches_each_selected_variant(tmp_path, monkeypatch):
+    from kernels import tile_gemm
+
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json", classes=(32, 128)))
+    w = lambda n, k: torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    uses = [(w(384, 256), "plain"), (w(1024, 256), "act"), (w(256, 512), "add_norm"),
+            (w(96, 256), "logits"), (w(100, 256), "plain")]  # the last: no entry
+    assert tile_gemm.precompile(uses) == 4 * 2
+    monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")
+    assert tile_gemm.precompile(uses) == 0
+
+
+@cuda
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tmp_path,
                                                         monkeypatch, eager):

@@ -151,6 +151,12 @@ def test_tile_gemm_bad_tuning_file(tmp_path, monkeypatch):
         tile_gemm.select_config(40, 1024, 2048)
 
 
+def test_tile_gemm_precompile_checks_uses_and_skips_cpu_weights():
+    with pytest.raises(ValueError, match="unknown use"):
+        tile_gemm.precompile([(torch.zeros(4, 4), "gelu")])
+    assert tile_gemm.precompile([(torch.zeros(4, 4, dtype=torch.bfloat16), "plain")]) == 0
+
+
 def test_tuning_table_keeps_only_clear_wins():
     from kernels.bench_tile_gemm import WIN_MARGIN, tuning_table
 

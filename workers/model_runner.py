@@ -141,7 +141,19 @@ class ModelRunner:
             return
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         self._scratch_request_steps()
+        self._precompile_tile_gemm()
         self._check_grid_barriers()
+
+    def _precompile_tile_gemm(self) -> None:
+        """The mid-batch GEMM variants its tuning table picks for this model's weights: an
+        eager step of 17-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
+        compile them while serving (graph captures already did the decode ones)."""
+        from kernels import tile_gemm
+
+        uses = getattr(self.model, "tile_gemm_uses", None)
+        if uses is not None:
+            with torch.no_grad():
+                tile_gemm.precompile(uses())
 
     def _check_grid_barriers(self) -> None:
         """A one-launch kernel whose grid barrier timed out during capture or warm-up

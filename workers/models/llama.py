@@ -213,6 +213,19 @@ class LlamaForCausalLM(nn.Module):
             h, _ = self.norm(h, residual)
         return h
 
+    def tile_gemm_uses(self) -> list[tuple[torch.Tensor, str]]:
+        """Each projection weight with how ``ops`` may run it at a mid-sized batch (for
+        ``kernels.tile_gemm.precompile``)."""
+        uses = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            uses += [(attn.qkv_proj.weight, "plain"), (attn.o_proj.weight, "plain"),
+                     (mlp.gate_up_proj.weight, "act" if mlp.interleaved else "plain"),
+                     (mlp.down_proj.weight, "plain")]
+            if layer.whole_mlp_block:
+                uses += [(attn.o_proj.weight, "add_norm"), (mlp.down_proj.weight, "add_norm")]
+        return uses + [(self.lm_head.weight, "logits")]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with pdl.step_tokens(hidden.shape[0]):
             return self.lm_head(hidden, out_dtype=torch.float32)
