@@ -239,3 +239,54 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     regs = int(re.search(r"REG:(\d+)", out).group(1))
     spills = int(re.search(r"STACK:(\d+)", out).group(1))
     return regs, spills
+
+
+def _shipped_tile_variants():
+    """Every (config, variant) the shipped tile-GEMM table can launch: a config's use is
+    read from its key (logits: float32 out; gate|up: the pairs epilogue; add_norm: partials
+    and the add+norm sum; a split: partials and the plain sum)."""
+    import json
+    from pathlib import Path
+
+    table = json.loads(Path(__file__).resolve().parents[1].joinpath(
+        "kernels", "tile_gemm_tuning.json").read_text())
+    out = []
+    for key, cfg in table["entries"].items():
+        if cfg is not None:
+            n = int(key.rsplit("|", 1)[1].split("x")[0])
+            out.append(pytest.param(key, cfg, id=key))
+            assert n > 0
+    return out
+
+
+@pytest.mark.parametrize("key,cfg", _shipped_tile_variants())
+def test_tile_gemm_shipped_configs_compile_without_spills(key, cfg):
+    """The shipped table's configs compile for sm_90 within the shared memory of one SM and
+    without register spills (a tuning table from another GPU could name one that does not)."""
+    from kernels.tile_gemm import _split_sum_add_norm_kernel, _split_sum_kernel, _tile_gemm_kernel
+
+    n = int(key.rsplit("|", 1)[1].split("x")[0])
+    add_norm, logits, act = key.startswith("add_norm|"), n > 100_000, n == 6144
+    partial = add_norm or cfg["split_k"] > 1
+    const = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                 PARTIAL=partial, ROUND_TO_X=logits and not partial, UPCAST=False, IEEE=False,
+                 ACT=act and not partial)
+    ptrs = {"out_ptr": "*fp32" if partial or logits else "*bf16"}
+    # N, K and the K slice are multiples of 16 at every model shape, and the JIT specialises
+    # on that: it is what lets the loads be 16-byte cp.async copies, software-pipelined.
+    # (Without it nothing is pipelined and the [BLOCK, BLOCK_K] tiles live in registers:
+    # 255 registers and spills at 64x64x128 with 4 warps.)
+    compiled = _compile(_tile_gemm_kernel, const, ptrs, aligned_ints=("N", "K", "k_per_split"),
+                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    regs, spills = _resource_usage(compiled.asm["cubin"])
+    assert spills == 0 and compiled.metadata.shared <= 227 * 1024, (regs, spills)
+    assert "async_copy" in compiled.asm["ttgir"], "the K loop's loads are not pipelined"
+    import triton.language as tl
+    if add_norm:
+        _compile(_split_sum_add_norm_kernel, dict(SPLIT_K=cfg["split_k"], BLOCK_C=1024,
+                                                  DT=tl.bfloat16),
+                 {"part_ptr": "*fp32"}, floats=("eps",), options=dict(num_warps=4))
+    elif partial:
+        _compile(_split_sum_kernel, dict(SPLIT_K=cfg["split_k"], BLOCK_R=16, BLOCK_C=128,
+                                         ROUND_TO=tl.bfloat16, ACT=act),
+                 {"part_ptr": "*fp32"}, options=dict(num_warps=4))
