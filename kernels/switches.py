@@ -40,7 +40,7 @@ def kernel_env_vars() -> dict[str, str]:
     pdl.validate_switches()
     norm_handoff.enabled()
     ops.decode_layer_enabled()
-    tile_gemm.enabled()
+    tile_gemm.validate_switches()
     decode_layer.config_from_env()
     symm_all_reduce.validate_switches()
     return {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}

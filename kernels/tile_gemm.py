@@ -73,7 +73,7 @@ def _tile_gemm_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:
-        tl.store(out_ptr + split * stride_os + o_off, acc, mask=mask)
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + o_off, acc, mask=mask)
     elif ACT:
         y, offs_j = _silu_mul_pairs(acc, pid_n, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
@@ -109,7 +109,7 @@ def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
     p_off = offs_r.to(tl.int64)[:, None] * stride_pm + offs_c[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0)
     if ACT:
         y, offs_j = _silu_mul_pairs(acc, tl.program_id(1), BLOCK_R, BLOCK_C, ROUND_TO)
         tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
@@ -134,7 +134,8 @@ def _split_sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, M
     g = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + cols, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + s * stride_ps.to(tl.int64) + row * stride_pm + cols, mask=ok,
+                       other=0.0)
     r = tl.load(res_ptr + row * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)
     x = (acc.to(DT).to(tl.float32) + r).to(DT)
     tl.store(new_res_ptr + row * stride_nrm + cols, x.to(new_res_ptr.dtype.element_ty), mask=ok)
@@ -193,6 +194,13 @@ def _load_tuning(path: str) -> dict[str, dict | None]:
         if cfg is not None:
             check_config(cfg, int(key.rsplit("x", 1)[1]))
     return entries
+
+
+def validate_switches() -> None:
+    """Start-up check (``kernels.switches``): the switch parses and a table named by
+    ``SYNCLESS_TILE_GEMM_TUNING`` loads, instead of failing at the first mid-sized step."""
+    if enabled() and os.environ.get(TUNING_ENV, "").strip():
+        _load_tuning(os.environ[TUNING_ENV].strip())
 
 
 def select_config(m: int, n: int, k: int, kind: str = "plain") -> dict | None:
@@ -289,11 +297,14 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
 USES = ("plain", "act", "logits", "add_norm")  # how a model calls a weight (precompile)
 
 
-def precompile(uses: list[tuple[torch.Tensor, str]]) -> int:
-    """Launch, once on zero rows of each class's size, every kernel variant the tuning table
-    selects for these ``(weight, use)`` pairs (``use`` in ``USES``), so that no eager step of
-    a mid-sized batch compiles one while serving (M is not specialised: one launch a config
-    suffices). Returns the number of launches."""
+def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
+               max_logit_rows: int = MAX_M) -> int:
+    """Launch, once on zero rows, every kernel variant the tuning table selects for these
+    ``(weight, use)`` pairs (``use`` in ``USES``) in each batch class a step can reach (at
+    most ``max_rows`` rows; ``max_logit_rows`` for the logits), so that no eager step of a
+    mid-sized batch compiles one while serving (M is not specialised: one launch a config
+    suffices; each launch takes the smallest row count of its class). Returns the number of
+    launches."""
     launched = 0
     for weight, use in uses:
         if use not in USES:
@@ -302,13 +313,17 @@ def precompile(uses: list[tuple[torch.Tensor, str]]) -> int:
                 and weight.dtype != torch.float32):
             continue
         n, k = weight.shape
+        reach = max_logit_rows if use == "logits" else max_rows
         for mc in M_CLASSES:
+            rows = max(17, mc // 2 + 1)  # the class's smallest batch
+            if rows > reach:
+                break
             cfg = select_config(mc, n, k, "add_norm" if use == "add_norm" else "plain")
             if cfg is None:
                 continue
-            x = torch.zeros((mc, k), dtype=weight.dtype, device=weight.device)
+            x = torch.zeros((rows, k), dtype=weight.dtype, device=weight.device)
             if use == "add_norm":
-                tile_linear_add_norm_triton(x, weight, cfg, torch.zeros((mc, n), dtype=x.dtype,
+                tile_linear_add_norm_triton(x, weight, cfg, torch.zeros((rows, n), dtype=x.dtype,
                                                                         device=x.device),
                                             torch.ones(n, dtype=x.dtype, device=x.device), 1e-6)
             else:

@@ -179,6 +179,12 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         got = [o.outputs[0].token_ids for o in outs]
+        stats = ray_local.get([w.stats.remote() for w in llm.engine.executor.workers],
+                              timeout=60)
     finally:
         llm.shutdown()
     assert_greedy_equal(prompts, got, expected, hf_logits, torch.bfloat16, num_layers=2)
+    # the worker's table matched this model: warm-up launched each of its 7 variants (the
+    # 32-row class: max_num_seqs 32) -- the same selection every 17-32-row step makes
+    assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
+    assert all(s["kernel_variants_after_start"] == 0 for s in stats), stats

@@ -76,6 +76,21 @@ def test_malformed_handoff_and_attention_switches_fail_at_start_up(monkeypatch):
         monkeypatch.delenv(name)
 
 
+def test_malformed_tile_gemm_switches_fail_at_start_up(monkeypatch, tmp_path):
+    for name in KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SYNCLESS_TILE_GEMM", "sometimes")
+    with pytest.raises(ValueError, match="SYNCLESS_TILE_GEMM must be 0 or 1"):
+        kernel_env_vars()
+    monkeypatch.delenv("SYNCLESS_TILE_GEMM")
+    monkeypatch.setenv("SYNCLESS_TILE_GEMM_TUNING", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="not a tile-GEMM tuning file"):
+        kernel_env_vars()
+    monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")  # off: the table is never read
+    assert kernel_env_vars() == {"SYNCLESS_TILE_GEMM": "0",
+                                 "SYNCLESS_TILE_GEMM_TUNING": str(tmp_path / "missing.json")}
+
+
 def test_malformed_decode_layer_config_fails_at_start_up(monkeypatch):
     for name in KERNEL_SWITCHES:
         monkeypatch.delenv(name, raising=False)

@@ -152,8 +152,11 @@ class ModelRunner:
 
         uses = getattr(self.model, "tile_gemm_uses", None)
         if uses is not None:
+            sched = self.cfg.scheduler
             with torch.no_grad():
-                tile_gemm.precompile(uses())
+                self.tile_gemm_warm_launches = tile_gemm.precompile(
+                    uses(), max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
+                    max_logit_rows=sched.max_num_seqs)
 
     def _check_grid_barriers(self) -> None:
         """A one-launch kernel whose grid barrier timed out during capture or warm-up
