@@ -305,7 +305,7 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
     mid-sized batch compiles one while serving (M is not specialised: one launch a config
     suffices; each launch takes the smallest row count of its class). Returns the number of
     launches."""
-    launched = 0
+    launched, seen = 0, set()
     for weight, use in uses:
         if use not in USES:
             raise ValueError(f"tile GEMM precompile: unknown use {use!r} (known: {USES})")
@@ -313,6 +313,9 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
                 and weight.dtype != torch.float32):
             continue
         n, k = weight.shape
+        if (n, k, weight.dtype, use) in seen:  # every layer has the same shapes: once each
+            continue
+        seen.add((n, k, weight.dtype, use))
         reach = max_logit_rows if use == "logits" else max_rows
         for mc in M_CLASSES:
             rows = max(17, mc // 2 + 1)  # the class's smallest batch

@@ -152,8 +152,10 @@ def test_precompile_launches_each_selected_variant(tmp_path, monkeypatch):
     monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json", classes=(32, 128)))
     w = lambda n, k: torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     uses = [(w(384, 256), "plain"), (w(1024, 256), "act"), (w(256, 512), "add_norm"),
-            (w(96, 256), "logits"), (w(100, 256), "plain")]  # the last: no entry
+            (w(96, 256), "logits"), (w(100, 256), "plain"),  # no entry
+            (w(384, 256), "plain")]  # a second layer's twin: launched once
     assert tile_gemm.precompile(uses) == 4 * 2
+    assert tile_gemm.precompile(uses, max_rows=20, max_logit_rows=16) == 3  # class 32 only
     monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")
     assert tile_gemm.precompile(uses) == 0
 
