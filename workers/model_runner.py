@@ -150,13 +150,14 @@ class ModelRunner:
         compile them while serving (graph captures already did the decode ones)."""
         from kernels import tile_gemm
 
-        uses = getattr(self.model, "tile_gemm_uses", None)
-        if uses is not None:
-            sched = self.cfg.scheduler
-            with torch.no_grad():
-                self.tile_gemm_warm_launches = tile_gemm.precompile(
-                    uses(), max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
-                    max_logit_rows=sched.max_num_seqs)
+        draft = self.spec.draft_model if self.spec is not None else None
+        uses = [u for m in (self.model, draft) if m is not None
+                for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])]
+        sched = self.cfg.scheduler
+        with torch.no_grad():  # a draft model's projections too: its steps run eager
+            self.tile_gemm_warm_launches = tile_gemm.precompile(
+                uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
+                max_logit_rows=sched.max_num_seqs)
 
     def _check_grid_barriers(self) -> None:
         """A one-launch kernel whose grid barrier timed out during capture or warm-up
