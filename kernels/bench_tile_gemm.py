@@ -65,18 +65,8 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
                     return torch.nn.functional.linear(x, w)
             ref = base(ws[0]).float()
             cublas_us = graph_time_us([lambda w=w: base(w) for w in ws])
-            res = []
-            for cfg in candidates(m, k):
-                try:
-                    y = tile_linear_triton(x, ws[0], cfg, out_dtype=out_dtype, act=act)
-                    err = (y.float() - ref).abs().max().item()
-                    us = graph_time_us([lambda w=w, c=cfg: tile_linear_triton(
-                        x, w, c, out_dtype=out_dtype, act=act) for w in ws])
-                except Exception as e:  # resources (shared memory) or a compile failure
-                    res.append({**cfg, "error": repr(e)[:160]})
-                    continue
-                res.append({**cfg, "us": us, "max_abs_err": err})
-            ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+            res, ok = _sweep(m, k, ws, ref, lambda w, c: tile_linear_triton(
+                x, w, c, out_dtype=out_dtype, act=act))
             if variant == "plain" and not logits:  # o_proj, down: feed residual + RMSNorm
                 res_n = _bench_add_norm(x, ws, n, k, m)
             else:
@@ -85,11 +75,9 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
                    "cublas_us": cublas_us, "results": res, "best": ok[0] if ok else None,
                    "ref_max_abs": ref.abs().max().item(), "add_norm": res_n}
             rows.append(row)
-            best = ok[0] if ok else {}
             print(f"tile-gemm {name:12s} M={m:3d}: cuBLAS {cublas_us:7.2f} us; best "
-                  + "; ".join(f"bm{r['block_m']} bn{r['block_n']} bk{r['block_k']} s{r['split_k']}"
-                              f" {r['us']:.2f} (err {r['max_abs_err']:.3g})" for r in ok[:3])
-                  + (f"  -> {cublas_us / best['us']:.2f}x" if best else ""), flush=True)
+                  + "; ".join(_describe(r) for r in ok[:3])
+                  + (f"  -> {cublas_us / ok[0]['us']:.2f}x" if ok else ""), flush=True)
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -106,32 +94,41 @@ def _bench_add_norm(x, ws, n: int, k: int, m: int) -> dict:
     base_us = graph_time_us([lambda w=w: rms_norm_triton(torch.nn.functional.linear(x, w), nw,
                                                          1e-6, res) for w in ws])
     ref = rms_norm_triton(torch.nn.functional.linear(x, ws[0]), nw, 1e-6, res)[0].float()
-    out = []
-    for cfg in candidates(m, k):
-        try:
-            err = (tile_linear_add_norm_triton(x, ws[0], cfg, res, nw, 1e-6)[0].float()
-                   - ref).abs().max().item()
-            us = graph_time_us([lambda w=w, c=cfg: tile_linear_add_norm_triton(
-                x, w, c, res, nw, 1e-6) for w in ws])
-        except Exception as e:
-            out.append({**cfg, "error": repr(e)[:160]})
-            continue
-        out.append({**cfg, "us": us, "max_abs_err": err})
-    ok = sorted((r for r in out if "us" in r), key=lambda r: r["us"])
+    out, ok = _sweep(m, k, ws, ref,
+                     lambda w, c: tile_linear_add_norm_triton(x, w, c, res, nw, 1e-6)[0])
     if ok:
         print(f"tile-gemm   +add+norm  M={m:3d}: cuBLAS+rms_norm {base_us:7.2f} us; best "
-              f"bm{ok[0]['block_m']} bn{ok[0]['block_n']} bk{ok[0]['block_k']} s{ok[0]['split_k']}"
-              f" {ok[0]['us']:.2f} (err {ok[0]['max_abs_err']:.3g})", flush=True)
+              + _describe(ok[0]), flush=True)
     return {"cublas_norm_us": base_us, "best": ok[0] if ok else None, "results": out}
+
+
+def _sweep(m: int, k: int, ws, ref, run) -> tuple[list[dict], list[dict]]:
+    """Every candidate config's ``run(weight, config)``: checked against ``ref`` (max abs
+    error), timed over the weight copies ``ws``. Returns (all results, the timed ones
+    fastest first)."""
+    res = []
+    for cfg in candidates(m, k):
+        try:
+            err = (run(ws[0], cfg).float() - ref).abs().max().item()
+            us = graph_time_us([lambda w=w, c=cfg: run(w, c) for w in ws])
+        except Exception as e:  # resources (shared memory) or a compile failure
+            res.append({**cfg, "error": repr(e)[:160]})
+            continue
+        res.append({**cfg, "us": us, "max_abs_err": err})
+    return res, sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+
+
+def _describe(r: dict) -> str:
+    return (f"bm{r['block_m']} bn{r['block_n']} bk{r['block_k']} s{r['split_k']}"
+            f" {r['us']:.2f} (err {r['max_abs_err']:.3g})")
 
 
 def tuning_table(rows: list[dict], device: str | None = None) -> dict:
     """The ``kernels.tile_gemm`` tuning file of a sweep: per (M class, N, K), the fastest
     config where it beat cuBLAS by ``WIN_MARGIN``, else null (cuBLAS)."""
-    from kernels.tile_gemm import m_class, tuning_key
+    from kernels.tile_gemm import CONFIG_KEYS, m_class, tuning_key
 
     entries, why = {}, {}
-    keys = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
     for r in rows:
         mc = m_class(r["m"])
         if mc is None or mc != r["m"]:
@@ -142,7 +139,7 @@ def tuning_table(rows: list[dict], device: str | None = None) -> dict:
         for kind, best, base in kinds:
             key = tuning_key(mc, r["n"], r["k"], kind)
             win = best is not None and best["us"] < WIN_MARGIN * base
-            entries[key] = {c: best[c] for c in keys} if win else None
+            entries[key] = {c: best[c] for c in CONFIG_KEYS} if win else None
             why[key] = (f"{r['shape']}: cuBLAS {base:.2f} us, tile {best['us']:.2f} us"
                         if best is not None else f"{r['shape']}: no config ran")
     return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -293,10 +293,9 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
     from kernels import norm_handoff
 
     handed = norm_handoff.linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
-    normed = None if handed is not None else linear_add_norm(attn, wo, residual, norm_weight, eps)
     if handed is not None:
         h, new_res = norm_handoff.linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
-    elif normed is not None:
+    elif (normed := linear_add_norm(attn, wo, residual, norm_weight, eps)) is not None:
         h, new_res = linear(normed[0], w_gate_up, act=act)[0], normed[1]
     else:
         o, _ = linear(attn, wo)
@@ -306,7 +305,7 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
         handed = norm_handoff.linear_handoff(h, w_down, new_res, *handoff_to)
         if handed is not None:
             return handed
-        normed = linear_add_norm(h, w_down, new_res, handoff_to[0], handoff_to[1])
+        normed = linear_add_norm(h, w_down, new_res, *handoff_to[:2])
         if normed is not None:
             return norm_handoff.Normed(normed[0]), normed[1]
     return linear(h, w_down)[0], new_res

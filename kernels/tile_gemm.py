@@ -148,9 +148,12 @@ def _split_sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, M
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+CONFIG_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+
+
 def check_config(cfg: dict, k: int) -> None:
     """Reject a config this kernel cannot run (a bad tuning entry, a typo in a sweep)."""
-    for key in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"):
+    for key in CONFIG_KEYS:
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise ValueError(f"tile GEMM config needs a positive int {key!r}: {cfg}")
     for key in ("block_m", "block_n", "block_k"):
@@ -172,12 +175,9 @@ def tuning_key(mc: int, n: int, k: int, kind: str = "plain") -> str:
 
 
 def enabled() -> bool:
-    raw = os.environ.get(SWITCH_ENV, "").strip().lower()
-    if raw in ("", "1", "on", "true", "yes"):
-        return True
-    if raw in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"{SWITCH_ENV} must be 0 or 1, got {raw!r}")
+    from kernels.ops import _env_flag
+
+    return _env_flag(SWITCH_ENV, True)
 
 
 @functools.lru_cache(maxsize=4)
@@ -216,6 +216,26 @@ def select_config(m: int, n: int, k: int, kind: str = "plain") -> dict | None:
 ACTS = (None, "silu_and_mul_pairs")
 
 
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, config: dict) -> None:
+    assert x.shape[1] == weight.shape[1] and x.dtype == weight.dtype
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    check_config(config, x.shape[1])
+
+
+def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
+                 partial: bool, round_to_x: bool = False, act: bool = False) -> None:
+    """``_tile_gemm_kernel`` into ``out``: ``[M, N]`` (or ``[M, N / 2]`` with ``act``), or with
+    ``partial`` the float32 ``[split_k, M, N]`` partials of the K slices."""
+    (m, k), n = x.shape, weight.shape[0]
+    bm, bn, split = config["block_m"], config["block_n"], config["split_k"]
+    _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, weight, out, m, n, k, k // split, x.stride(0), weight.stride(0),
+        out.stride(-2), out.stride(0) if partial else 0, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x,
+        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
+        ACT=act, num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+
 def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
                        out_dtype: torch.dtype | None = None,
                        act: str | None = None) -> torch.Tensor:
@@ -225,9 +245,8 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
     (gate j, up j) row pairs and the result is ``silu(gate) * up`` ``[M, N / 2]``, fused
     into the epilogue (of the GEMM, or of the split sum)."""
     m, k = x.shape
-    n, k2 = weight.shape
-    assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
-    check_config(config, k)
+    n = weight.shape[0]
+    _check_operands(x, weight, config)
     if act not in ACTS:
         raise ValueError(f"tile GEMM: unknown activation {act!r} (known: {ACTS})")
     if act is not None and (n % 2 or out_dtype not in (None, x.dtype)):
@@ -236,21 +255,13 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
     out = torch.empty((m, n // 2 if act else n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, split = config["block_m"], config["block_n"], config["block_k"], config["split_k"]
-    upcast = (not x.is_cuda) and x.dtype == torch.bfloat16
-    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=upcast,
-                  IEEE=x.dtype == torch.float32, num_warps=config["num_warps"],
-                  num_stages=config["num_stages"])
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    split = config["split_k"]
     if split == 1:
-        _tile_gemm_kernel[grid](x, weight, out, m, n, k, k, x.stride(0), weight.stride(0),
-                                out.stride(0), 0, PARTIAL=False,
-                                ROUND_TO_X=out_dtype != x.dtype, ACT=act is not None, **common)
+        _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype,
+                     act=act is not None)
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _tile_gemm_kernel[grid](x, weight, part, m, n, k, k // split, x.stride(0), weight.stride(0),
-                            part.stride(1), part.stride(0), PARTIAL=True, ROUND_TO_X=False,
-                            **common)
+    _launch_gemm(x, weight, config, part, partial=True)
     block_r, block_c = 16, 128
     _split_sum_kernel[(triton.cdiv(m, block_r), triton.cdiv(n, block_c))](
         part, out, m, n, part.stride(0), part.stride(1), out.stride(0),
@@ -268,23 +279,16 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     points of the unfused ops (the new residual equals the tile GEMM then ``kernels.rms_norm``
     bit for bit; the normalised output may differ by one rounding, its sum of squares
     reducing in another order). Saves the norm's launch and its round trip through memory."""
-    m, k = x.shape
-    n, k2 = weight.shape
-    assert k == k2 and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+    m, n = x.shape[0], weight.shape[0]
+    _check_operands(x, weight, config)
     assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)
-    check_config(config, k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out, new_res
-    bm, bn, bk, split = config["block_m"], config["block_n"], config["block_k"], config["split_k"]
+    split = config["split_k"]
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, weight, part, m, n, k, k // split, x.stride(0), weight.stride(0),
-        part.stride(1), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=True,
-        ROUND_TO_X=False, UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
-        IEEE=x.dtype == torch.float32, num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+    _launch_gemm(x, weight, config, part, partial=True)
     block_c = triton.next_power_of_2(n)
     _split_sum_add_norm_kernel[(m,)](
         part, residual, norm_weight, out, new_res, m, n, float(eps),
