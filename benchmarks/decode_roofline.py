@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from benchmarks import common
+from benchmarks.kernel_timeline import exposed_per_step, profiler_kernels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -310,7 +311,7 @@ class Bench:
         total = sum(r["us_per_step"] for r in kernels)
         launches = sum(r["calls_per_step"] for r in kernels)
         return {"steps": steps, "kernel_us_per_step": total, "kernels_per_step": launches,
-                "top": kernels[:40]}
+                "top": kernels[:40], **exposed_per_step(profiler_kernels(prof), steps)}
 
 
 def phase_floor_s(weight_bytes: int, kv_bytes: int, dtype_bytes: int, batch: int, bandwidth: float,
@@ -402,6 +403,12 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
                               if "kernel_ratio" in prof else ""))
                 for r in prof["top"][:25]:
                     tqdm.write(f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}")
+                if prof.get("exposed_top"):
+                    tqdm.write(f"  span {prof['span_us_per_step']:.1f} us per step, idle "
+                               f"{prof['idle_us_per_step']:.1f} us; what each kernel adds to it:")
+                for r in prof.get("exposed_top", [])[:25]:
+                    tqdm.write(f"    {r['exposed_us_per_step']:9.1f} us (runs {r['duration_us_per_step']:8.1f})"
+                               f"  x{r['calls_per_step']:6.1f}  {r['name'][:80]}")
     from kernels import ops, pdl
 
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}

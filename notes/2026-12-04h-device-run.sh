@@ -16,7 +16,8 @@
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
 #               CI): the one-launch layer's registers and spill bytes a config (CPU only, ~1 min)
 #   kvlayout    notes/2026-12-05b-kv-layout-probe.py: decode attention on token-major vs head-major KV pages
-#   prof        decode_roofline --profile of one cell (PROF_SHAPE, PROF_CELL): the top kernels a step
+#   prof        decode_roofline --profile of one cell (PROF_SHAPE, PROF_CELL): the top kernels a step, by
+#               run time and by what each adds to the step's span (benchmarks/kernel_timeline.py)
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
 #   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
 #               (LAYER_CONFIG: a SYNCLESS_DECODE_LAYER_CONFIG for the "1" run)
@@ -125,6 +126,10 @@ print(f"b{c['batch_size']} ctx{c['context_len']} step {c['step_ms_median']:.3f} 
       f"kernels {p['kernel_us_per_step']:.1f} us in {p['kernels_per_step']:.0f} launches")
 for k in p["top"][:14]:
     print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}")
+if "exposed_top" in p:
+    print(f"  span {p['span_us_per_step']:.1f} us a step, idle {p['idle_us_per_step']:.1f} us; added to the span:")
+    for k in p["exposed_top"][:14]:
+        print(f"  {k['exposed_us_per_step']:8.1f} us (runs {k['duration_us_per_step']:8.1f})  x{k['calls_per_step']:5.1f}  {k['name'][:70]}")
 PY
       ;;
     probe)
