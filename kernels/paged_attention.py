@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.grid_sync import stamp
 from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
     CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
@@ -83,7 +84,7 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 # block table's width follows each step's length bound: its row stride too.
 @triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr, stamp_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     kn_ptr, vn_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     num_reqs, kv_cap, scale_log2, eps, stride_cs,
@@ -102,10 +103,15 @@ def _paged_attention_kernel(
     LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
+    STAMPS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Profiling only (STAMPS, ``kernels.bench_attention_stamps``): %globaltimer at fixed points of each
+    # program; the data-dependent ones take their input from the value they wait for.
+    lin = (pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+    stamp(stamp_ptr, lin, 0, STAMPS)
 
     if ONE_QBLOCK_PER_REQ:
         req = pid
@@ -187,10 +193,12 @@ def _paged_attention_kernel(
             prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
             v_row0 = page0 * stride_vb + in_page0 * stride_vt + kvh * stride_vh
             prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
+    stamp(stamp_ptr, lin, 1, STAMPS)
     if RELEASE_LATE:  # the next kernel launches only as this one's programs finish
         wait_only(USE_PDL)
     else:
         wait_and_release(USE_PDL)
+    stamp(stamp_ptr, lin, 2, STAMPS)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     if ROPE:
         # One query token: rotate (and normalise) the raw q heads and this KV head's new
@@ -210,6 +218,8 @@ def _paged_attention_kernel(
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if STAMPS:
+        stamp(stamp_ptr, _after(lin, tl.sum(q.to(tl.float32))), 3, STAMPS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -254,6 +264,8 @@ def _paged_attention_kernel(
             pv = tl.dot(p_lo, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if STAMPS:
+        stamp(stamp_ptr, _after(lin, tl.sum(acc)), 4, STAMPS)
 
     if ROPE:
         # The split holding the row's last tile owns the new key: it adds it (unless a
@@ -287,6 +299,8 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             sem = sem_ptr + pid * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+            if STAMPS:
+                stamp(stamp_ptr, _after(lin, arrived.to(tl.float32)), 5, STAMPS)
             if arrived == used - 1:
                 offs_s = tl.arange(0, SPLITS_P)
                 lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
@@ -312,8 +326,19 @@ def _paged_attention_kernel(
                 tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
                          merged.to(final_ptr.dtype.element_ty), mask=o_mask)
                 tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
+                if STAMPS:
+                    stamp(stamp_ptr, _after(lin, tl.sum(merged)), 6, STAMPS)
     if RELEASE_LATE:
         release_only(USE_PDL)
+    if STAMPS:
+        stamp(stamp_ptr, _after(lin, tl.sum(o)), 7, STAMPS)
+
+
+@triton.jit
+def _after(lin, x):
+    """``lin`` as a value that depends on ``x`` (a NaN test the compiler cannot fold), so a
+    stamp taken with it waits for ``x``; a NaN ``x`` moves the stamp one row down."""
+    return lin + (x != x).to(lin.dtype)
 
 
 def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
@@ -346,6 +371,7 @@ def paged_attention_triton(
     config: dict | None = None,
     rope: DecodeRope | None = None,
     eager: bool = False,
+    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
@@ -361,7 +387,9 @@ def paged_attention_triton(
     overrides the split-KV heuristic (tests, benchmarks). Decode-shaped splits
     merge their partials in the last arriving program (``fused_reduce``, default
     on) instead of a second launch. ``eager``: a launch outside any CUDA graph takes its
-    shape from the small fixed set of ``launch_config(eager=True)``. ``config`` overrides ``block_n`` /
+    shape from the small fixed set of ``launch_config(eager=True)``. ``stamps`` (profiling): an int64
+    ``[programs + 1, 32]`` buffer for each program's timestamps (``kernels.bench_attention_stamps``).
+    ``config`` overrides ``block_n`` /
     ``num_warps`` / ``num_stages`` (benchmarks). Rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten.
     """
@@ -415,7 +443,7 @@ def paged_attention_triton(
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, dst, lse, out, sem if sem is not None else seq_lens,
-        block_table, seq_lens, query_start_loc,
+        stamps if stamps is not None else seq_lens, block_table, seq_lens, query_start_loc,
         *(_rope_args(rope) if rope is not None else (q,) * 7),
         num_reqs, kv_cap, float(scale) * LOG2E,
         float(rope.eps) if rope is not None else 0.0,
@@ -440,7 +468,7 @@ def paged_attention_triton(
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        STAMPS=stamps is not None, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:
         block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))

@@ -1,0 +1,82 @@
+"""Decode attention's profiling stamps (``paged_attention_triton(stamps=)``) and their
+summary (``kernels.bench_attention_stamps``)."""
+
+import pytest
+import torch
+
+from kernels.bench_attention_stamps import STAMP_NAMES, summarize
+
+
+def _launch(t0: int, offsets_us: list[list[float]], programs: int = 4) -> torch.Tensor:
+    """One launch's buffer: program p's stamp k at ``t0 + offsets_us[p][k]`` us (ns ints)."""
+    buf = torch.zeros(programs + 1, 32, dtype=torch.int64)
+    for p, offs in enumerate(offsets_us):
+        for k, o in enumerate(offs):
+            if o is not None:
+                buf[p, k] = t0 + int(o * 1e3)
+    return buf
+
+
+def test_summary_offsets_gaps_and_spans():
+    n = len(STAMP_NAMES)
+    full = lambda base: [base + k for k in range(n)]  # noqa: E731 - stamps 1 us apart
+    early_exit = [0.5] + [None] * (n - 1)  # a spare split: only its start
+    calls = []
+    for c in range(3):
+        t0 = 1_000_000 + c * 20_000  # launches 20 us apart; each lasts 7 us (+ 2 us skew)
+        calls.append(_launch(t0, [full(0.0), full(2.0), early_exit]))
+    s = summarize(torch.stack(calls))
+    assert s["launches"] == 2  # the first launch has no predecessor
+    assert s["span_us"] == pytest.approx(9.0)  # last program's end: 2 + 7
+    assert s["gap_us"] == pytest.approx(20.0 - 9.0)
+    st = s["stamps_us"]
+    assert st["start"] == {"first": 0.0, "median": pytest.approx(0.5), "last": pytest.approx(2.0)}
+    assert st["end"]["first"] == pytest.approx(7.0) and st["end"]["last"] == pytest.approx(9.0)
+    assert st["after_wait"]["median"] == pytest.approx(3.0)  # programs at 2 and 4 us
+
+
+def test_summary_skips_unwritten_launches():
+    n = len(STAMP_NAMES)
+    empty = torch.zeros(3, 32, dtype=torch.int64)
+    one = _launch(5_000, [[float(k) for k in range(n)]], programs=2)
+    s = summarize(torch.stack([one, empty, one.clone()]))
+    assert s["launches"] == 0 and s["gap_us"] is None and s["span_us"] is None
+
+
+@pytest.mark.gpu
+def test_stamped_launch_matches_and_stamps_are_ordered():
+    from kernels.paged_attention import paged_attention_triton
+    from kernels.rope_inline import DecodeRope
+
+    if not torch.cuda.is_available():
+        pytest.fail("GPU test without a GPU")
+    dev, dt, d, bs, hq, hkv, ctx, bound = "cuda", torch.bfloat16, 128, 16, 32, 8, 300, 512
+    torch.manual_seed(0)
+    per = bound // bs
+    k_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt)
+    v_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt)
+    bt = torch.randperm(per, device=dev, dtype=torch.int32).view(1, per)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    q, k, v = qkv[:, : hq * d].view(1, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(1, hkv, d), \
+        qkv[:, (hq + hkv) * d:].view(1, hkv, d)
+    seq = torch.tensor([ctx + 1], device=dev, dtype=torch.int32)
+    qsl = torch.tensor([0, 1], device=dev, dtype=torch.int32)
+    pos = torch.tensor([ctx], device=dev)
+    cs = torch.randn(bound, d, device=dev)
+    slot = (bt[:, ctx // bs].long() * bs + ctx % bs)
+    outs = []
+    stamps = torch.zeros(hkv * 64 + 1, 32, device=dev, dtype=torch.int64)
+    for st in (None, stamps):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(paged_attention_triton(q, kc, vc, bt, seq, qsl, 1, bound, d ** -0.5,
+                                           rope=DecodeRope(pos, k, v, cs, slot), stamps=st))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    s = stamps[:, : len(STAMP_NAMES)].cpu()
+    ran = s[:, STAMP_NAMES.index("end")] > 0
+    assert int(ran.sum()) >= hkv  # every KV head's splits that had keys
+    for a, b in (("start", "pre_wait"), ("pre_wait", "after_wait"), ("after_wait", "q_ready"),
+                 ("q_ready", "tiles_done"), ("tiles_done", "end")):
+        assert bool((s[ran, STAMP_NAMES.index(a)] <= s[ran, STAMP_NAMES.index(b)]).all()), (a, b)
+    merged = s[:, STAMP_NAMES.index("merged")] > 0
+    assert int(merged.sum()) == hkv  # one merging program a KV head
