@@ -103,7 +103,7 @@ def _paged_attention_kernel(
     LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
-    STAMPS: tl.constexpr = False,
+    STAMPS: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -190,9 +190,16 @@ def _paged_attention_kernel(
             offs_l = tl.arange(0, ROW_LINES) * LINE_ELEMS  # a row's cache lines
             l_ok = ok0[:, None] & (offs_l < HEAD_DIM)[None, :]
             k_row0 = page0 * stride_kb + in_page0 * stride_kt + kvh * stride_kh
-            prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
             v_row0 = page0 * stride_vb + in_page0 * stride_vt + kvh * stride_vh
-            prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
+            if PRELOAD >= 1:  # A/B (SYNCLESS_ATTN_PRELOAD): the tile itself, into registers
+                m0 = ok0[:, None] if HEAD_DIM == BLOCK_D else ok0[:, None] & d_ok[None, :]
+                k_pre = tl.load(k_ptr + k_row0[:, None] + offs_d[None, :], mask=m0, other=0.0)
+            else:
+                prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
+            if PRELOAD >= 2:
+                v_pre = tl.load(v_ptr + v_row0[:, None] + offs_d[None, :], mask=m0, other=0.0)
+            else:
+                prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
     stamp(stamp_ptr, lin, 1, STAMPS)
     if RELEASE_LATE:  # the next kernel launches only as this one's programs finish
         wait_only(USE_PDL)
@@ -234,9 +241,21 @@ def _paged_attention_kernel(
         else:
             kv_mask = kv_ok[:, None] & d_ok[None, :]
         k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if PRELOAD >= 1:  # the split's first tile came in before the wait
+            if t == tile_lo:
+                k = k_pre
+            else:
+                k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if PRELOAD >= 2:
+            if t == tile_lo:
+                v = v_pre
+            else:
+                v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
         if UPCAST:
             k = k.to(tl.float32)
@@ -439,6 +458,10 @@ def paged_attention_triton(
         lse, dst, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0  # lse unused
 
     launch = pdl.launch_kwargs(q)
+    preload = (pdl.attention_preload() if one_token and rope is not None and num_stages == 1
+               and launch["USE_PDL"] else 0)
+    if preload == 2:
+        num_warps = 8  # K and V tiles held across the wait: 4 warps spill (sm_90)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
@@ -468,7 +491,8 @@ def paged_attention_triton(
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
-        STAMPS=stamps is not None, num_warps=num_warps, num_stages=num_stages, **launch,
+        STAMPS=stamps is not None,
+        PRELOAD=preload, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:
         block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))

@@ -144,6 +144,16 @@ def decode_attention_stages() -> int:
     return _env_bytes_or_count("SYNCLESS_DECODE_ATTN_STAGES")
 
 
+def attention_preload() -> int:
+    """``SYNCLESS_ATTN_PRELOAD`` (A/B knob, default 0): with PDL on, a one-token decode
+    attention split of one tile loads that tile into registers before its wait (1: the keys,
+    2: keys and values) instead of prefetching its lines into L2."""
+    n = _env_bytes_or_count("SYNCLESS_ATTN_PRELOAD")
+    if n > 2:
+        raise ValueError(f"SYNCLESS_ATTN_PRELOAD must be 0, 1 or 2, got {n}")
+    return n
+
+
 def validate_switches() -> None:
     """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
     mode()
@@ -151,6 +161,7 @@ def validate_switches() -> None:
     l2_prefetch_row_bytes()
     attention_release_late()
     decode_attention_stages()
+    attention_preload()
 
 
 def enabled(t: torch.Tensor) -> bool:

@@ -11,6 +11,9 @@
 #               ogemv: the 8B o_proj as the persistent GEMV (is the 8B attention's cost its neighbour's?)
 #               pf8192/pf4096/pf2048: the 8B o_proj bulk-prefetches that many bytes of each weight row
 #               into L2 before its PDL wait, i.e. while the attention runs (2026-12-05b)
+#               pre1/pre2: one-tile attention splits load their keys (1) or keys and values (2) into
+#               registers before the PDL wait (SYNCLESS_ATTN_PRELOAD, 2026-12-05d)
+#   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
@@ -80,6 +83,7 @@ PY
           case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
+            pre1|pre2) envs="SYNCLESS_ATTN_PRELOAD=${v#pre}";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
             pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
                  python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'
@@ -111,6 +115,10 @@ PY
             "$OUT/layer-$shape-$v.json" "$shape" "$v"
         done
       done;;
+    stamps) for n in ${STAMP_PRELOAD:-0}; do
+              SYNCLESS_ATTN_PRELOAD=$n timeout ${STAMPS_TIMEOUT:-150} python -m kernels.bench_attention_stamps \
+                --out "$OUT/attn-stamps-pre$n.json" 2>&1 | grep "^stamps" | tee -a "$OUT/stamps.log"
+            done;;
     kvlayout) timeout ${KV_TIMEOUT:-200} python notes/2026-12-05b-kv-layout-probe.py --out "$OUT/kv-layout.json" 2>&1 \
                 | grep -v -i warn | tee -a "$OUT/kv-layout.log";;
     prof)  # PROF_SHAPE (qwen3-0.6b), PROF_CELL (128,512): one profiled cell, the top kernels a step

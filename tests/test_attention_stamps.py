@@ -43,35 +43,48 @@ def test_summary_skips_unwritten_launches():
     assert s["launches"] == 0 and s["gap_us"] is None and s["span_us"] is None
 
 
-@pytest.mark.gpu
-def test_stamped_launch_matches_and_stamps_are_ordered():
+def _decode_case(ctx=300, bound=512, hq=32, hkv=8, d=128, bs=16):
+    """One request's one-token decode attention with fused rope, on the GPU: a launcher
+    ``run(stamps=None) -> (out, k_cache, v_cache)`` on fresh copies of the caches."""
     from kernels.paged_attention import paged_attention_triton
     from kernels.rope_inline import DecodeRope
 
     if not torch.cuda.is_available():
         pytest.fail("GPU test without a GPU")
-    dev, dt, d, bs, hq, hkv, ctx, bound = "cuda", torch.bfloat16, 128, 16, 32, 8, 300, 512
-    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
     per = bound // bs
-    k_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt)
-    v_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt)
-    bt = torch.randperm(per, device=dev, dtype=torch.int32).view(1, per)
-    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt)
-    q, k, v = qkv[:, : hq * d].view(1, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(1, hkv, d), \
-        qkv[:, (hq + hkv) * d:].view(1, hkv, d)
+    k_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt, generator=g)
+    v_cache = torch.randn(per, bs, hkv, d, device=dev, dtype=dt, generator=g)
+    bt = torch.randperm(per, device=dev, dtype=torch.int32, generator=g).view(1, per)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt, generator=g)
+    q = qkv[:, : hq * d].view(1, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(1, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(1, hkv, d)
     seq = torch.tensor([ctx + 1], device=dev, dtype=torch.int32)
     qsl = torch.tensor([0, 1], device=dev, dtype=torch.int32)
     pos = torch.tensor([ctx], device=dev)
-    cs = torch.randn(bound, d, device=dev)
-    slot = (bt[:, ctx // bs].long() * bs + ctx % bs)
-    outs = []
-    stamps = torch.zeros(hkv * 64 + 1, 32, device=dev, dtype=torch.int64)
-    for st in (None, stamps):
+    cs = torch.randn(bound, d, device=dev, generator=g)
+    slot = bt[:, ctx // bs].long() * bs + ctx % bs
+
+    def run(stamps=None):
         kc, vc = k_cache.clone(), v_cache.clone()
-        outs.append(paged_attention_triton(q, kc, vc, bt, seq, qsl, 1, bound, d ** -0.5,
-                                           rope=DecodeRope(pos, k, v, cs, slot), stamps=st))
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
+        torch.cuda.synchronize()  # the clones complete before a PDL launch reads them
+        out = paged_attention_triton(q, kc, vc, bt, seq, qsl, 1, bound, d ** -0.5,
+                                     rope=DecodeRope(pos, k, v, cs, slot), stamps=stamps)
+        torch.cuda.synchronize()
+        return out, kc, vc
+
+    return run
+
+
+@pytest.mark.gpu
+def test_stamped_launch_matches_and_stamps_are_ordered():
+    hkv = 8
+    run = _decode_case(hkv=hkv)
+    stamps = torch.zeros(hkv * 64 + 1, 32, device="cuda", dtype=torch.int64)
+    plain, stamped = run(), run(stamps)
+    assert all(torch.equal(a, b) for a, b in zip(plain, stamped))
     s = stamps[:, : len(STAMP_NAMES)].cpu()
     ran = s[:, STAMP_NAMES.index("end")] > 0
     assert int(ran.sum()) >= hkv  # every KV head's splits that had keys
@@ -80,3 +93,23 @@ def test_stamped_launch_matches_and_stamps_are_ordered():
         assert bool((s[ran, STAMP_NAMES.index(a)] <= s[ran, STAMP_NAMES.index(b)]).all()), (a, b)
     merged = s[:, STAMP_NAMES.index("merged")] > 0
     assert int(merged.sum()) == hkv  # one merging program a KV head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx,bound", [(300, 512), (1000, 1024), (100, 4096)])
+def test_preloaded_tile_gives_the_same_result(monkeypatch, ctx, bound):
+    """``SYNCLESS_ATTN_PRELOAD`` 1/2 (the split's tile loaded before the PDL wait) against
+    the L2-prefetch launch, PDL on: the same caches, and the same output (bitwise with 1;
+    with 2 the launch takes 8 warps, whose softmax sums may round differently). ctx 100 of
+    a 4096 bound: splits of several tiles, where the knob does not apply."""
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    run = _decode_case(ctx=ctx, bound=bound)
+    base = run()
+    for n in ("1", "2"):
+        monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", n)
+        out, kc, vc = run()
+        assert torch.equal(kc, base[1]) and torch.equal(vc, base[2]), n
+        if n == "1" or bound == 4096:
+            assert torch.equal(out, base[0]), n
+        else:
+            torch.testing.assert_close(out, base[0], atol=2e-2, rtol=2e-2)

@@ -78,10 +78,12 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode,rope,head_dim,late", [
-    (True, False, 128, False), (True, True, 128, False), (True, True, 32, False),
-    (False, False, 128, False), (True, True, 128, True)])
-def test_paged_attention_compiles(decode, rope, head_dim, late):
+@pytest.mark.parametrize("decode,rope,head_dim,late,extra", [
+    (True, False, 128, False, {}), (True, True, 128, False, {}), (True, True, 32, False, {}),
+    (False, False, 128, False, {}), (True, True, 128, True, {}),
+    (True, True, 128, False, dict(STAMPS=True)), (True, True, 128, False, dict(PRELOAD=1)),
+    (True, True, 128, False, dict(PRELOAD=2))])
+def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
     from kernels.paged_attention import _paged_attention_kernel
 
     from kernels.paged_attention import row_lines
@@ -91,7 +93,7 @@ def test_paged_attention_compiles(decode, rope, head_dim, late):
     assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 RELEASE_LATE=late, **lines)
+                 RELEASE_LATE=late, **lines, **{"STAMPS": False, "PRELOAD": 0, **extra})
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
@@ -100,8 +102,15 @@ def test_paged_attention_compiles(decode, rope, head_dim, late):
                      FUSED_REDUCE=False, SPLITS_P=1)
     i32 = {n: "*i32" for n in ("sem_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
     ptrs = {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
-            "cs_ptr": "*fp32"}
-    _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"))
+            "cs_ptr": "*fp32", "stamp_ptr": "*i64"}
+    # PRELOAD (one tile a split: one stage) 2 launches with 8 warps (K and V held across the
+    # PDL wait spill with 4)
+    options = (dict(num_warps=8 if extra["PRELOAD"] == 2 else 4, num_stages=1)
+               if extra.get("PRELOAD") else None)
+    c = _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"), options=options)
+    if extra.get("PRELOAD"):
+        assert _resource_usage(c.asm["cubin"])[1] == 0, "spills"
+
 
 
 def test_sampling_kernels_compile():
