@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|decode-layer|attention|attention-sweep|probe|rope-attention]
+    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|decode-layer|attention|attention-sweep[-big]|probe|rope-attention]
     python -m kernels.bench --tune kernels/skinny_tuning.json
 
 Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
@@ -216,21 +216,28 @@ SMALL_ATTN_CASES = [  # decode cells of the roofline grid that miss (b, ctx, hq,
 ]
 
 
-def bench_attention_sweep() -> list[dict]:
-    """Split count x tile x pipeline depth for the small-batch decode cells (graph replay)."""
+BIG_ATTN_CASES = [(128, 512, 16, 8, 1024), (256, 512, 16, 8, 1024), (128, 512, 32, 8, 1024)]
+SWEEP_TILES = ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2))
+BIG_SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3), (128, 8, 2),
+                   (128, 8, 3), (32, 4, 4), (32, 4, 6), (32, 2, 4))
+
+
+def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Split count x tile x pipeline depth for decode cells (graph replay); by default the
+    small-batch cells, ``--only attention-sweep-big`` the mid/large batches at ctx 512."""
     from kernels.paged_attention import paged_attention_triton
 
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
-    for b, ctx, hq, hkv, bound in SMALL_ATTN_CASES:
+    for b, ctx, hq, hkv, bound in cases or SMALL_ATTN_CASES:
         _, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
         heur = _engine_splits(b, hq, hkv, d, bound, dev)
         res = []
-        for splits in sorted({1, 2, 4, 8, 16, 32, heur}):
-            for bn, nw, st in ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2)):
+        for splits in sorted({*splits_set, heur}):
+            for bn, nw, st in tiles:
                 cfg = dict(block_n=bn, num_warps=nw, num_stages=st)
                 try:
                     us = graph_time_us([lambda c=c: paged_attention_triton(
@@ -289,7 +296,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
     p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "decode-layer", "attention",
-                                      "attention-sweep", "probe", "rope-attention"),
+                                      "attention-sweep", "attention-sweep-big", "probe",
+                                      "rope-attention"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
                    help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
@@ -325,6 +333,8 @@ def main(argv=None):
         res["decode_layer"] = bench_decode_layer()
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
+    if a.only == "attention-sweep-big":
+        res["attention_sweep"] = bench_attention_sweep(BIG_ATTN_CASES, BIG_SWEEP_TILES, (1, 2))
     if a.only == "probe":
         from kernels.bench_probe import bench_probe
 
