@@ -8,6 +8,7 @@ so that the session-scoped servers are shared by all of them.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,40 @@ MAX_MODEL_LEN = 512
 ENGINE_OPTS = {"max_model_len": MAX_MODEL_LEN, "block_size": 16, "num_kv_blocks": 512, "max_num_seqs": 256}
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that the kernel will not hand out as an ephemeral port.
+
+    A port picked by binding port 0 comes from the ephemeral range, so a Ray worker
+    or gRPC channel opened before the server binds it can take it (CI saw exactly
+    that). Picking outside that range and Ray's worker ports, and never twice in one run, closes the race.
+    """
+    lo, hi = _ephemeral_range()
+    # Ray's workers take ports 10002-19999 by default; stay above them.
+    choices = [p for p in range(20000, 65000) if not lo <= p <= hi]
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        port = rng.choice(choices)
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def ray_address() -> str:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve_helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_cli() -> list[str]:
@@ -46,7 +43,7 @@ def cache_dir(tmp_path_factory):
 def ray_head(cache_dir):
     """A local Ray head with the dashboard (job submission); yields its addresses."""
     temp = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths have a length limit
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     env = dict(os.environ, SYNCLESS_CACHE=str(cache_dir), RAY_DEDUP_LOGS="0", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
@@ -58,9 +55,9 @@ def ray_head(cache_dir):
     head = subprocess.Popen(
         [*_ray_cli(), "start", "--head", "--block", f"--temp-dir={temp}", "--num-cpus=4", f"--port={gcs}",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-         f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}", "--object-store-memory=300000000", "--disable-usage-stats"],
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--ray-client-server-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", "--object-store-memory=300000000", "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{dash}"
@@ -316,7 +313,7 @@ class FakeOpenAIServer:
     """A minimal OpenAI-compatible streaming /v1/completions server (one token per chunk)."""
 
     def __init__(self):
-        self.port = _free_port()
+        self.port = free_port()
         self.requests: list[dict] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -407,7 +404,7 @@ def test_serve_jobs_against_real_cluster_serve(ray_head, tmp_path, cache_dir):
 
     os.environ["SYNCLESS_CACHE"] = str(cache_dir)
     model = shape_dir("tiny")
-    http, grpc_port = _free_port(), _free_port()
+    http, grpc_port = free_port(), free_port()
     env = dict(ray_head["env"], RAY_ADDRESS=ray_head["gcs"])
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
