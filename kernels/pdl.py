@@ -145,9 +145,12 @@ def decode_attention_stages() -> int:
 
 
 def attention_preload() -> int:
-    """``SYNCLESS_ATTN_PRELOAD`` (A/B knob, default 0): with PDL on, a one-token decode
-    attention split of one tile loads that tile into registers before its wait (1: the keys,
-    2: keys and values) instead of prefetching its lines into L2."""
+    """``SYNCLESS_ATTN_PRELOAD`` (default 2): with PDL on, a one-token decode attention split
+    of one tile loads that tile into registers before its wait (1: the keys, 2: keys and
+    values; 0: prefetches its lines into L2 instead). On an H100, 2 took 5% off a Qwen3-0.6B
+    batch-1 step and 1% off Llama-3.1-8B's; 1 was slower (notes/2026-12-05d-results.md)."""
+    if not os.environ.get("SYNCLESS_ATTN_PRELOAD", "").strip():
+        return 2
     n = _env_bytes_or_count("SYNCLESS_ATTN_PRELOAD")
     if n > 2:
         raise ValueError(f"SYNCLESS_ATTN_PRELOAD must be 0, 1 or 2, got {n}")

@@ -83,7 +83,7 @@ PY
           case $v in late) envs="SYNCLESS_ATTN_RELEASE=late";; st1) envs="SYNCLESS_DECODE_ATTN_STAGES=1";;
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
-            pre1|pre2) envs="SYNCLESS_ATTN_PRELOAD=${v#pre}";;
+            pre0|pre1|pre2) envs="SYNCLESS_ATTN_PRELOAD=${v#pre}";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
             pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
                  python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'

@@ -99,10 +99,11 @@ def test_stamped_launch_matches_and_stamps_are_ordered():
 @pytest.mark.parametrize("ctx,bound", [(300, 512), (1000, 1024), (100, 4096)])
 def test_preloaded_tile_gives_the_same_result(monkeypatch, ctx, bound):
     """``SYNCLESS_ATTN_PRELOAD`` 1/2 (the split's tile loaded before the PDL wait) against
-    the L2-prefetch launch, PDL on: the same caches, and the same output (bitwise with 1;
+    the L2-prefetch launch (0), PDL on: the same caches, and the same output (bitwise with 1;
     with 2 the launch takes 8 warps, whose softmax sums may round differently). ctx 100 of
     a 4096 bound: splits of several tiles, where the knob does not apply."""
     monkeypatch.setenv("SYNCLESS_PDL", "1")
+    monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", "0")
     run = _decode_case(ctx=ctx, bound=bound)
     base = run()
     for n in ("1", "2"):

@@ -62,3 +62,17 @@ def test_l2_prefetch_sizing(monkeypatch):
     monkeypatch.setenv("SYNCLESS_L2_PREFETCH", "4096")
     assert _l2_prefetch_bytes({}, x, w, 1000, False) == 0  # the env only applies with PDL on
     assert _l2_prefetch_bytes({}, x, w, 1000, True) == 4000
+
+
+def test_attention_preload_defaults_to_keys_and_values_and_rejects_bad_values(monkeypatch):
+    monkeypatch.delenv("SYNCLESS_ATTN_PRELOAD", raising=False)
+    assert pdl.attention_preload() == 2
+    for raw, want in (("0", 0), ("1", 1), (" 2 ", 2)):
+        monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", raw)
+        assert pdl.attention_preload() == want
+    monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", "3")
+    with pytest.raises(ValueError, match="must be 0, 1 or 2, got 3"):
+        pdl.validate_switches()
+    monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", "keys")
+    with pytest.raises(ValueError, match="SYNCLESS_ATTN_PRELOAD must be a non-negative integer"):
+        pdl.attention_preload()
