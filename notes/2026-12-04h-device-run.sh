@@ -11,8 +11,9 @@
 #               ogemv: the 8B o_proj as the persistent GEMV (is the 8B attention's cost its neighbour's?)
 #               pf8192/pf4096/pf2048: the 8B o_proj bulk-prefetches that many bytes of each weight row
 #               into L2 before its PDL wait, i.e. while the attention runs (2026-12-05b)
-#               pre1/pre2: one-tile attention splits load their keys (1) or keys and values (2) into
-#               registers before the PDL wait (SYNCLESS_ATTN_PRELOAD, 2026-12-05d)
+#               pre0/pre1/pre2: one-tile attention splits prefetch their tile into L2 (0) or load
+#               their keys (1) or keys and values (2) into registers before the PDL wait
+#               (SYNCLESS_ATTN_PRELOAD; 2 is the default since 2026-12-05d, so "def" is pre2)
 #   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
