@@ -183,6 +183,22 @@ _RETIRED: list[torch.Tensor] = []
 MIN_SEMAPHORES = 1 << 14
 
 
+def reduce_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                  query_start_loc: torch.Tensor, num_reqs: int, block_d: int) -> None:
+    """Merge ``part`` / ``lse`` (``[splits, tokens, heads, ...]``) into ``out`` in a second
+    launch: forced splits of prefill-shaped batches, or no arrival counters to be had."""
+    num_splits, num_tokens, hq, head_dim = part.shape
+    block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))
+    _reduce_splits_kernel[(num_tokens, triton.cdiv(hq, block_h))](
+        part, lse, out, query_start_loc, num_reqs, hq,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+        num_warps=4, **pdl.launch_kwargs(part),
+    )
+
+
 def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
     """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
     a buffer too small (allocating then would tie it to the graph's pool): the caller

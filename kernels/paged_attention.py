@@ -56,7 +56,7 @@ from kernels.grid_sync import stamp
 from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
     CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
-    _reduce_splits_kernel, _semaphores, choose_num_splits, launch_config, one_token_launch,
+    _semaphores, reduce_splits, choose_num_splits, launch_config, one_token_launch,
     one_token_stages,
 )
 from kernels.rope_inline import DecodeRope, add_new_key, rope_cos_sin, rope_rows
@@ -495,13 +495,5 @@ def paged_attention_triton(
         PRELOAD=preload, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:
-        block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))
-        _reduce_splits_kernel[(num_tokens, triton.cdiv(hq, block_h))](
-            part, lse, out, query_start_loc, num_reqs, hq,
-            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-            NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl.launch_kwargs(q),
-        )
+        reduce_splits(part, lse, out, query_start_loc, num_reqs, block_d)
     return out
