@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.attention_merge import merge_splits
 from kernels.grid_sync import stamp
 from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
@@ -104,6 +105,7 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
     STAMPS: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
+    MERGE_ONE_PASS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -321,30 +323,11 @@ def _paged_attention_kernel(
             if STAMPS:
                 stamp(stamp_ptr, _after(lin, arrived.to(tl.float32)), 5, STAMPS)
             if arrived == used - 1:
-                offs_s = tl.arange(0, SPLITS_P)
-                lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
-                                  mask=(offs_s[:, None] < used) & row_ok[None, :],
-                                  other=float("-inf"), cache_modifier=".cg")
-                m_all = tl.max(lse_all, 0)
-                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-                w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
-                o_mask = row_ok[:, None] & d_ok[None, :]
-                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                # Unrolled: the partials' loads are independent and all in flight at once
-                # (a rolled loop pays one L2 round trip per split); unused splits are masked.
-                for sp in tl.static_range(NUM_SPLITS):
-                    sp_ok = row_ok & ((offs_m * 0 + sp) < used)
-                    w_s = tl.exp2(tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok,
-                                          other=float("-inf"), cache_modifier=".cg") - m_all)
-                    part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
-                                   mask=sp_ok[:, None] & d_ok[None, :], other=0.0,
-                                   cache_modifier=".cg")
-                    merged += w_s[:, None] * part
-                merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
                 f_rows = (q_start + tok).to(tl.int64) * stride_ft + qhead * stride_fh
-                tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
-                         merged.to(final_ptr.dtype.element_ty), mask=o_mask)
-                tl.atomic_xchg(sem, 0)  # re-armed for the next launch (and graph replay)
+                merged = merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows,
+                                      f_rows, offs_m, offs_d, row_ok, d_ok, stride_os,
+                                      stride_ls, BLOCK_M, BLOCK_D, NUM_SPLITS, SPLITS_P,
+                                      MERGE_ONE_PASS)
                 if STAMPS:
                     stamp(stamp_ptr, _after(lin, tl.sum(merged)), 6, STAMPS)
     if RELEASE_LATE:
@@ -492,7 +475,8 @@ def paged_attention_triton(
         K_NORM=rope is not None and rope.k_norm_weight is not None,
         RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
         STAMPS=stamps is not None,
-        PRELOAD=preload, num_warps=num_warps, num_stages=num_stages, **launch,
+        PRELOAD=preload, MERGE_ONE_PASS=sem is not None and pdl.attention_merge() == 1,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:
         reduce_splits(part, lse, out, query_start_loc, num_reqs, block_d)

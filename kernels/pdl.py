@@ -157,6 +157,18 @@ def attention_preload() -> int:
     return n
 
 
+def attention_merge() -> int:
+    """``SYNCLESS_ATTN_MERGE`` (A/B knob, default 2): how the last split of a fused-reduce
+    decode attention merges the partials (``kernels.attention_merge``): 2 reads the splits'
+    lse first (two dependent L2 round trips), 1 runs one pass with all loads in flight."""
+    raw = os.environ.get("SYNCLESS_ATTN_MERGE", "").strip()
+    if raw in ("", "2"):
+        return 2
+    if raw == "1":
+        return 1
+    raise ValueError(f"SYNCLESS_ATTN_MERGE must be 1 or 2, got {raw!r}")
+
+
 def validate_switches() -> None:
     """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
     mode()
@@ -165,6 +177,7 @@ def validate_switches() -> None:
     attention_release_late()
     decode_attention_stages()
     attention_preload()
+    attention_merge()
 
 
 def enabled(t: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ KERNEL_SWITCHES = (
     "SYNCLESS_ATTN_RELEASE",    # A/B: decode attention releases the next kernel early | late
     "SYNCLESS_DECODE_ATTN_STAGES",  # A/B: one-token decode attention pipelining depth
     "SYNCLESS_ATTN_PRELOAD",    # A/B: ... its one tile loaded before the PDL wait (kernels.pdl)
+    "SYNCLESS_ATTN_MERGE",      # A/B: one-pass merge of the decode attention splits (kernels.pdl)
     "SYNCLESS_DECODE_LAYER",    # batch 1: a whole decoder layer in one launch (kernels.decode_layer)
     "SYNCLESS_DECODE_LAYER_CONFIG",  # A/B: that kernel's config (kernels.decode_layer)
 )

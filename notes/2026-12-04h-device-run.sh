@@ -14,7 +14,9 @@
 #               pre0/pre1/pre2: one-tile attention splits prefetch their tile into L2 (0) or load
 #               their keys (1) or keys and values (2) into registers before the PDL wait
 #               (SYNCLESS_ATTN_PRELOAD; 2 is the default since 2026-12-05d, so "def" is pre2)
-#   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention
+#               merge1: the fused split merge in one pass, all loads in flight (SYNCLESS_ATTN_MERGE=1)
+#   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention,
+#               for each SYNCLESS_ATTN_PRELOAD in STAMP_PRELOAD (2) x SYNCLESS_ATTN_MERGE in STAMP_MERGE (2)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
@@ -85,6 +87,7 @@ PY
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
             pre0|pre1|pre2) envs="SYNCLESS_ATTN_PRELOAD=${v#pre}";;
+            merge1) envs="SYNCLESS_ATTN_MERGE=1";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
             pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
                  python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'
@@ -116,10 +119,11 @@ PY
             "$OUT/layer-$shape-$v.json" "$shape" "$v"
         done
       done;;
-    stamps) for n in ${STAMP_PRELOAD:-0}; do
-              SYNCLESS_ATTN_PRELOAD=$n timeout ${STAMPS_TIMEOUT:-150} python -m kernels.bench_attention_stamps \
-                --out "$OUT/attn-stamps-pre$n.json" 2>&1 | grep "^stamps" | tee -a "$OUT/stamps.log"
-            done;;
+    stamps) for n in ${STAMP_PRELOAD:-2}; do for m in ${STAMP_MERGE:-2}; do
+              SYNCLESS_ATTN_PRELOAD=$n SYNCLESS_ATTN_MERGE=$m timeout ${STAMPS_TIMEOUT:-150} \
+                python -m kernels.bench_attention_stamps --out "$OUT/attn-stamps-pre$n-merge$m.json" 2>&1 \
+                | grep "^stamps" | sed "s/^stamps/stamps pre$n merge$m/" | tee -a "$OUT/stamps.log"
+            done; done;;
     kvlayout) timeout ${KV_TIMEOUT:-200} python notes/2026-12-05b-kv-layout-probe.py --out "$OUT/kv-layout.json" 2>&1 \
                 | grep -v -i warn | tee -a "$OUT/kv-layout.log";;
     prof)  # PROF_SHAPE (qwen3-0.6b), PROF_CELL (128,512): one profiled cell, the top kernels a step

@@ -114,3 +114,21 @@ def test_preloaded_tile_gives_the_same_result(monkeypatch, ctx, bound):
             assert torch.equal(out, base[0]), n
         else:
             torch.testing.assert_close(out, base[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx,bound", [(300, 512), (3000, 4096)])
+def test_one_pass_merge_gives_the_same_result(monkeypatch, ctx, bound):
+    """``SYNCLESS_ATTN_MERGE=1`` against the two-pass merge, PDL on: the same caches, outputs
+    within bf16 rounding (fp32 sums in another order), and the counters re-armed (a second
+    launch, equal to the first)."""
+    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    run = _decode_case(ctx=ctx, bound=bound)
+    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", "2")
+    base = run()
+    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", "1")
+    first, second = run(), run()
+    for got in (first, second):
+        assert torch.equal(got[1], base[1]) and torch.equal(got[2], base[2])
+        torch.testing.assert_close(got[0], base[0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(first[0], second[0])

@@ -82,7 +82,9 @@ def test_persistent_gemv_compiles(variant):
     (True, False, 128, False, {}), (True, True, 128, False, {}), (True, True, 32, False, {}),
     (False, False, 128, False, {}), (True, True, 128, True, {}),
     (True, True, 128, False, dict(STAMPS=True)), (True, True, 128, False, dict(PRELOAD=1)),
-    (True, True, 128, False, dict(PRELOAD=2))])
+    (True, True, 128, False, dict(PRELOAD=2)),
+    (True, True, 128, False, dict(PRELOAD=2, MERGE_ONE_PASS=True)),
+    (True, False, 128, False, dict(MERGE_ONE_PASS=True))])
 def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
     from kernels.paged_attention import _paged_attention_kernel
 
@@ -93,7 +95,8 @@ def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
     assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 RELEASE_LATE=late, **lines, **{"STAMPS": False, "PRELOAD": 0, **extra})
+                 RELEASE_LATE=late, **lines,
+                 **{"STAMPS": False, "PRELOAD": 0, "MERGE_ONE_PASS": False, **extra})
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
                      FUSED_REDUCE=True, SPLITS_P=8)
@@ -108,7 +111,7 @@ def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
     options = (dict(num_warps=8 if extra["PRELOAD"] == 2 else 4, num_stages=1)
                if extra.get("PRELOAD") else None)
     c = _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"), options=options)
-    if extra.get("PRELOAD"):
+    if extra.get("PRELOAD") or extra.get("MERGE_ONE_PASS"):
         assert _resource_usage(c.asm["cubin"])[1] == 0, "spills"
 
 
