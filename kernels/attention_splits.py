@@ -141,7 +141,7 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
                         splits)
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_ls"])  # stride_ls: tokens x heads
 def _reduce_splits_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,

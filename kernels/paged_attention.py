@@ -83,7 +83,9 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 # Runtime ints that vary per step are not specialised (no recompiles, e.g. on a
 # batch of 1 or a 16-divisible bound, in the middle of CUDA-graph capture). The
 # block table's width follows each step's length bound: its row stride too.
-@triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt"])
+# num_reqs, kv_cap and stride_ls (num_tokens x heads) change with the batch: specialising on
+# them (== 1, % 16) would compile a new variant mid-serving for, e.g., an odd eager batch.
+@triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt", "stride_ls"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr, stamp_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,

@@ -189,10 +189,10 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     # the worker's table matched this model: warm-up launched each of its 7 variants (the
     # 32-row class: max_num_seqs 32) -- the same selection every 17-32-row step makes
     assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
+    # Eager too: an H100 run (2026-12-05d) compiled two variants mid-serving here, most likely
+    # the attention's split-lse stride (tokens x 8 heads) specialised on the batch's parity:
+    # no longer specialised (tests/test_kernel_specialization.py).
     for s in stats:
         firsts = s["kernel_variants_first"]
         assert not [v for v in firsts if "_tile_gemm_kernel" in v or "_split_sum" in v], firsts
-        if eager:  # decode steps are not captured (nor warmed) at every batch size: a few
-            assert s["kernel_variants_after_start"] <= len(firsts), firsts  # all listed above
-        else:
-            assert s["kernel_variants_after_start"] == 0, firsts
+        assert s["kernel_variants_after_start"] == 0, firsts

@@ -27,6 +27,8 @@ def _compile(fn, const: dict, ptrs: dict[str, str], default_ptr: str = "*bf16",
             sig[name] = ptrs.get(name, default_ptr)
         else:
             sig[name] = "fp32" if name in floats else "i32"
+        if fn.params[i].do_not_specialize:
+            continue  # launched unspecialised: no divisibility known
         if name.endswith("_ptr") or name.startswith("stride") or name in aligned_ints:
             # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
             # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths

@@ -1,0 +1,98 @@
+"""No Triton variant depends on the batch size beyond the launch's constexprs (CPU, no launch).
+
+Triton specialises every int argument not listed in ``do_not_specialize`` on ``== 1`` and
+``% 16 == 0``, and every tensor on 16-byte alignment. An argument that follows the token
+count (a split-major buffer's stride) thus compiles a second variant the first time an eager
+step of the other parity comes: mid-serving, after start-up warmed the first (an H100 run of
+``test_gpu_tile_gemm.py`` saw two). Here each launch's arguments are recorded instead of
+run, and launches with the same constexprs must agree on every specialisation.
+"""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kernels import attention_splits, paged_attention
+
+ATTENTION = paged_attention._paged_attention_kernel
+REDUCE = attention_splits._reduce_splits_kernel
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _variant(fn, args, kwargs) -> tuple[tuple, tuple]:
+    """(constexprs and launch options, specialisations) of one launch, as Triton keys it."""
+    values = {p.name: v for p, v in zip(fn.params, args)}
+    values.update(kwargs)
+    consts, spec = [], []
+    for p in fn.params:
+        v = values.get(p.name, p.default)
+        if p.is_constexpr:
+            consts.append((p.name, v))
+        elif p.do_not_specialize:
+            continue
+        elif isinstance(v, torch.Tensor):
+            spec.append((p.name, v.data_ptr() % 16 == 0))
+        elif isinstance(v, int) and not isinstance(v, bool):
+            spec.append((p.name, v == 1, v % 16 == 0))
+    consts += sorted((k, v) for k, v in kwargs.items() if k not in {p.name for p in fn.params})
+    return tuple(consts), tuple(spec)
+
+
+def _launches(monkeypatch, q_lens, hq, hkv, d, bound, **opts):
+    g = torch.Generator().manual_seed(len(q_lens))
+    n, r = sum(q_lens), len(q_lens)
+    q = torch.randn(n, hq, d, generator=g)
+    k_cache = torch.randn(4 * bound // 16, 16, hkv, d, generator=g)
+    block_table = torch.zeros(r, bound // 16, dtype=torch.int32)
+    seq_lens = torch.full((r,), bound - 8, dtype=torch.int32)
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    attn, red = _Recorder(ATTENTION), _Recorder(REDUCE)
+    monkeypatch.setattr(paged_attention, "_paged_attention_kernel", attn)
+    monkeypatch.setattr(attention_splits, "_reduce_splits_kernel", red)
+    paged_attention.paged_attention_triton(q, k_cache, k_cache, block_table, seq_lens, qsl,
+                                           max(q_lens), bound, d ** -0.5, **opts)
+    return [(rec.fn, call) for rec in (attn, red) for call in rec.calls]
+
+
+def _assert_one_variant_per_constexpr_set(launches):
+    keys = defaultdict(set)
+    for fn, (args, kwargs) in launches:
+        consts, spec = _variant(fn, args, kwargs)
+        keys[(fn.__name__, consts)].add(spec)
+    assert len(keys) >= 1
+    for (name, _), specs in keys.items():
+        if len(specs) > 1:
+            differ = sorted(set.union(*(set(s) for s in specs)) - set.intersection(*(set(s) for s in specs)))
+            pytest.fail(f"{name}: {len(specs)} variants for one constexpr set; differing: {differ}")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (14, 2, 64), (16, 8, 128)])
+def test_eager_decode_batches_share_variants(monkeypatch, hq, hkv, d):
+    """One-token decode steps of 1-40 requests, eager, with splits merged in the launch."""
+    launches = []
+    for n in range(1, 41):
+        launches += _launches(monkeypatch, [1] * n, hq, hkv, d, 1024, eager=True)
+    assert any(kw["NUM_SPLITS"] > 1 for _, (_, kw) in launches)  # the split path is covered
+    _assert_one_variant_per_constexpr_set(launches)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (14, 2, 64)])
+def test_mixed_batches_with_the_reduce_launch_share_variants(monkeypatch, hq, hkv, d):
+    """Prefill-shaped steps of 5-24 tokens with forced splits: the separate reduce launch."""
+    launches = []
+    for extra in range(20):
+        launches += _launches(monkeypatch, [5] + [1] * extra, hq, hkv, d, 512, eager=True,
+                              num_splits=3, fused_reduce=False)
+    assert any(fn is REDUCE for fn, _ in launches)  # the reduce launch is covered
+    _assert_one_variant_per_constexpr_set(launches)
