@@ -222,6 +222,15 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, config: dict) -> None
     check_config(config, x.shape[1])
 
 
+def _split_partials(split: int, m: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[split, m, n]`` float32 partials whose split stride is a multiple of 16 elements:
+    Triton specialises int arguments on ``% 16``, so a stride of ``m * n`` with an odd ``n``
+    (a vocabulary) would compile one variant per batch-size class, mid-serving."""
+    plane = -(-m * n // 16) * 16
+    flat = torch.empty(split * plane, dtype=torch.float32, device=device)
+    return flat.as_strided((split, m, n), (plane, n, 1))
+
+
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
                  partial: bool, round_to_x: bool = False, act: bool = False) -> None:
     """``_tile_gemm_kernel`` into ``out``: ``[M, N]`` (or ``[M, N / 2]`` with ``act``), or with
@@ -260,7 +269,7 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
         _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype,
                      act=act is not None)
         return out
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    part = _split_partials(split, m, n, x.device)
     _launch_gemm(x, weight, config, part, partial=True)
     block_r, block_c = 16, 128
     _split_sum_kernel[(triton.cdiv(m, block_r), triton.cdiv(n, block_c))](
@@ -287,7 +296,7 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     if m == 0:
         return out, new_res
     split = config["split_k"]
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    part = _split_partials(split, m, n, x.device)
     _launch_gemm(x, weight, config, part, partial=True)
     block_c = triton.next_power_of_2(n)
     _split_sum_add_norm_kernel[(m,)](

@@ -96,3 +96,24 @@ def test_mixed_batches_with_the_reduce_launch_share_variants(monkeypatch, hq, hk
                               num_splits=3, fused_reduce=False)
     assert any(fn is REDUCE for fn, _ in launches)  # the reduce launch is covered
     _assert_one_variant_per_constexpr_set(launches)
+
+
+@pytest.mark.parametrize("n", [96, 100, 1001])  # 100, 1001: an N (a vocabulary) not % 16
+def test_split_k_tile_gemm_shares_variants_across_batch_sizes(monkeypatch, n):
+    """The split-K tile GEMM and its split sums for 17-40-row batches: the partials' split
+    stride must not follow ``M * N``'s divisibility."""
+    from kernels import tile_gemm
+
+    cfg = dict(block_m=32, block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=3)
+    names = ("_tile_gemm_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel")
+    recs = {name: _Recorder(getattr(tile_gemm, name)) for name in names}
+    for name, rec in recs.items():
+        monkeypatch.setattr(tile_gemm, name, rec)
+    w = torch.randn(n, 256)
+    for m in range(17, 41):
+        x = torch.randn(m, 256)
+        tile_gemm.tile_linear_triton(x, w, cfg, out_dtype=torch.float32)
+        tile_gemm.tile_linear_add_norm_triton(x, w, cfg, torch.randn(m, n), torch.ones(n), 1e-6)
+    launches = [(rec.fn, call) for rec in recs.values() for call in rec.calls]
+    assert {fn.__name__ for fn, _ in launches} == set(names)
+    _assert_one_variant_per_constexpr_set(launches)
