@@ -83,7 +83,7 @@ def _case(name, b, ctx, hq, hkv, qk_norm, bound, with_qkv: bool) -> dict:
     stamps = torch.zeros(len(caches), programs + 1, 32, device=dev, dtype=torch.int64)
 
     def call(i):
-        qkv = ops.linear(x, w_qkv) if with_qkv else qkv0
+        qkv = ops.linear(x, w_qkv)[0] if with_qkv else qkv0  # (y, new_residual)
         q = qkv[:, : hq * d].view(b, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(b, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
@@ -125,7 +125,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     for case in CASES:
         for with_qkv in (False, True):
-            r = _case(*case, with_qkv=with_qkv)
+            try:
+                r = _case(*case, with_qkv=with_qkv)
+            except Exception as e:  # one broken case must not hide the others' stamps
+                print(f"stamps {case[0]} b{case[1]} ctx{case[2]} qkv={int(with_qkv)}: "
+                      f"failed: {type(e).__name__}: {e}", flush=True)
+                continue
             r["pdl"], r["preload"] = pdl.mode(), pdl.attention_preload()
             rows.append(r)
             s = r["stamps_us"]

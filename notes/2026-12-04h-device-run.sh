@@ -122,7 +122,7 @@ PY
     stamps) for n in ${STAMP_PRELOAD:-2}; do for m in ${STAMP_MERGE:-2}; do
               SYNCLESS_ATTN_PRELOAD=$n SYNCLESS_ATTN_MERGE=$m timeout ${STAMPS_TIMEOUT:-150} \
                 python -m kernels.bench_attention_stamps --out "$OUT/attn-stamps-pre$n-merge$m.json" 2>&1 \
-                | grep "^stamps" | sed "s/^stamps/stamps pre$n merge$m/" | tee -a "$OUT/stamps.log"
+                | tee -a "$OUT/stamps-full.log" | grep "^stamps" | sed "s/^stamps/stamps pre$n merge$m/" | tee -a "$OUT/stamps.log"
             done; done;;
     kvlayout) timeout ${KV_TIMEOUT:-200} python notes/2026-12-05b-kv-layout-probe.py --out "$OUT/kv-layout.json" 2>&1 \
                 | grep -v -i warn | tee -a "$OUT/kv-layout.log";;
