@@ -51,7 +51,6 @@ every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 
@@ -62,6 +61,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.norm_handoff import handoff_norm, handoff_rstd
 from kernels.pdl import prefetch_l2, wait_and_release
+from kernels.tuning_file import load_entries
 
 
 @triton.jit
@@ -302,12 +302,7 @@ def _tuning() -> dict[str, dict | None]:
 def _load_tuning(path: str) -> dict[str, dict | None]:
     """The entries of a tuning file. The packaged file may be absent (an empty table: the
     defaults); a file named by ``SYNCLESS_SKINNY_TUNING`` must load."""
-    try:
-        return json.loads(Path(path).read_text())["entries"]
-    except (OSError, ValueError, KeyError) as e:
-        if path != str(TUNING_FILE):
-            raise ValueError(f"{TUNING_ENV}={path}: not a skinny-GEMM tuning file ({e!r})") from e
-        return {}
+    return load_entries(path, TUNING_FILE, TUNING_ENV, "skinny-GEMM")
 
 
 def tuning_key(kind: str, mc: int, n: int, k: int) -> str:

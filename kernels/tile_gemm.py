@@ -22,13 +22,14 @@ padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.tuning_file import load_entries
 
 MAX_M = 256
 M_CLASSES = (32, 64, 128, 256)  # a batch takes the smallest class that holds it
@@ -184,16 +185,8 @@ def enabled() -> bool:
 def _load_tuning(path: str) -> dict[str, dict | None]:
     """A tuning file's entries, each checked. The packaged file may be absent (no entries:
     cuBLAS everywhere); a file named by ``SYNCLESS_TILE_GEMM_TUNING`` must load."""
-    try:
-        entries = json.loads(Path(path).read_text())["entries"]
-    except (OSError, ValueError, KeyError) as e:
-        if path != str(TUNING_FILE):
-            raise ValueError(f"{TUNING_ENV}={path}: not a tile-GEMM tuning file ({e!r})") from e
-        return {}
-    for key, cfg in entries.items():
-        if cfg is not None:
-            check_config(cfg, int(key.rsplit("x", 1)[1]))
-    return entries
+    return load_entries(path, TUNING_FILE, TUNING_ENV, "tile-GEMM",
+                        lambda key, cfg: check_config(cfg, int(key.rsplit("x", 1)[1])))
 
 
 def validate_switches() -> None:

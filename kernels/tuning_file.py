@@ -1,0 +1,25 @@
+"""Loading a measured tuning table (``{"entries": {key: config | null}, ...}``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+
+def load_entries(path: str, packaged: Path, env_name: str, what: str,
+                 check: Callable[[str, dict], None] | None = None) -> dict[str, dict | None]:
+    """The entries of the table at ``path``, each non-null one passed to ``check``. The
+    packaged table may be absent (no entries: every caller's fallback); a table named by
+    ``env_name`` must load, else ``ValueError`` naming the variable and the file."""
+    try:
+        entries = json.loads(Path(path).read_text())["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        if path != str(packaged):
+            raise ValueError(f"{env_name}={path}: not a {what} tuning file ({e!r})") from e
+        return {}
+    if check is not None:
+        for key, cfg in entries.items():
+            if cfg is not None:
+                check(key, cfg)
+    return entries
