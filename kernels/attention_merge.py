@@ -5,7 +5,7 @@ partial output and log-sum-exp back from L2 and writes the merged rows. Two form
 
 * two-pass (``SYNCLESS_ATTN_MERGE=2``): the splits' lse first, their max and weight sum
   (cross-warp reductions), then the partials. The partial loads wait for the lse round
-  trip and the reductions (sm_90 SASS: one L2 round trip, six CTA barriers, then the rest).
+  trip and the reductions (sm_90 SASS: one L2 round trip, eight CTA barriers, then the rest).
 * one-pass (``SYNCLESS_ATTN_MERGE=1``): a running max over the splits, as flash attention
   runs over key tiles. No load depends on another, so every lse and partial load is in
   flight at once; the counter's re-arm is relaxed (see ``merge_splits``).
