@@ -445,7 +445,7 @@ def paged_attention_triton(
     launch = pdl.launch_kwargs(q)
     preload = (pdl.attention_preload() if one_token and rope is not None and num_stages == 1
                and launch["USE_PDL"] else 0)
-    if preload == 2:
+    if preload == 2 and not (config and "num_warps" in config):
         num_warps = 8  # K and V tiles held across the wait: 4 warps spill (sm_90)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size

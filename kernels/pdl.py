@@ -12,8 +12,8 @@ visible. The protocol every kernel here follows:
    lengths, positions and block table, written before its first layer), and
    cache hints (an L2 prefetch never returns stale data: L2 is the coherence
    point). The skinny GEMM peels its first K chunk here; the fused-rope decode
-   attention prefetches its first K/V tile into L2 (those keys are from earlier
-   steps);
+   attention loads a one-tile split's K/V tile into registers, or prefetches a
+   longer split's first tile into L2 (those keys are from earlier steps);
 2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch; the
    one-token decode attention may release at its end instead, ``SYNCLESS_ATTN_RELEASE``);
 3. everything else: activations, the KV cache's loads, every store.

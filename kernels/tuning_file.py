@@ -14,7 +14,9 @@ def load_entries(path: str, packaged: Path, env_name: str, what: str,
     ``env_name`` must load, else ``ValueError`` naming the variable and the file."""
     try:
         entries = json.loads(Path(path).read_text())["entries"]
-    except (OSError, ValueError, KeyError) as e:
+        if not isinstance(entries, dict):
+            raise ValueError(f"'entries' is a {type(entries).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         if path != str(packaged):
             raise ValueError(f"{env_name}={path}: not a {what} tuning file ({e!r})") from e
         return {}

@@ -34,24 +34,24 @@ def _ephemeral_range() -> tuple[int, int]:
         lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(lo), int(hi)
     except (OSError, ValueError):
-        return 32768, 60999
+        return 32768, 65535  # Linux's default and macOS's (49152-65535) together
 
 
 def free_port() -> int:
-    """A port that is free now and that the kernel will not hand out as an ephemeral port.
+    """A port that is free now, outside the kernel's ephemeral range and Ray's worker ports.
 
-    A port picked by binding port 0 comes from the ephemeral range, so a Ray worker
-    or gRPC channel opened before the server binds it can take it (CI saw exactly
-    that). Picking outside that range and Ray's worker ports, and never twice in one run, closes the race.
+    A port picked by binding port 0 comes from the ephemeral range, so a Ray worker or a
+    gRPC channel opened before the server binds it can take it (CI saw exactly that).
+    Picking outside those ranges, and never twice in one process, leaves only a process
+    that binds that very port by number in between. Where no such port exists (an
+    ephemeral range over nearly all ports), the kernel picks one.
     """
     lo, hi = _ephemeral_range()
-    # Ray's workers take ports 10002-19999 by default; stay above them.
-    choices = [p for p in range(20000, 65000) if not lo <= p <= hi]
+    ray_workers = range(10002, 20000)  # Ray's default min/max worker ports
+    choices = [p for p in range(10000, 65000)
+               if not lo <= p <= hi and p not in ray_workers and p not in _HANDED_OUT]
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        port = rng.choice(choices)
-        if port in _HANDED_OUT:
-            continue
+    for port in rng.sample(choices, min(len(choices), 500)):
         try:
             with socket.socket() as s:
                 s.bind(("0.0.0.0", port))
@@ -59,7 +59,9 @@ def free_port() -> int:
             continue
         _HANDED_OUT.add(port)
         return port
-    raise RuntimeError("no free port below the ephemeral range")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ray_address() -> str:

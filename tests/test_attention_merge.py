@@ -45,7 +45,8 @@ def test_merge_forms_when_a_later_split_dominates(monkeypatch, merge):
 @pytest.mark.parametrize("merge", ["1", "2"])
 def test_merge_forms_with_splits_that_see_no_key(monkeypatch, merge):
     """Spec-verify rows (several query tokens a request): a row's early query tokens see no key
-    in the last splits (lse -inf there, also as the first split merged), and an empty request."""
+    in the last splits (lse -inf there), and an empty request. (Split 0 holds key 0, which
+    every query sees: only masked rows start the running max at -inf.)"""
     monkeypatch.setenv("SYNCLESS_ATTN_MERGE", merge)
     c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3,
                             bound_slack=9, seed=8)
