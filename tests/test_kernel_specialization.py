@@ -13,7 +13,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kernels import attention_splits, paged_attention
+from kernels import attention_splits, paged_attention, pdl
+from kernels.rope_inline import DecodeRope
 
 ATTENTION = paged_attention._paged_attention_kernel
 REDUCE = attention_splits._reduce_splits_kernel
@@ -48,10 +49,15 @@ def _variant(fn, args, kwargs) -> tuple[tuple, tuple]:
     return tuple(consts), tuple(spec)
 
 
-def _launches(monkeypatch, q_lens, hq, hkv, d, bound, **opts):
+def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
     g = torch.Generator().manual_seed(len(q_lens))
     n, r = sum(q_lens), len(q_lens)
-    q = torch.randn(n, hq, d, generator=g)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)  # strided views, as in the model
+    q = qkv[:, : hq * d].view(n, hq, d)
+    if fused_rope:
+        opts["rope"] = DecodeRope(torch.arange(n), qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d),
+                                  qkv[:, (hq + hkv) * d:].view(n, hkv, d),
+                                  torch.randn(bound, d, generator=g), torch.arange(n))
     k_cache = torch.randn(4 * bound // 16, 16, hkv, d, generator=g)
     block_table = torch.zeros(r, bound // 16, dtype=torch.int32)
     seq_lens = torch.full((r,), bound - 8, dtype=torch.int32)
@@ -84,6 +90,19 @@ def test_eager_decode_batches_share_variants(monkeypatch, hq, hkv, d):
     for n in range(1, 41):
         launches += _launches(monkeypatch, [1] * n, hq, hkv, d, 1024, eager=True)
     assert any(kw["NUM_SPLITS"] > 1 for _, (_, kw) in launches)  # the split path is covered
+    _assert_one_variant_per_constexpr_set(launches)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (14, 2, 64), (32, 8, 128)])
+def test_graph_decode_batches_with_fused_rope_and_pdl_share_variants(monkeypatch, hq, hkv, d):
+    """The engine's captured decode launch: fused rope, PDL on (so the one-tile preload), the
+    bound at max_model_len, batches of 1-40 requests."""
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda t: {"USE_PDL": True, "launch_pdl": True})
+    launches = []
+    for n in range(1, 41):
+        launches += _launches(monkeypatch, [1] * n, hq, hkv, d, 1024, fused_rope=True)
+    kws = [kw for _, (_, kw) in launches]
+    assert any(kw["PRELOAD"] == 2 for kw in kws) and all(kw["ROPE"] for kw in kws)
     _assert_one_variant_per_constexpr_set(launches)
 
 
