@@ -34,21 +34,7 @@ def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
     if ONE_PASS:
         m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        # Unrolled, unused splits masked: every load below is independent of the others.
-        for sp in tl.static_range(NUM_SPLITS):
-            sp_ok = row_ok & ((offs_m * 0 + sp) < used)
-            lse_s = tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok, other=float("-inf"),
-                            cache_modifier=".cg")
-            part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
-                           mask=sp_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, lse_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with keys yet
-            alpha = tl.exp2(m_run - m_safe)
-            w_s = tl.exp2(lse_s - m_safe)
-            merged = merged * alpha[:, None] + w_s[:, None] * part
-            w_sum = w_sum * alpha + w_s
-            m_run = m_new
-    else:
+    else:  # the max and the weight sum first, from every split's lse at once
         offs_s = tl.arange(0, SPLITS_P)
         lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
                           mask=(offs_s[:, None] < used) & row_ok[None, :],
@@ -56,15 +42,24 @@ def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
         m_all = tl.max(lse_all, 0)
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
         w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
-        # Unrolled: the partials' loads are independent and all in flight at once
-        # (a rolled loop pays one L2 round trip per split); unused splits are masked.
-        for sp in tl.static_range(NUM_SPLITS):
-            sp_ok = row_ok & ((offs_m * 0 + sp) < used)
-            w_s = tl.exp2(tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok,
-                                  other=float("-inf"), cache_modifier=".cg") - m_all)
-            part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
-                           mask=sp_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            merged += w_s[:, None] * part
+    # Unrolled: the partials' loads are independent and all in flight at once (a rolled
+    # loop pays one L2 round trip per split); unused splits are masked.
+    for sp in tl.static_range(NUM_SPLITS):
+        sp_ok = row_ok & ((offs_m * 0 + sp) < used)
+        lse_s = tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok, other=float("-inf"),
+                        cache_modifier=".cg")
+        part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
+                       mask=sp_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        if ONE_PASS:
+            m_new = tl.maximum(m_run, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with keys yet
+            alpha = tl.exp2(m_run - m_safe)
+            w_s = tl.exp2(lse_s - m_safe)
+            merged = merged * alpha[:, None] + w_s[:, None] * part
+            w_sum = w_sum * alpha + w_s
+            m_run = m_new
+        else:
+            merged += tl.exp2(lse_s - m_all)[:, None] * part
     merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
     tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
              merged.to(final_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
