@@ -158,14 +158,15 @@ def attention_preload() -> int:
 
 
 def attention_merge() -> int:
-    """``SYNCLESS_ATTN_MERGE`` (A/B knob, default 2): how the last split of a fused-reduce
-    decode attention merges the partials (``kernels.attention_merge``): 2 reads the splits'
-    lse first (two dependent L2 round trips), 1 runs one pass with all loads in flight."""
+    """``SYNCLESS_ATTN_MERGE`` (A/B knob, default 1): how the last split of a fused-reduce
+    decode attention merges the partials (``kernels.attention_merge``): 1 runs one pass with
+    all loads in flight, 2 reads the splits' lse first (two dependent L2 round trips).
+    1 won every cell of its H100 A/B (``notes/2026-12-05e-results.md``)."""
     raw = os.environ.get("SYNCLESS_ATTN_MERGE", "").strip()
-    if raw in ("", "2"):
-        return 2
-    if raw == "1":
+    if raw in ("", "1"):
         return 1
+    if raw == "2":
+        return 2
     raise ValueError(f"SYNCLESS_ATTN_MERGE must be 1 or 2, got {raw!r}")
 
 

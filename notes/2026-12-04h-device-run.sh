@@ -14,9 +14,10 @@
 #               pre0/pre1/pre2: one-tile attention splits prefetch their tile into L2 (0) or load
 #               their keys (1) or keys and values (2) into registers before the PDL wait
 #               (SYNCLESS_ATTN_PRELOAD; 2 is the default since 2026-12-05d, so "def" is pre2)
-#               merge1: the fused split merge in one pass, all loads in flight (SYNCLESS_ATTN_MERGE=1)
+#               merge1/merge2: the fused split merge in one pass (SYNCLESS_ATTN_MERGE=1, the default since
+#               2026-12-05e) or lse first (2)
 #   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention,
-#               for each SYNCLESS_ATTN_PRELOAD in STAMP_PRELOAD (2) x SYNCLESS_ATTN_MERGE in STAMP_MERGE (2)
+#               for each SYNCLESS_ATTN_PRELOAD in STAMP_PRELOAD (2) x SYNCLESS_ATTN_MERGE in STAMP_MERGE (1)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
 #               prologue / no attention (timing only)
 #   compile     notes/2026-12-05-decode-layer-registers.py with the machine's own Triton (3.6 there, 3.9 in
@@ -87,7 +88,7 @@ PY
             late-st1) envs="SYNCLESS_ATTN_RELEASE=late SYNCLESS_DECODE_ATTN_STAGES=1";;
             rope0) envs="SYNCLESS_ROPE_IN_ATTENTION=0";; nohandoff) envs="SYNCLESS_NORM_HANDOFF=0";;
             pre0|pre1|pre2) envs="SYNCLESS_ATTN_PRELOAD=${v#pre}";;
-            merge1) envs="SYNCLESS_ATTN_MERGE=1";;
+            merge1|merge2) envs="SYNCLESS_ATTN_MERGE=${v#merge}";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
             pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
                  python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'
@@ -119,7 +120,7 @@ PY
             "$OUT/layer-$shape-$v.json" "$shape" "$v"
         done
       done;;
-    stamps) for n in ${STAMP_PRELOAD:-2}; do for m in ${STAMP_MERGE:-2}; do
+    stamps) for n in ${STAMP_PRELOAD:-2}; do for m in ${STAMP_MERGE:-1}; do
               SYNCLESS_ATTN_PRELOAD=$n SYNCLESS_ATTN_MERGE=$m timeout ${STAMPS_TIMEOUT:-150} \
                 python -m kernels.bench_attention_stamps --out "$OUT/attn-stamps-pre$n-merge$m.json" 2>&1 \
                 | tee -a "$OUT/stamps-full.log" | grep "^stamps" | sed "s/^stamps/stamps pre$n merge$m/" | tee -a "$OUT/stamps.log"

@@ -70,9 +70,9 @@ def test_one_pass_merge_equals_two_pass_in_bf16(monkeypatch):
 
 def test_merge_switch_values(monkeypatch):
     monkeypatch.delenv("SYNCLESS_ATTN_MERGE", raising=False)
-    assert pdl.attention_merge() == 2
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", " 1 ")
     assert pdl.attention_merge() == 1
+    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", " 2 ")
+    assert pdl.attention_merge() == 2
     monkeypatch.setenv("SYNCLESS_ATTN_MERGE", "online")
     with pytest.raises(ValueError, match="SYNCLESS_ATTN_MERGE must be 1 or 2, got 'online'"):
         pdl.validate_switches()
