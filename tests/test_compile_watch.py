@@ -36,3 +36,19 @@ def test_variant_description_without_a_repr():
     info = JitFunctionInfo("kernels.rms_norm", "_rms_norm_kernel", None)
     assert describe_variant({"fn": info}) == "_rms_norm_kernel"
     assert describe_variant({}) == "<unknown kernel>"
+
+
+def test_variant_description_from_a_real_compile_record():
+    """The record a real compile passes the hook (compiling needs a GPU): names come from the
+    signature, then the constexprs and the arguments not 16-divisible (what tells variants
+    apart); Triton's own repr is ignored."""
+    from triton.runtime.jit import JitFunctionInfo
+
+    record = {"signature": {"x_ptr": "*bf16", "n": "i32", "stride": "i32", "BLOCK": "constexpr",
+                            "eps": "fp32"},
+              "constants": {(3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]],
+                                                    (1,): [["tt.divisibility", 16]]}],
+              "num_warps": 4, "num_stages": 2}
+    text = describe_variant({"fn": JitFunctionInfo("m", "_k", None), "compile": record,
+                             "repr": "_k[...](x_ptr: ()"})
+    assert text == "_k[num_warps=4, num_stages=2] BLOCK=64; not 16-divisible: stride"

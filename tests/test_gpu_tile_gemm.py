@@ -189,10 +189,13 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     # the worker's table matched this model: warm-up launched each of its 7 variants (the
     # 32-row class: max_num_seqs 32) -- the same selection every 17-32-row step makes
     assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
-    # Eager too: an H100 run (2026-12-05d) compiled two variants mid-serving here, most likely
-    # the attention's split-lse stride (tokens x 8 heads) specialised on the batch's parity:
-    # no longer specialised (tests/test_kernel_specialization.py).
+    # No tile-GEMM variant mid-serving, graphs or not. With graphs every variant is warm; with
+    # enforce_eager, one-token steps compile each power-of-two split count of the decode
+    # attention the first time (documented on AttentionMetadata.eager; H100 2026-12-05e: two).
     for s in stats:
         firsts = s["kernel_variants_first"]
         assert not [v for v in firsts if "_tile_gemm_kernel" in v or "_split_sum" in v], firsts
-        assert s["kernel_variants_after_start"] == 0, firsts
+        if eager:
+            assert all(v.startswith("_paged_attention_kernel[") for v in firsts), firsts
+        else:
+            assert s["kernel_variants_after_start"] == 0, firsts

@@ -62,11 +62,34 @@ class CompileWatch:
 
 
 def describe_variant(kwargs: dict[str, Any]) -> str:
-    """The hook's ``repr`` (kernel, launch options and argument specialisations) when given,
-    else the function's name."""
+    """What tells this variant apart: the kernel's name, launch options, constexpr values and
+    the arguments *not* specialised as 16-divisible, read from the hook's ``compile`` record.
+    (Triton's own ``repr`` zips the parameters with a string key in 3.6-3.9, so its argument
+    list is garbage.) Falls back to that ``repr``, then to the function's name."""
+    fn = kwargs.get("fn")  # triton's JitFunctionInfo(module, name, jit_function)
+    name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__qualname__", None)
+    compiled = kwargs.get("compile")
+    if isinstance(compiled, dict) and isinstance(compiled.get("signature"), dict):
+        return _describe_compile(str(name or "<unknown kernel>"), compiled)[:1200]
     text = kwargs.get("repr")
     if text:
         return str(text)[:600]
-    fn = kwargs.get("fn")  # triton's JitFunctionInfo(module, name, jit_function)
-    name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__qualname__", None)
     return str(name or "<unknown kernel>")
+
+
+def _describe_compile(name: str, compiled: dict[str, Any]) -> str:
+    names = list(compiled["signature"])
+    types = compiled["signature"]
+
+    def arg(path) -> str:
+        path = tuple(path) if isinstance(path, (tuple, list)) else (path,)
+        base = names[path[0]] if path and isinstance(path[0], int) and path[0] < len(names) else "?"
+        return base + "".join(f"[{i}]" for i in path[1:])
+
+    consts = sorted(f"{arg(p)}={v}" for p, v in (compiled.get("constants") or {}).items())
+    attrs = (compiled.get("configs") or [{}])[0] or {}
+    divisible = {arg(p) for p, a in attrs.items() if any(x and x[0] == "tt.divisibility" for x in a)}
+    loose = [n for n in names if types[n] != "constexpr" and n not in divisible
+             and (types[n].startswith("*") or types[n][:1] in ("i", "u"))]
+    opts = ", ".join(f"{k}={compiled[k]}" for k in ("num_warps", "num_stages") if k in compiled)
+    return f"{name}[{opts}] {' '.join(consts)}; not 16-divisible: {', '.join(loose) or '-'}"
