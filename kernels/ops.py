@@ -161,11 +161,13 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     persistent GEMV of ``kernels.gemv`` where its config says ``"kernel": "gemv"``) with
     the norm and activation fused, where ``kernels.skinny_gemm.select_config`` (measured defaults,
     overridden per shape by ``kernels/skinny_tuning.json``) says it beats the unfused
-    path. Otherwise the same math unfused: the RMSNorm kernel, then cuBLAS (or, at 17-256
-    rows where ``kernels/tile_gemm_tuning.json`` says it won, ``kernels.tile_gemm`` with the
+    path. Otherwise the same math unfused: the RMSNorm kernel, then cuBLAS (or, at 2-256
+    rows where ``kernels/tile_gemm_tuning.json`` has an entry, ``kernels.tile_gemm`` with the
     row-pair SiLU*mul in its epilogue), then the SiLU*mul kernel on CUDA; the references on
     the CPU (where this is exactly the previous unfused model code)."""
     cfg = skinny_config(x, weight, norm_weight is not None, act, out_dtype)
+    if cfg is not None and x.shape[0] > 1 and tile_config(x, weight, bias) is not None:
+        cfg = None  # the tile table's 2-16-row class, where it has an entry, wins
     if cfg is not None and cfg.get("kernel") == "gemv" and x.shape[0] == 1:
         from kernels.gemv import gemv_triton
 

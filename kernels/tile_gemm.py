@@ -32,7 +32,11 @@ import triton.language as tl
 from kernels.tuning_file import load_entries
 
 MAX_M = 256
-M_CLASSES = (32, 64, 128, 256)  # a batch takes the smallest class that holds it
+# A batch of 2+ rows takes the smallest class that holds it. The 16-row class (2-16 rows)
+# competes with the skinny GEMM too: where its table has an entry, ``kernels.ops.linear``
+# takes it over the skinny config (Qwen3-0.6B at batch 8: the skinny dot tiles give an
+# N=1024 projection 32 programs, notes/2026-12-05e-results.md).
+M_CLASSES = (16, 32, 64, 128, 256)
 # Per (M class, N, K): the fastest config on the target GPU, or null where cuBLAS won.
 # Written by ``python -m kernels.bench_tile_gemm --tuning-out``; no entry: cuBLAS.
 TUNING_FILE = Path(__file__).with_name("tile_gemm_tuning.json")
@@ -166,7 +170,13 @@ def check_config(cfg: dict, k: int) -> None:
 
 def m_class(m: int) -> int | None:
     """The tuning class of a batch of ``m`` rows (None: not a mid-sized batch)."""
-    return next((c for c in M_CLASSES if 16 < m <= c), None)
+    return next((c for c in M_CLASSES if 1 < m <= c), None)
+
+
+def smallest_rows(mc: int) -> int:
+    """The smallest batch of class ``mc`` (one past the class below it; 2 for the first)."""
+    i = M_CLASSES.index(mc)
+    return M_CLASSES[i - 1] + 1 if i else 2
 
 
 def tuning_key(mc: int, n: int, k: int, kind: str = "plain") -> str:
@@ -324,7 +334,7 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
         seen.add((n, k, weight.dtype, use))
         reach = max_logit_rows if use == "logits" else max_rows
         for mc in M_CLASSES:
-            rows = max(17, mc // 2 + 1)  # the class's smallest batch
+            rows = smallest_rows(mc)
             if rows > reach:
                 break
             cfg = select_config(mc, n, k, "add_norm" if use == "add_norm" else "plain")

@@ -42,7 +42,7 @@ for what in "$@"; do
     tests) timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py} -rs \
              2>&1 | tee -a "$OUT/gpu-tests.log" | tail -8;;
     tile)
-      timeout ${TILE_TIMEOUT:-300} python -m kernels.bench_tile_gemm --ms "${TILE_MS:-32,64,128,256}" \
+      timeout ${TILE_TIMEOUT:-300} python -m kernels.bench_tile_gemm --ms "${TILE_MS:-32,64,128,256}" ${TILE_SHAPES:+--shapes $TILE_SHAPES} \
         --out "$OUT/tile-gemm.json" --tuning-out "$OUT/tile_gemm_tuning.json" > "$OUT/tile-gemm.log" 2>&1 \
         || tail -5 "$OUT/tile-gemm.log"
       grep "tile-gemm" "$OUT/tile-gemm.log" | cut -c1-150

@@ -139,8 +139,9 @@ def test_tile_gemm_bad_config():
 
 
 def test_tile_gemm_m_classes():
-    assert [tile_gemm.m_class(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257)] == [
-        None, None, 32, 32, 64, 64, 128, 128, 256, 256, None]
+    assert [tile_gemm.m_class(m) for m in (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257)] == [
+        None, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256, None]
+    assert [tile_gemm.smallest_rows(c) for c in tile_gemm.M_CLASSES] == [2, 17, 33, 65, 129]
 
 
 def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path, monkeypatch):
@@ -148,12 +149,15 @@ def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path, monkeypatch):
 
     cfg = _cfg(64, 32, 64, 2)
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None}}))
+    small = _cfg(16, 32, 64, 4)
+    path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None,
+                                            "m16|1024x2048": small}}))
     monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
     assert tile_gemm.select_config(40, 1024, 2048) == cfg     # class 64
     assert tile_gemm.select_config(100, 1024, 2048) is None   # null entry: cuBLAS won
     assert tile_gemm.select_config(40, 2048, 1024) is None    # no entry for the shape
-    assert tile_gemm.select_config(8, 1024, 2048) is None     # not a mid-sized batch
+    assert tile_gemm.select_config(8, 1024, 2048) == small    # class 16: 2-16 rows
+    assert tile_gemm.select_config(1, 1024, 2048) is None     # batch 1: never (the GEMV's)
     monkeypatch.setenv(tile_gemm.SWITCH_ENV, "0")
     assert tile_gemm.select_config(40, 1024, 2048) is None
     monkeypatch.setenv(tile_gemm.SWITCH_ENV, "maybe")
@@ -198,6 +202,37 @@ def test_tuning_table_keeps_only_clear_wins():
     assert entries == {"m32|1024x2048": _cfg(32, 64, 64, 4), "m128|1024x2048": None,
                        "m256|4096x1024": None, "add_norm|m256|4096x1024": _cfg(32, 64, 64, 4)}
     assert tile_gemm.tuning_key(256, 4096, 1024, "add_norm") == "add_norm|m256|4096x1024"
+
+
+
+
+@pytest.mark.parametrize("rows,entry,want", [(8, True, "tile"), (8, False, "skinny"),
+                                             (1, True, "skinny"), (16, True, "tile")])
+def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monkeypatch, rows,
+                                                                 entry, want):
+    """At 2-16 rows a tile-table entry for the shape wins over the skinny GEMM's config; batch 1
+    and shapes without an entry keep the skinny path. The chosen kernel really runs (interpreter)
+    and matches the reference."""
+    import json
+
+    from kernels import ops, reference, skinny_gemm
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"entries": {"m16|64x128": _cfg(16, 32, 32, 2)} if entry else {}}))
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    took = []
+    for mod, name, tag in ((skinny_gemm, "skinny_linear_triton", "skinny"),
+                           (tile_gemm, "tile_linear_triton", "tile")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _t=tag, **k: took.append(_t) or _r(*a, **k))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, 128, generator=g) / 8).to(torch.bfloat16)
+    y, _ = ops.linear(x, w)
+    assert took == [want]
+    torch.testing.assert_close(y.float(), reference.skinny_linear_reference(x, w)[0].float(),
+                               atol=2e-2, rtol=2e-2)
 
 
 delegate_all(globals(), __file__)

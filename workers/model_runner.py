@@ -146,7 +146,7 @@ class ModelRunner:
 
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
-        eager step of 17-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
+        eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
         compile them while serving (graph captures already did the decode ones)."""
         from kernels import tile_gemm
 
