@@ -161,22 +161,24 @@ def test_precompile_launches_each_selected_variant(tmp_path, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
+@pytest.mark.parametrize("eager,num,mc", [(False, 24, 32), (True, 24, 32), (False, 8, 16)],
+                         ids=["cuda-graphs", "eager", "cuda-graphs-16-rows"])
 def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tmp_path,
-                                                        monkeypatch, eager):
-    """24 concurrent requests (decode steps in the 32-row class) with the test table: the
-    o_proj/down split sums do the norms between layers; greedy equal to transformers."""
+                                                        monkeypatch, eager, num, mc):
+    """``num`` concurrent requests (decode steps in the ``mc``-row class; the 16-row class
+    takes the tile path over the skinny GEMM) with the test table: the o_proj/down split sums
+    do the norms between layers; greedy equal to transformers."""
     import random
 
     from cluster import LLM, SamplingParams
     from kernels import tile_gemm
 
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json"))
+    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json", classes=(mc,)))
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 96) for _ in range(rng.randrange(4, 120))] for _ in range(24)]
+    prompts = [[rng.randrange(3, 96) for _ in range(rng.randrange(4, 120))] for _ in range(num)]
     expected, hf_logits = _hf_greedy(tile_ckpt, prompts, 24)
     llm = LLM(model=str(tile_ckpt), dtype="bfloat16", enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=32)
+              kv_cache_memory_bytes=256 << 20, max_num_seqs=mc)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -186,8 +188,8 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     finally:
         llm.shutdown()
     assert_greedy_equal(prompts, got, expected, hf_logits, torch.bfloat16, num_layers=2)
-    # the worker's table matched this model: warm-up launched each of its 7 variants (the
-    # 32-row class: max_num_seqs 32) -- the same selection every 17-32-row step makes
+    # the worker's table matched this model: warm-up launched each of its 7 variants (one
+    # class: max_num_seqs is its size) -- the same selection every step of that class makes
     assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
     # No tile-GEMM variant mid-serving, graphs or not. With graphs every variant is warm; with
     # enforce_eager, one-token steps compile each power-of-two split count of the decode
