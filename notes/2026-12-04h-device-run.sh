@@ -29,8 +29,9 @@
 #   layerbench  kernels.bench --only decode-layer: the one-launch layer vs the op-by-op layer, per config
 #   layerab     decode_roofline b LAYER_B (1,8), ctx 512,4096, both shapes: SYNCLESS_DECODE_LAYER=0 / 1
 #               (LAYER_CONFIG: a SYNCLESS_DECODE_LAYER_CONFIG for the "1" run)
-#   tile        kernels.bench_tile_gemm (TILE_MS, default 32,64,128,256) writing $OUT/tile_gemm_tuning.json,
-#               then the 0.6B decode cells b32-b256 with that table against SYNCLESS_TILE_GEMM=0 (2026-12-05c)
+#   tile        kernels.bench_tile_gemm (TILE_MS, default 32,64,128,256; TILE_SHAPES) writing $OUT/tile_gemm_tuning.json,
+#               then the TILE_SHAPE (qwen3-0.6b) decode cells TILE_B (b32-b256) with that table against
+#               SYNCLESS_TILE_GEMM=0 (2026-12-05c; the 16-row class: TILE_MS=16 TILE_B=8,16, 2026-12-05e)
 # Env: SYNCLESS_COMMIT (the device checkout's HEAD is stale), BATCHES (1,8,32,128,256), CTX (512,4096),
 #   SHAPES, TESTS (test files), EXTRA (extra env for the grid, e.g. "SYNCLESS_EPILOGUE_NORM=0").
 set -uo pipefail
@@ -48,7 +49,7 @@ for what in "$@"; do
       grep "tile-gemm" "$OUT/tile-gemm.log" | cut -c1-150
       for t in 1 0; do
         SYNCLESS_TILE_GEMM=$t SYNCLESS_TILE_GEMM_TUNING="$OUT/tile_gemm_tuning.json" timeout 120 \
-          python -m benchmarks.decode_roofline --shape qwen3-0.6b --batch-sizes "${TILE_B:-32,128,256}" \
+          python -m benchmarks.decode_roofline --shape "${TILE_SHAPE:-qwen3-0.6b}" --batch-sizes "${TILE_B:-32,128,256}" \
           --context-lens 512,4096 --warmup 3 --iters 10 --placement local --output "$OUT/roof-tile$t.json" \
           > "$OUT/roof-tile$t.log" 2>&1 || tail -5 "$OUT/roof-tile$t.log"
         python -c "import json; d=json.load(open('$OUT/roof-tile$t.json'))
