@@ -166,8 +166,10 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     row-pair SiLU*mul in its epilogue), then the SiLU*mul kernel on CUDA; the references on
     the CPU (where this is exactly the previous unfused model code)."""
     cfg = skinny_config(x, weight, norm_weight is not None, act, out_dtype)
-    if cfg is not None and x.shape[0] > 1 and tile_config(x, weight, bias) is not None:
-        cfg = None  # the tile table's 2-16-row class, where it has an entry, wins
+    # the tile table's 2-16-row class, where it has an entry, wins over the skinny config
+    tile = tile_config(x, weight, bias) if cfg is not None and x.shape[0] > 1 else None
+    if tile is not None:
+        cfg = None
     if cfg is not None and cfg.get("kernel") == "gemv" and x.shape[0] == 1:
         from kernels.gemv import gemv_triton
 
@@ -185,7 +187,8 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     new_res = None
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
-    tile = tile_config(x, weight, bias)
+    if tile is None:  # (the normed x has x's shape and dtype: a config found above stands)
+        tile = tile_config(x, weight, bias)
     if tile is not None:  # mid-sized batches: kernels.tile_gemm where it beat cuBLAS
         from kernels.tile_gemm import tile_linear_triton
 
