@@ -90,6 +90,14 @@ def floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def floor_pow4(n: int) -> int:
+    return 1 << ((max(1, n).bit_length() - 1) & ~1)
+
+
+EAGER_ONE_TOKEN_BLOCK_N = 64
+EAGER_ONE_TOKEN_STAGES = 2
+
+
 def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: int, block_d: int,
                   max_query_len: int, max_seq_len_upper_bound: int,
                   num_sms: int = 132, eager: bool = False) -> LaunchConfig:
@@ -101,7 +109,11 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     ``DECODE_MAX_Q`` tokens take the prefill shape (the one start-up's scratch prefill
     compiles; ``max_query_len`` is an upper bound, so raising it is always valid), and the
     split count of one-token windows is rounded down to a power of two (any count is exact:
-    a split divides its row's real length). Graph captures keep the exact, tuned shapes:
+    a split divides its row's real length). Eager one-token windows (``enforce_eager`` decode)
+    also fix their tile (``EAGER_ONE_TOKEN_BLOCK_N``, ``EAGER_ONE_TOKEN_STAGES``) and round the
+    split count down to a power of four, so that every batch and bound lands on at most
+    four shapes, which start-up compiles (``eager_one_token_cases``); an eager step's cost is
+    its Python launches, not these tiles. Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
     window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and
     split count, H200 2026-12-04g). The cost: such eager windows lose split-KV (a few
@@ -133,9 +145,13 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         num_warps, num_stages = (8 if block_m >= 128 else 4), 2
     splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
                                num_sms, ctas_per_sm)
-    if eager:
+    if eager and one_token_launch(one_qblock, block_q, block_m):
+        block_n, num_stages = EAGER_ONE_TOKEN_BLOCK_N, EAGER_ONE_TOKEN_STAGES
+        splits = floor_pow4(choose_num_splits(num_reqs, num_kv_heads, max_query_len,
+                                              max_seq_len_upper_bound, num_sms))
+    elif eager:
         splits = floor_pow2(splits)
-    if one_token_launch(one_qblock, block_q, block_m):
+    elif one_token_launch(one_qblock, block_q, block_m):
         num_stages = one_token_stages(block_n, splits, max_seq_len_upper_bound)
     return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages,
                         splits)
@@ -215,3 +231,27 @@ def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
                       dtype=torch.int32, device=device)
     _SEMAPHORES[key] = buf
     return buf
+
+
+def eager_one_token_cases(num_kv_heads: int, group_p: int, block_d: int, max_num_seqs: int,
+                          max_model_len: int, num_sms: int,
+                          pdl_applies=lambda tokens: False) -> list[tuple[int, int]]:
+    """``(num_reqs, max_seq_len_upper_bound)`` pairs, one for each distinct compiled shape of
+    the eager one-token attention launch (its ``launch_config`` less the grid size, and
+    whether PDL applies to a pass of that many tokens) over every batch of 1..``max_num_seqs``
+    requests and bound of 1..``max_model_len``. Start-up runs one eager decode pass per pair
+    under ``enforce_eager`` so serving compiles none of them. A bound only matters through
+    the split cap ``cdiv(bound, tokens a split)``, a step function with steps at multiples
+    of ``MIN_TOKENS_PER_SPLIT_SHORT`` that saturates at ``MAX_SPLITS`` splits, so those
+    multiples (and the two ends) stand for every bound."""
+    top = min(max_model_len, MAX_SPLITS * MIN_TOKENS_PER_SPLIT + MIN_TOKENS_PER_SPLIT)
+    bounds = sorted({1, max_model_len, *range(MIN_TOKENS_PER_SPLIT_SHORT, top + 1,
+                                              MIN_TOKENS_PER_SPLIT_SHORT)})
+    seen: dict[tuple, tuple[int, int]] = {}
+    for reqs in range(1, max_num_seqs + 1):
+        applies = bool(pdl_applies(reqs))
+        for bound in bounds:
+            lc = launch_config(reqs, reqs, num_kv_heads, group_p, block_d, 1, bound, num_sms,
+                               eager=True)
+            seen.setdefault((lc._replace(grid0=0), applies), (reqs, bound))
+    return sorted(seen.values())

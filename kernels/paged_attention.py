@@ -426,7 +426,7 @@ def paged_attention_triton(
     if num_splits is None:
         num_splits = lc.num_splits
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
-    if one_token:  # the depth follows the tiles a split gets after any override
+    if one_token and not eager:  # the depth follows the tiles a split gets after any override
         num_stages = one_token_stages(block_n, num_splits, max_seq_len_upper_bound)
         num_stages = pdl.decode_attention_stages() or num_stages  # an A/B knob (benchmarks)
     if config:

@@ -40,8 +40,9 @@ class AttentionMetadata:
     attention launches then take shapes from a small fixed set
     (``kernels.attention_splits.launch_config``): with graphs on, every eager step reuses
     the variants compiled at start-up instead of compiling new ones mid-serving (with
-    ``enforce_eager``, one-token steps still compile each power-of-two split count the
-    first time). A CUDA-graph capture passes False and keeps the tuned exact shapes."""
+    ``enforce_eager``, start-up also runs a scratch one-token pass per eager decode shape:
+    ``workers.eager_warm_up``). A CUDA-graph capture passes False and keeps the tuned exact
+    shapes."""
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

@@ -57,9 +57,9 @@ def _shape(lc):
 @pytest.mark.parametrize("hkv,group_p", [(8, 4), (8, 2), (2, 4), (1, 8)])
 def test_eager_launches_take_few_shapes(hkv, group_p):
     """Outside CUDA graphs every window of 2..DECODE_MAX_Q tokens takes the prefill shape, and
-    one-token windows use power-of-two split counts: the eager launches of every batch size
-    and length bound fit a handful of compiled variants. Graph launches keep the tuned split
-    counts (b8 at a 1,024 bound: 5)."""
+    one-token windows one tile and power-of-four split counts: the eager launches of every
+    batch size and length bound fit a handful of compiled variants. Graph launches keep the
+    tuned split counts (b8 at a 1,024 bound: 5)."""
     from kernels.attention_splits import DECODE_MAX_Q, launch_config
 
     prefill = _shape(launch_config(3, 300, hkv, group_p, 128, DECODE_MAX_Q + 1, 1024, eager=True))
@@ -72,10 +72,11 @@ def test_eager_launches_take_few_shapes(hkv, group_p):
             assert lc.grid0 >= reqs * q // lc.block_q + reqs - 1  # covers every query block
         for bound in bounds:
             lc = launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, eager=True)
-            assert lc.num_splits & (lc.num_splits - 1) == 0, (reqs, bound, lc.num_splits)
+            assert lc.num_splits in (1, 4, 16, 64), (reqs, bound, lc.num_splits)
             one_token.add(_shape(lc))
-    # two tile widths x split counts 1, 2, 4, ..., 64 x pipelining depth 1 or 2
-    assert len(one_token) <= 2 * 7 * 2
+    # one tile width and depth x split counts 1, 4, 16, 64
+    assert len({(s.block_n, s.num_stages, s.num_warps) for s in one_token}) == 1, one_token
+    assert len(one_token) <= 4
     exact = {launch_config(8, 8, 8, 4, 128, 1, 1024).num_splits,
              launch_config(8, 8, 8, 4, 128, 1, 1024, eager=True).num_splits}
     assert exact == {5, 4}
@@ -163,3 +164,49 @@ def test_model_attention_passes_the_eager_flag(monkeypatch):
             bounds_are_exact=True, eager=eager)
         attn.attend_core(torch.zeros(1, (4 + 2 * 2) * 8), meta.positions, meta, (None, None), None)
     assert seen == [True, False]
+
+
+@pytest.mark.parametrize("hkv,group_p,sms", [(8, 2, 132), (8, 4, 132), (2, 4, 132), (1, 8, 40),
+                                             (4, 1, 8)])
+def test_eager_one_token_cases_cover_every_shape(hkv, group_p, sms):
+    """The start-up cases of ``enforce_eager`` (``workers.eager_warm_up``) reach every eager
+    one-token launch shape, with and without PDL, that any batch of 1..max_num_seqs requests
+    and any bound of 1..max_model_len reaches (brute force over every bound), one case each."""
+    from kernels.attention_splits import eager_one_token_cases, launch_config
+
+    max_seqs, max_len = 40, 2600
+    pdl_applies = lambda n: n <= 2  # noqa: E731 - e.g. SYNCLESS_PDL_MAX_TOKENS=2
+
+    def key(reqs, bound):
+        return (_shape(launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, sms, eager=True)),
+                pdl_applies(reqs))
+
+    every = {key(r, b) for r in range(1, max_seqs + 1) for b in range(1, max_len + 1)}
+    cases = eager_one_token_cases(hkv, group_p, 128, max_seqs, max_len, sms, pdl_applies)
+    got = [key(r, b) for r, b in cases]
+    assert set(got) == every
+    assert len(got) == len(every)  # one pass per shape, none repeated
+    assert all(1 <= r <= max_seqs and 1 <= b <= max_len for r, b in cases)
+    assert len({k[0].num_splits for k in every}) > 1  # the grid spans several split counts
+
+
+def test_eager_decode_cases_follow_the_model_heads():
+    """``eager_decode_cases`` reads the model's per-rank heads and head size: with 4 KV heads a
+    rank (a TP split) the one-request pass reaches more splits than with 8."""
+    from kernels.attention_splits import launch_config
+    from workers.eager_warm_up import eager_decode_cases, scratch_decode_meta
+
+    def model(hq, hkv):
+        attn = type("A", (), dict(num_heads=hq, num_kv_heads=hkv, head_dim=128))()
+        return type("M", (), dict(layers=[type("L", (), dict(self_attn=attn))()]))()
+
+    cpu = torch.device("cpu")
+    wide = eager_decode_cases(model(16, 8), 64, 40960, cpu)
+    narrow = eager_decode_cases(model(4, 2), 64, 40960, cpu)
+    splits = lambda cases, hkv, g: {launch_config(r, r, hkv, g, 128, 1, b, eager=True).num_splits  # noqa: E731
+                                    for r, b in cases}
+    assert splits(wide, 8, 2) == {1, 4, 16}
+    assert splits(narrow, 2, 2) == {1, 4, 16, 64}
+    meta = scratch_decode_meta(3, 700, 16, cpu)
+    assert meta.block_table.shape == (3, 44) and meta.max_seq_len_upper_bound == 700
+    assert bool((meta.slot_mapping == -1).all()) and meta.eager and meta.max_query_len == 1

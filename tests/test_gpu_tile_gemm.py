@@ -191,13 +191,11 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     # the worker's table matched this model: warm-up launched each of its 7 variants (one
     # class: max_num_seqs is its size) -- the same selection every step of that class makes
     assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
-    # No tile-GEMM variant mid-serving, graphs or not. With graphs every variant is warm; with
-    # enforce_eager, one-token steps compile each power-of-two split count of the decode
-    # attention the first time (documented on AttentionMetadata.eager; H100 2026-12-05e: two).
+    # No kernel variant mid-serving, graphs or not. With graphs every variant is warm; with
+    # enforce_eager, start-up ran one scratch decode pass per eager one-token attention shape
+    # (workers.eager_warm_up; before it, H100 2026-12-05e saw two attention variants compiled
+    # mid-serving here).
     for s in stats:
         firsts = s["kernel_variants_first"]
-        assert not [v for v in firsts if "_tile_gemm_kernel" in v or "_split_sum" in v], firsts
-        if eager:
-            assert all(v.startswith("_paged_attention_kernel[") for v in firsts), firsts
-        else:
-            assert s["kernel_variants_after_start"] == 0, firsts
+        assert s["kernel_variants_after_start"] == 0, firsts
+        assert (s["eager_warm_cases"] > 0) == eager, s

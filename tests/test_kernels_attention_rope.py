@@ -56,13 +56,14 @@ def expected(c):
     return out, kc, vc
 
 
-def fused(c, num_splits=None, fused_reduce=None, positions=None, block_n=None):
+def fused(c, num_splits=None, fused_reduce=None, positions=None, block_n=None, eager=False):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     rope = DecodeRope(c["positions"] if positions is None else positions, c["k"], c["v"], c["cs"],
                       c["slots"], c["qw"], c["kw"], 1e-6)
     out = pa.paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, c["bound"],
                                     c["scale"], num_splits=num_splits, fused_reduce=fused_reduce,
-                                    rope=rope, config=dict(block_n=block_n) if block_n else None)
+                                    rope=rope, config=dict(block_n=block_n) if block_n else None,
+                                    eager=eager)
     return out, kc, vc
 
 
@@ -86,6 +87,24 @@ def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, 
     torch.testing.assert_close(out[:n].float(), exp[:n].float(), **tol)
     torch.testing.assert_close(kc, kc_exp, **tol)  # the new keys, rotated, in their slots
     assert torch.equal(vc, vc_exp)  # values are copied; nothing else is touched
+
+
+@pytest.mark.parametrize("lens,bound,splits", [(LENS, None, 1), (LENS, 600, 4),
+                                               ([1, 129, 257], 2048, 16)])
+def test_eager_decode_attention_shapes_match_reference(lens, bound, splits):
+    """The eager one-token launch (``enforce_eager``: one fixed tile, power-of-four split
+    counts from the bound) against the reference, at bounds far above the real lengths."""
+    from kernels.attention_splits import launch_config
+
+    c = make_case(lens, 8, 2, 32, torch.bfloat16, qk_norm=True, pad_reqs=1)
+    exp, kc_exp, vc_exp = expected(c)  # at the table's own bound: keys past seq_len are masked
+    c["bound"] = bound or c["bound"]
+    n = len(lens)
+    assert launch_config(n + 1, n + 1, 2, 4, 32, 1, c["bound"], eager=True).num_splits == splits
+    out, kc, vc = fused(c, eager=True)
+    torch.testing.assert_close(out[:n].float(), exp[:n].float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(kc, kc_exp, **TOL[torch.bfloat16])
+    assert torch.equal(vc, vc_exp)
 
 
 def test_decode_attention_with_rope_slot_minus_one_writes_nothing():

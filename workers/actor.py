@@ -80,6 +80,7 @@ class WorkerActor:
                 "tp_symm_all_reduces": symm.calls if symm is not None else 0,
                 "kernel_variants_after_start": len(self.compile_watch.variants),
                 "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
+                "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),
                 "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
                 "tp_all_reduce": "symm" if symm is not None else self.platform.collective_library}
 

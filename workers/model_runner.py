@@ -142,6 +142,8 @@ class ModelRunner:
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         self._scratch_request_steps()
         self._precompile_tile_gemm()
+        if self.cfg.enforce_eager:
+            self._warm_eager_decode()
         self._check_grid_barriers()
 
     def _precompile_tile_gemm(self) -> None:
@@ -158,6 +160,19 @@ class ModelRunner:
             self.tile_gemm_warm_launches = tile_gemm.precompile(
                 uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
                 max_logit_rows=sched.max_num_seqs)
+
+    def _warm_eager_decode(self) -> None:
+        """Every eager one-token attention shape of the model (and of a draft model, whose
+        passes also run eagerly): ``workers.eager_warm_up``."""
+        from workers.eager_warm_up import warm_eager_decode
+
+        n = self.cfg.scheduler.max_num_seqs
+        self.eager_warm_cases = warm_eager_decode(
+            self.model, self.kv_caches, n, self.max_model_len, self.block_size, self.device)
+        if self.spec is not None and self.spec.draft_model is not None:
+            self.eager_warm_cases += warm_eager_decode(
+                self.spec.draft_model, self.spec.proposer.kv_caches, n, self.spec.max_position,
+                self.block_size, self.device)
 
     def _check_grid_barriers(self) -> None:
         """A one-launch kernel whose grid barrier timed out during capture or warm-up
