@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# 2026-12-05f device call A: eager warm-up GPU tests + the 0.6B gate_up m16 tile A/B.
+# Run from the repo root on the device after `source .devbundle/install.sh`.
+set -uo pipefail
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+t0=$(date +%s)
+timeout 280 python -m pytest -q -m gpu tests/test_gpu_tile_gemm.py tests/test_gpu_engine.py \
+  -k "eager" -rs > "$O/eager-tests.log" 2>&1; echo "eager tests rc=$? $(( $(date +%s) - t0 )) s"
+tail -3 "$O/eager-tests.log"
+for t in shipped gate; do
+  tab=kernels/tile_gemm_tuning.json; [ $t = gate ] && tab=notes/2026-12-05f-tile-gate-up-m16.json
+  SYNCLESS_TILE_GEMM_TUNING=$tab timeout 120 python -m benchmarks.decode_roofline --shape qwen3-0.6b \
+    --batch-sizes 8,16 --context-lens 512,4096 --warmup 3 --iters 10 --placement local \
+    --output "$O/ab-$t.json" > "$O/ab-$t.log" 2>&1 || tail -5 "$O/ab-$t.log"
+done
+for t in shipped gate; do python -c "import json; d=json.load(open('$O/ab-$t.json'))
+print('$t', 'TB/s', round(d['bandwidth']['bandwidth_bytes_per_s']/1e12,3))
+for c in d['cells']: print('  $t', c['batch_size'], c['context_len'], round(c.get('step_ms_median', 0), 3), round(c.get('ratio', 0), 3))"; done
