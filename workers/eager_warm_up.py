@@ -63,7 +63,8 @@ def warm_eager_decode(model, kv_caches, max_num_seqs: int, max_model_len: int, b
                       device: torch.device, logits: bool = True) -> int:
     """Run one scratch eager decode pass (and its logits) for each case of
     ``eager_decode_cases``; returns how many ran. Every TP rank runs the same cases in the
-    same order, so the passes' collectives pair up."""
+    same order, so the passes' collectives pair up: the cases depend on the config, the
+    per-rank heads and the card (SM count, PDL), which TP ranks share (one card model)."""
     t0 = time.perf_counter()
     cases = eager_decode_cases(model, max_num_seqs, max_model_len, device)
     for num_reqs, bound in cases:
