@@ -26,6 +26,7 @@ KERNEL_SWITCHES = (
     "SYNCLESS_DECODE_ATTN_STAGES",  # A/B: one-token decode attention pipelining depth
     "SYNCLESS_ATTN_PRELOAD",    # A/B: ... its one tile loaded before the PDL wait (kernels.pdl)
     "SYNCLESS_ATTN_MERGE",      # A/B: one-pass merge of the decode attention splits (kernels.pdl)
+    "SYNCLESS_ATTN_PREFETCH",   # A/B: PDL off, decode attention's first tile into L2 early (kernels.pdl)
     "SYNCLESS_DECODE_LAYER",    # batch 1: a whole decoder layer in one launch (kernels.decode_layer)
     "SYNCLESS_DECODE_LAYER_CONFIG",  # A/B: that kernel's config (kernels.decode_layer)
 )

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# 2026-12-05f device call A: eager warm-up GPU tests + the 0.6B gate_up m16 tile A/B.
+# 2026-12-05f device call A: eager warm-up GPU tests, the decode attention GPU tests (early
+# prefetch on/off) + the 0.6B gate_up m16 tile A/B.
 # Run from the repo root on the device after `source .devbundle/install.sh`.
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -8,6 +9,8 @@ t0=$(date +%s)
 timeout 280 python -m pytest -q -m gpu tests/test_gpu_tile_gemm.py tests/test_gpu_engine.py \
   -k "eager" -rs > "$O/eager-tests.log" 2>&1; echo "eager tests rc=$? $(( $(date +%s) - t0 )) s"
 tail -3 "$O/eager-tests.log"
+timeout 120 python -m pytest -q -m gpu tests/test_kernels_gpu_decode.py -k "decode_attention" -rs \
+  > "$O/attn-tests.log" 2>&1; echo "attention kernel tests rc=$?"; tail -2 "$O/attn-tests.log"
 for t in shipped gate; do
   tab=kernels/tile_gemm_tuning.json; [ $t = gate ] && tab=notes/2026-12-05f-tile-gate-up-m16.json
   SYNCLESS_TILE_GEMM_TUNING=$tab timeout 120 python -m benchmarks.decode_roofline --shape qwen3-0.6b \
