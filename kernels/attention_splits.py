@@ -235,23 +235,25 @@ def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
 
 def eager_one_token_cases(num_kv_heads: int, group_p: int, block_d: int, max_num_seqs: int,
                           max_model_len: int, num_sms: int,
-                          pdl_applies=lambda tokens: False) -> list[tuple[int, int]]:
+                          variant_of=lambda reqs, bound: ()) -> list[tuple[int, int]]:
     """``(num_reqs, max_seq_len_upper_bound)`` pairs, one for each distinct compiled shape of
-    the eager one-token attention launch (its ``launch_config`` less the grid size, and
-    whether PDL applies to a pass of that many tokens) over every batch of 1..``max_num_seqs``
-    requests and bound of 1..``max_model_len``. Start-up runs one eager decode pass per pair
-    under ``enforce_eager`` so serving compiles none of them. A bound only matters through
-    the split cap ``cdiv(bound, tokens a split)``, a step function with steps at multiples
-    of ``MIN_TOKENS_PER_SPLIT_SHORT`` that saturates at ``MAX_SPLITS`` splits, so those
-    multiples (and the two ends) stand for every bound."""
+    the eager one-token attention launch over every batch of 1..``max_num_seqs`` requests and
+    bound of 1..``max_model_len``: its ``launch_config`` less the grid size, plus what
+    ``variant_of(reqs, bound)`` says also picks the variant (whether PDL applies, whether
+    rope runs inside the launch). Start-up runs one eager decode pass per pair under
+    ``enforce_eager`` so serving compiles none of them. A bound only matters through the
+    split cap ``cdiv(bound, tokens a split)``, a step function whose steps start and end at
+    multiples of ``MIN_TOKENS_PER_SPLIT_SHORT`` and that saturates at ``MAX_SPLITS`` splits;
+    ``variant_of`` must be monotone in the bound (a token x bound limit), so both ends of
+    each step (``m`` and ``m + 1``, and the two ends of the range) stand for every bound."""
     top = min(max_model_len, MAX_SPLITS * MIN_TOKENS_PER_SPLIT + MIN_TOKENS_PER_SPLIT)
-    bounds = sorted({1, max_model_len, *range(MIN_TOKENS_PER_SPLIT_SHORT, top + 1,
-                                              MIN_TOKENS_PER_SPLIT_SHORT)})
+    steps = range(MIN_TOKENS_PER_SPLIT_SHORT, top + 1, MIN_TOKENS_PER_SPLIT_SHORT)
+    bounds = sorted({1, max_model_len, *(b for m in steps for b in (m, m + 1)
+                                         if b <= max_model_len)})
     seen: dict[tuple, tuple[int, int]] = {}
     for reqs in range(1, max_num_seqs + 1):
-        applies = bool(pdl_applies(reqs))
         for bound in bounds:
             lc = launch_config(reqs, reqs, num_kv_heads, group_p, block_d, 1, bound, num_sms,
                                eager=True)
-            seen.setdefault((lc._replace(grid0=0), applies), (reqs, bound))
+            seen.setdefault((lc._replace(grid0=0), variant_of(reqs, bound)), (reqs, bound))
     return sorted(seen.values())

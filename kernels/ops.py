@@ -76,6 +76,14 @@ def rope_in_attention_enabled() -> bool:
     return _env_flag("SYNCLESS_ROPE_IN_ATTENTION", True)
 
 
+def rope_in_attention_applies(num_tokens: int, max_query_len: int, bound: int) -> bool:
+    """Whether a CUDA decode pass of these CPU sizes runs rope + KV write inside the
+    attention launch (``rope_and_attention``)."""
+    return (max_query_len == 1 and num_tokens <= ROPE_IN_ATTENTION_MAX_TOKENS
+            and num_tokens * bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
+            and rope_in_attention_enabled())
+
+
 def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                        block_table, seq_lens, query_start_loc, query_start_loc_cpu,
                        max_query_len: int, max_seq_len_upper_bound: int, scale: float,
@@ -86,9 +94,8 @@ def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
     (``kernels.paged_attention`` with ``rope=``); otherwise the two
     ops."""
-    if (_use_triton(q) and max_query_len == 1 and q.shape[0] <= ROPE_IN_ATTENTION_MAX_TOKENS
-            and q.shape[0] * max_seq_len_upper_bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
-            and rope_in_attention_enabled()):
+    if _use_triton(q) and rope_in_attention_applies(q.shape[0], max_query_len,
+                                                    max_seq_len_upper_bound):
         from kernels.paged_attention import paged_attention_triton
         from kernels.rope_inline import DecodeRope
 

@@ -170,19 +170,22 @@ def test_model_attention_passes_the_eager_flag(monkeypatch):
                                              (4, 1, 8)])
 def test_eager_one_token_cases_cover_every_shape(hkv, group_p, sms):
     """The start-up cases of ``enforce_eager`` (``workers.eager_warm_up``) reach every eager
-    one-token launch shape, with and without PDL, that any batch of 1..max_num_seqs requests
-    and any bound of 1..max_model_len reaches (brute force over every bound), one case each."""
+    one-token launch variant -- its shape, with or without PDL, with or without rope inside
+    -- that any batch of 1..max_num_seqs requests and any bound of 1..max_model_len reaches
+    (brute force over every bound), one case each."""
     from kernels.attention_splits import eager_one_token_cases, launch_config
 
     max_seqs, max_len = 40, 2600
-    pdl_applies = lambda n: n <= 2  # noqa: E731 - e.g. SYNCLESS_PDL_MAX_TOKENS=2
+
+    def variant_of(reqs, bound):  # e.g. SYNCLESS_PDL_MAX_TOKENS=2; ops' rope limits, smaller
+        return reqs <= 2, reqs <= 8 and reqs * bound <= 3000
 
     def key(reqs, bound):
         return (_shape(launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, sms, eager=True)),
-                pdl_applies(reqs))
+                variant_of(reqs, bound))
 
     every = {key(r, b) for r in range(1, max_seqs + 1) for b in range(1, max_len + 1)}
-    cases = eager_one_token_cases(hkv, group_p, 128, max_seqs, max_len, sms, pdl_applies)
+    cases = eager_one_token_cases(hkv, group_p, 128, max_seqs, max_len, sms, variant_of)
     got = [key(r, b) for r, b in cases]
     assert set(got) == every
     assert len(got) == len(every)  # one pass per shape, none repeated

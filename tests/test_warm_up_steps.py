@@ -12,12 +12,12 @@ BS = 8
 GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
 
 
-def _runner(model_dir):
+def _runner(model_dir, max_model_len=128):
     from workers.distributed import TPGroup
     from workers.model_runner import ModelRunner
 
     cfg = EngineConfig.from_options(num_kv_blocks=12, block_size=BS, max_num_seqs=4)
-    r = ModelRunner(cfg, str(model_dir), torch.device("cpu"), TPGroup(), 128)
+    r = ModelRunner(cfg, str(model_dir), torch.device("cpu"), TPGroup(), max_model_len)
     r.init_kv_cache(12)
     r.logits = []
     inner = r.model.compute_logits
@@ -56,3 +56,24 @@ def test_scratch_request_skipped_when_the_cache_is_too_small(ckpt_dir):
     r.init_kv_cache(2)
     r._scratch_request_steps()  # needs 3 blocks: returns without a step
     assert not r.state.row_of
+
+
+def test_eager_decode_passes_leave_no_trace(ckpt_dir):
+    """``enforce_eager``'s start-up passes (``workers.eager_warm_up``, one per eager attention
+    variant and batch size) run through the real model here on the CPU, where ``warm_up``
+    itself skips them: they write no KV cache byte and change no later token or logit."""
+    torch.set_num_threads(1)
+    model = ckpt_dir("qwen3")  # q/k norms: the decode attention's full prologue
+    warmed, fresh = _runner(model, 1024), _runner(model, 1024)  # bounds up to 4 splits
+    before = [t.clone() for layer in warmed.kv_caches for t in layer]
+    warmed._warm_eager_decode()
+    # every batch size 1..4 once, plus the bounds that reach the other split counts
+    sizes = [len(x) for x in warmed.logits]
+    assert warmed.eager_warm_cases == len(sizes) and len(sizes) > 4
+    assert sorted(set(sizes)) == [1, 2, 3, 4]
+    after = [t for layer in warmed.kv_caches for t in layer]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    warmed.logits.clear()
+    assert _serve(warmed) == _serve(fresh)
+    for a, b in zip(warmed.logits, fresh.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

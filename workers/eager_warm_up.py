@@ -16,7 +16,7 @@ import time
 import torch
 import triton
 
-from kernels import pdl
+from kernels import ops, pdl
 from kernels.attention_splits import _device_sms, eager_one_token_cases
 from metadata.attention_metadata import AttentionMetadata
 
@@ -44,18 +44,22 @@ def scratch_decode_meta(num_reqs: int, bound: int, block_size: int,
 def eager_decode_cases(model, max_num_seqs: int, max_model_len: int,
                        device: torch.device) -> list[tuple[int, int]]:
     """The ``(num_reqs, bound)`` pairs whose passes compile every eager one-token attention
-    shape ``model`` can reach on this device (its per-rank heads, PDL's token limit)."""
+    variant ``model`` can reach on this device (its per-rank heads; PDL's token limit and
+    the rope-in-attention limits also pick variants), then each batch size not yet among
+    them at bound 1: the GEMM kernels pick their configs by row class."""
     attn = model.layers[0].self_attn
     probe = torch.empty(0, device=device)
 
-    def pdl_applies(tokens: int) -> bool:
-        with pdl.step_tokens(tokens):
-            return pdl.enabled(probe)
+    def variant_of(reqs: int, bound: int) -> tuple[bool, bool]:
+        with pdl.step_tokens(reqs):
+            return pdl.enabled(probe), ops.rope_in_attention_applies(reqs, 1, bound)
 
-    return eager_one_token_cases(
+    cases = eager_one_token_cases(
         attn.num_kv_heads, triton.next_power_of_2(attn.num_heads // attn.num_kv_heads),
         max(16, triton.next_power_of_2(attn.head_dim)), max_num_seqs, max_model_len,
-        _device_sms(device), pdl_applies)
+        _device_sms(device), variant_of)
+    sizes = {r for r, _ in cases}
+    return cases + [(r, 1) for r in range(1, max_num_seqs + 1) if r not in sizes]
 
 
 @torch.inference_mode()
@@ -73,7 +77,9 @@ def warm_eager_decode(model, kv_caches, max_num_seqs: int, max_model_len: int, b
         h = model(ids, meta.positions, meta, kv_caches)
         if logits:
             model.compute_logits(h)
-    torch.cuda.synchronize(device)
-    logger.info("enforce_eager: compiled the decode passes of %d batch/bound cases %s in %.1f s",
-                len(cases), cases, time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    logger.info("enforce_eager: ran %d scratch decode passes (every batch size; attention "
+                "variants at batch/bound %s) in %.1f s", len(cases),
+                [c for c in cases if c[1] > 1], time.perf_counter() - t0)
     return len(cases)
