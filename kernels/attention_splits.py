@@ -194,7 +194,7 @@ def _reduce_splits_kernel(
 # zero between launches (the last arriving program re-arms its counter). One growing
 # buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
 # their addresses.
-_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
+_SEMAPHORES: dict[tuple[str, int, str], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 MIN_SEMAPHORES = 1 << 14
 
@@ -215,11 +215,12 @@ def reduce_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     )
 
 
-def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+def _semaphores(device: torch.device, n: int, pool: str = "attention") -> torch.Tensor | None:
     """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
     a buffer too small (allocating then would tie it to the graph's pool): the caller
-    falls back to the reduce kernel."""
-    key = (device.type, device.index if device.index is not None else -1)
+    falls back to a separate reduce launch. One buffer per ``pool`` (each kernel family its
+    own: a PDL launch may start before the previous kernel's last program re-arms)."""
+    key = (device.type, device.index if device.index is not None else -1, pool)
     buf = _SEMAPHORES.get(key)
     if buf is not None and buf.numel() >= n:
         return buf

@@ -19,6 +19,7 @@ KERNEL_SWITCHES = (
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
     "SYNCLESS_TILE_GEMM",       # 0: cuBLAS for mid-sized batches too (kernels.tile_gemm)
     "SYNCLESS_TILE_GEMM_TUNING",  # another mid-batch GEMM tuning table (kernels.tile_gemm)
+    "SYNCLESS_TILE_FUSED_SUM",  # A/B: split sum + add + norm inside the tile GEMM (kernels.tile_gemm_fused)
     "SYNCLESS_TP_ALLREDUCE",    # nccl | symm: small TP all-reduces (workers.symm_all_reduce)
     "SYNCLESS_TP_SYMM_MAX_BYTES",  # ... the symmetric buffer's size
     "SYNCLESS_NORM_HANDOFF",    # batch 1: RMSNorm done by the producing GEMV (kernels.norm_handoff)

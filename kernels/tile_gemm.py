@@ -44,17 +44,12 @@ TUNING_ENV = "SYNCLESS_TILE_GEMM_TUNING"  # another tuning file (a benchmark's f
 SWITCH_ENV = "SYNCLESS_TILE_GEMM"  # 0: cuBLAS everywhere (an A/B knob)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _tile_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ACT: tl.constexpr = False,
-):
-    pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
+@triton.jit
+def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """The float32 ``[BLOCK_M, BLOCK_N]`` product of x's rows ``pid_m`` and W's rows
+    ``pid_n`` over K slice ``split``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -75,6 +70,26 @@ def _tile_gemm_kernel(
             acc += tl.dot(a, tl.trans(b), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tile_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    acc = tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n,
+                       split, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
     mask = m_ok[:, None] & n_ok[None, :]
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:
@@ -202,6 +217,9 @@ def _load_tuning(path: str) -> dict[str, dict | None]:
 def validate_switches() -> None:
     """Start-up check (``kernels.switches``): the switch parses and a table named by
     ``SYNCLESS_TILE_GEMM_TUNING`` loads, instead of failing at the first mid-sized step."""
+    from kernels import tile_gemm_fused
+
+    tile_gemm_fused.enabled()
     if enabled() and os.environ.get(TUNING_ENV, "").strip():
         _load_tuning(os.environ[TUNING_ENV].strip())
 
@@ -291,6 +309,13 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     points of the unfused ops (the new residual equals the tile GEMM then ``kernels.rms_norm``
     bit for bit; the normalised output may differ by one rounding, its sum of squares
     reducing in another order). Saves the norm's launch and its round trip through memory."""
+    from kernels import tile_gemm_fused
+
+    if tile_gemm_fused.enabled():  # one launch instead (an A/B knob)
+        fused = tile_gemm_fused.tile_linear_add_norm_fused(x, weight, config, residual,
+                                                           norm_weight, eps)
+        if fused is not None:
+            return fused
     m, n = x.shape[0], weight.shape[0]
     _check_operands(x, weight, config)
     assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)

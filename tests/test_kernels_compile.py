@@ -273,6 +273,39 @@ def _shipped_tile_variants():
     return out
 
 
+def _fused_add_norm_variants():
+    """The shipped add_norm configs that ``SYNCLESS_TILE_FUSED_SUM=1`` runs fused (the others
+    keep two launches: their row block is too wide)."""
+    from kernels.tile_gemm_fused import applies
+
+    return [p for p in _shipped_tile_variants() if p.values[0].startswith("add_norm|")
+            and applies(p.values[1]["block_m"], int(p.values[0].rsplit("x", 1)[0].split("|")[-1]),
+                        p.values[1])]
+
+
+@pytest.mark.parametrize("key,cfg", _fused_add_norm_variants())
+def test_fused_add_norm_tile_gemm_compiles_without_spills(key, cfg):
+    """``SYNCLESS_TILE_FUSED_SUM=1``: the one-launch add + norm GEMM of each shipped add_norm
+    config it applies to compiles for sm_90, K loop pipelined, without register spills (its
+    last program holds a whole row block: ``kernels.tile_gemm_fused.MAX_FUSED_ELEMS``)."""
+    import triton.language as tl
+
+    from kernels.tile_gemm_fused import _tile_gemm_add_norm_kernel
+
+    assert _fused_add_norm_variants(), "the shipped table has no config the fused path takes"
+    n = int(key.rsplit("|", 1)[1].split("x")[0])
+    const = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                 SPLIT_K=cfg["split_k"], BLOCK_C=triton.next_power_of_2(n), DT=tl.bfloat16,
+                 UPCAST=False, IEEE=False)
+    compiled = _compile(_tile_gemm_add_norm_kernel, const,
+                        {"part_ptr": "*fp32", "ssq_ptr": "*fp32", "sem_ptr": "*i32"},
+                        floats=("eps",), aligned_ints=("N", "K", "k_per_split"),
+                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    regs, spills = _resource_usage(compiled.asm["cubin"])
+    assert spills == 0 and compiled.metadata.shared <= 227 * 1024, (regs, spills)
+    assert "async_copy" in compiled.asm["ttgir"], "the K loop's loads are not pipelined"
+
+
 @pytest.mark.parametrize("key,cfg", _shipped_tile_variants())
 def test_tile_gemm_shipped_configs_compile_without_spills(key, cfg):
     """The shipped table's configs compile for sm_90 within the shared memory of one SM and
