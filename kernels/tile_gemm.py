@@ -49,7 +49,7 @@ def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """The float32 ``[BLOCK_M, BLOCK_N]`` product of x's rows ``pid_m`` and W's rows
-    ``pid_n`` over K slice ``split``."""
+    ``pid_n`` over K slice ``split``, with the tile's row and column indices and masks."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -70,7 +70,7 @@ def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m
             acc += tl.dot(a, tl.trans(b), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
-    return acc
+    return acc, offs_m, offs_n, m_ok, n_ok
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -84,12 +84,9 @@ def _tile_gemm_kernel(
     pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    acc = tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n,
-                       split, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
+    acc, offs_m, offs_n, m_ok, n_ok = tile_product(
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     mask = m_ok[:, None] & n_ok[None, :]
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:

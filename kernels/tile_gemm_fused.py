@@ -62,12 +62,10 @@ def _tile_gemm_add_norm_kernel(
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     n_tiles = tl.num_programs(1)
-    acc = tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n,
-                       split, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    mask = m_ok[:, None] & (offs_n < N)[None, :]
+    acc, offs_m, offs_n, m_ok, n_ok = tile_product(
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    mask = m_ok[:, None] & n_ok[None, :]
     p_off = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
     tl.store(part_ptr + split.to(tl.int64) * stride_ps + p_off, acc, mask=mask)
     # 1. arrive at this output tile (release: the partial above is visible to the last one)

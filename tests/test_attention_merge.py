@@ -79,14 +79,4 @@ def test_merge_switch_values(monkeypatch):
 
 
 
-def test_prefetch_switch_values(monkeypatch):
-    monkeypatch.delenv("SYNCLESS_ATTN_PREFETCH", raising=False)
-    assert pdl.attention_prefetch() is False
-    monkeypatch.setenv("SYNCLESS_ATTN_PREFETCH", "1")
-    assert pdl.attention_prefetch() is True
-    monkeypatch.setenv("SYNCLESS_ATTN_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="SYNCLESS_ATTN_PREFETCH must be 0 or 1, got 'yes'"):
-        pdl.validate_switches()
-
-
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
