@@ -11,13 +11,13 @@ attention merges its splits (``kernels.attention_merge``):
 2. the last of a tile's ``split_k`` programs sums the partials in split order (the same
    float32 order as the two-launch path), rounds, adds the residual, stores the new
    residual and that tile's per-row sum of squares, then bumps its row block's counter;
-3. the last tile of a row block to get there sums those per-tile squares in tile order
-   (deterministic: no float atomics) and writes the normalised rows.
+3. the last tile of a row block to get there sums those per-tile squares (a fixed tree
+   order: deterministic, no float atomics) and writes the normalised rows.
 
 The new residual equals the two-launch path's bit for bit; the normalised output may differ
-by one rounding (its sum of squares reduces in another order). Step 3 holds a whole row
-block in registers (``BLOCK_M x next_pow2(N)`` elements), so only shapes up to
-``MAX_FUSED_ELEMS`` take this path. Counters come from their own zeroed buffer
+by one rounding (its sum of squares reduces in another order). Step 3 holds the row
+block in registers a chunk of rows at a time (each ``rows x next_pow2(N)`` elements, at most
+``MAX_FUSED_ELEMS``), so rows of up to that many columns take this path. Counters come from their own zeroed buffer
 (``kernels.attention_splits._semaphores``, pool ``"tile_gemm"``), each re-armed by the
 program that read it last; where none can be had (first use inside a graph capture) the
 caller falls back to two launches. No host syncs; no spin waits (no program waits for
@@ -34,7 +34,12 @@ from kernels.attention_splits import _semaphores
 from kernels.tile_gemm import _TL_DTYPES, _check_operands, _split_partials, tile_product
 
 SWITCH_ENV = "SYNCLESS_TILE_FUSED_SUM"
-MAX_FUSED_ELEMS = 16 * 1024  # step 3's row block: BLOCK_M x next_pow2(N) in registers
+MAX_FUSED_ELEMS = 16 * 1024  # step 3's row chunk: rows x next_pow2(N) in registers
+
+
+def rows_a_chunk(block_m: int, n: int) -> int:
+    """Rows step 3 normalises at a time (0: not even one row fits ``MAX_FUSED_ELEMS``)."""
+    return min(block_m, MAX_FUSED_ELEMS // triton.next_power_of_2(n))
 
 
 def enabled() -> bool:
@@ -45,8 +50,10 @@ def enabled() -> bool:
 
 
 def applies(m: int, n: int, config: dict) -> bool:
-    """Whether this shape and config can take the fused launch (CPU ints only)."""
-    return config["block_m"] * triton.next_power_of_2(n) <= MAX_FUSED_ELEMS
+    """Whether this shape and config can take the fused launch (CPU ints only): a row of
+    ``N`` fits step 3's registers, and the row block holds whole chunks."""
+    rows = rows_a_chunk(config["block_m"], n)
+    return rows >= 1 and config["block_m"] % rows == 0
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -56,7 +63,7 @@ def _tile_gemm_add_norm_kernel(
     stride_xm, stride_wn, stride_ps, stride_pm, stride_rm, stride_om, stride_nrm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_C: tl.constexpr, DT: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ROWS_C: tl.constexpr, TILES_P: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -91,21 +98,26 @@ def _tile_gemm_add_norm_kernel(
     row_sem = sem_ptr + tl.num_programs(0) * n_tiles + pid_m
     if tl.atomic_add(row_sem, 1, sem="acq_rel", scope="gpu") != n_tiles - 1:
         return
-    # 3. the row block's last tile: the sum of squares in tile order, the normalised rows
-    ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        ssq += tl.load(ssq_ptr + t * BLOCK_M * tl.num_programs(0) + offs_m, mask=m_ok,
-                       other=0.0, cache_modifier=".cg")
-    rstd = tl.rsqrt(ssq / N + eps)
+    # 3. the row block's last tile: the sum of squares over the tiles, the normalised rows,
+    # ROWS_C rows at a time (a [ROWS_C, BLOCK_C] block in registers); each load of a chunk
+    # in one go: every tile's squares, every column
+    t_idx = tl.arange(0, TILES_P)
     cols = tl.arange(0, BLOCK_C)
     c_ok = cols < N
-    rmask = m_ok[:, None] & c_ok[None, :]
-    xs = tl.load(new_res_ptr + offs_m.to(tl.int64)[:, None] * stride_nrm + cols[None, :],
-                 mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
     g = tl.load(g_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-    normed = (xs * rstd[:, None]).to(DT).to(tl.float32)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :],
-             (normed * g[None, :]).to(out_ptr.dtype.element_ty), mask=rmask)
+    for r0 in tl.static_range(0, BLOCK_M, ROWS_C):
+        rows = pid_m * BLOCK_M + r0 + tl.arange(0, ROWS_C)
+        r_ok = rows < M
+        sq = tl.load(ssq_ptr + t_idx[:, None] * BLOCK_M * tl.num_programs(0) + rows[None, :],
+                     mask=(t_idx < n_tiles)[:, None] & r_ok[None, :], other=0.0,
+                     cache_modifier=".cg")
+        rstd = tl.rsqrt(tl.sum(sq, 0) / N + eps)
+        rmask = r_ok[:, None] & c_ok[None, :]
+        xs = tl.load(new_res_ptr + rows.to(tl.int64)[:, None] * stride_nrm + cols[None, :],
+                     mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        normed = (xs * rstd[:, None]).to(DT).to(tl.float32)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+                 (normed * g[None, :]).to(out_ptr.dtype.element_ty), mask=rmask)
     tl.atomic_xchg(row_sem, 0, sem="relaxed")
 
 
@@ -139,6 +151,7 @@ def tile_linear_add_norm_fused(x: torch.Tensor, weight: torch.Tensor, config: di
         out.stride(0), new_res.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["block_k"], SPLIT_K=split,
         BLOCK_C=triton.next_power_of_2(n), DT=_TL_DTYPES[x.dtype],
+        ROWS_C=rows_a_chunk(bm, n), TILES_P=triton.next_power_of_2(n_tiles),
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out, new_res

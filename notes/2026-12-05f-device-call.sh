@@ -23,7 +23,7 @@ for t in shipped gate; do python -c "import json; d=json.load(open('$O/ab-$t.jso
 print('$t', 'TB/s', round(d['bandwidth']['bandwidth_bytes_per_s']/1e12,3))
 for c in d['cells']: print('  $t', c['batch_size'], c['context_len'], round(c.get('step_ms_median', 0), 3), round(c.get('ratio', 0), 3))"; done
 AB_VARIANTS="def apf1" AB_B=8,32,128 OUT=$O timeout 240 bash notes/2026-12-04h-device-run.sh attnab
-# the fused tile split sum (16-row class: Qwen3-0.6B b2-16), its GPU greedy test first
+# the fused tile split sum (Qwen3-0.6B o_proj and down at b2-256), its GPU greedy test first
 timeout 120 python -m pytest -q -m gpu tests/test_gpu_tile_gemm.py -k "fused or layer_ops" -rs \
   > "$O/fused-tests.log" 2>&1; echo "fused tile tests rc=$?"; tail -2 "$O/fused-tests.log"
-SHAPES=qwen3-0.6b AB_VARIANTS="def tfs1" AB_B=8,16 OUT=$O timeout 120 bash notes/2026-12-04h-device-run.sh attnab
+SHAPES=qwen3-0.6b AB_VARIANTS="def tfs1" AB_B=8,16,32,128 OUT=$O timeout 150 bash notes/2026-12-04h-device-run.sh attnab

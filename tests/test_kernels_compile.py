@@ -290,13 +290,14 @@ def test_fused_add_norm_tile_gemm_compiles_without_spills(key, cfg):
     last program holds a whole row block: ``kernels.tile_gemm_fused.MAX_FUSED_ELEMS``)."""
     import triton.language as tl
 
-    from kernels.tile_gemm_fused import _tile_gemm_add_norm_kernel
+    from kernels.tile_gemm_fused import _tile_gemm_add_norm_kernel, rows_a_chunk
 
     assert _fused_add_norm_variants(), "the shipped table has no config the fused path takes"
     n = int(key.rsplit("|", 1)[1].split("x")[0])
     const = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
                  SPLIT_K=cfg["split_k"], BLOCK_C=triton.next_power_of_2(n), DT=tl.bfloat16,
-                 UPCAST=False, IEEE=False)
+                 UPCAST=False, IEEE=False, ROWS_C=rows_a_chunk(cfg["block_m"], n),
+                 TILES_P=triton.next_power_of_2(triton.cdiv(n, cfg["block_n"])))
     compiled = _compile(_tile_gemm_add_norm_kernel, const,
                         {"part_ptr": "*fp32", "ssq_ptr": "*fp32", "sem_ptr": "*i32"},
                         floats=("eps",), aligned_ints=("N", "K", "k_per_split"),

@@ -33,6 +33,7 @@ def _case(m, n, k, dtype, seed):
     (16, 64, 128, _cfg(16, 32, 32, 2)),   # a full row block, 2 tiles x 2 splits of 2 chunks
     (19, 48, 64, _cfg(16, 16, 32, 1)),    # 2 row blocks (ragged), no split: tiles still merge
     (8, 96, 256, _cfg(16, 32, 64, 4)),    # 4 splits
+    (40, 64, 64, _cfg(32, 16, 32, 2)),    # 2 row blocks of 32, the second ragged
 ])
 def test_fused_add_norm_equals_the_two_launches(monkeypatch, dtype, m, n, k, cfg):
     """The new residual equals the two-launch path's bit for bit; the normalised rows within
@@ -69,15 +70,25 @@ def test_fused_launches_back_to_back_see_their_own_inputs(monkeypatch):
         torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_path_declines_wide_row_blocks():
-    """A row block of more than ``MAX_FUSED_ELEMS`` would not fit the last program's
-    registers: the fused entry point declines and the caller takes two launches."""
-    x, w, res, nw = _case(4, 40, 32, torch.float32, 7)
-    wide = _cfg(16, 16, 32, 1)
-    assert tile_gemm_fused.applies(16, 1024, wide)
-    assert not tile_gemm_fused.applies(16, 2048, wide)
-    assert not tile_gemm_fused.applies(32, 1024, _cfg(32, 16, 32, 1))
-    assert tile_gemm_fused.tile_linear_add_norm_fused(x, w, wide, res, nw, 1e-6) is not None
+def test_fused_path_normalises_in_row_chunks_and_declines_too_wide_rows(monkeypatch):
+    """Step 3 normalises ``MAX_FUSED_ELEMS // next_pow2(N)`` rows at a time (a 32-row block of
+    1,024 columns: two chunks of 16); a row wider than ``MAX_FUSED_ELEMS`` does not fit the
+    last program's registers: the fused entry point declines and the caller takes two
+    launches. Here with the limit lowered, so that small shapes take several chunks."""
+    assert tile_gemm_fused.rows_a_chunk(32, 1024) == 16
+    assert tile_gemm_fused.applies(32, 1024, _cfg(32, 16, 32, 1))
+    assert not tile_gemm_fused.applies(16, 32768, _cfg(16, 16, 32, 1))
+    monkeypatch.setattr(tile_gemm_fused, "MAX_FUSED_ELEMS", 4 * 64)
+    x, w, res, nw = _case(29, 40, 64, torch.float32, 7)  # 4-row chunks of a 32-row block
+    cfg = _cfg(32, 16, 32, 2)
+    assert tile_gemm_fused.rows_a_chunk(32, 40) == 4
+    out, new_res = tile_gemm_fused.tile_linear_add_norm_fused(x, w, cfg, res, nw, 1e-6)
+    s = x.double() @ w.double().t() + res.double()
+    torch.testing.assert_close(new_res.double(), s, atol=1e-5, rtol=1e-5)
+    exact = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(tile_gemm_fused, "MAX_FUSED_ELEMS", 32)  # not one row of 40 (64)
+    assert tile_gemm_fused.tile_linear_add_norm_fused(x, w, cfg, res, nw, 1e-6) is None
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
