@@ -287,6 +287,11 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
         _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype,
                      act=act is not None)
         return out
+    from kernels import tile_gemm_fused
+
+    if tile_gemm_fused.enabled() and tile_gemm_fused.tile_linear_fused(x, weight, config, out,
+                                                                       act is not None):
+        return out  # the split sum done by each tile's last split (an A/B knob)
     part = _split_partials(split, m, n, x.device)
     _launch_gemm(x, weight, config, part, partial=True)
     block_r, block_c = 16, 128

@@ -1,5 +1,5 @@
-"""The split-K tile GEMM with the next residual add + RMSNorm in the same launch
-(``SYNCLESS_TILE_FUSED_SUM=1``, an A/B knob; default off until measured on a GPU).
+"""The split-K tile GEMM with its split sum -- and the next residual add + RMSNorm -- in the
+same launch (``SYNCLESS_TILE_FUSED_SUM=1``, an A/B knob; default off until measured on a GPU).
 
 ``kernels.tile_gemm.tile_linear_add_norm_triton`` takes two launches: the GEMM's float32
 partials, then one program a row that sums them, adds the residual and normalises. At decode
@@ -14,7 +14,9 @@ attention merges its splits (``kernels.attention_merge``):
 3. the last tile of a row block to get there sums those per-tile squares (a fixed tree
    order: deterministic, no float atomics) and writes the normalised rows.
 
-The new residual equals the two-launch path's bit for bit; the normalised output may differ
+Without the add + norm (``tile_linear_fused``: plain, SiLU*mul pairs, logits) only steps 1
+and 2 run, and the result equals the two-launch path's bit for bit. With it, the new
+residual equals the two-launch path's bit for bit; the normalised output may differ
 by one rounding (its sum of squares reduces in another order). Step 3 holds the row
 block in registers a chunk of rows at a time (each ``rows x next_pow2(N)`` elements, at most
 ``MAX_FUSED_ELEMS``), so rows of up to that many columns take this path. Counters come from their own zeroed buffer
@@ -31,7 +33,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention_splits import _semaphores
-from kernels.tile_gemm import _TL_DTYPES, _check_operands, _split_partials, tile_product
+from kernels.tile_gemm import (_TL_DTYPES, _check_operands, _silu_mul_pairs, _split_partials,
+                               tile_product)
 
 SWITCH_ENV = "SYNCLESS_TILE_FUSED_SUM"
 MAX_FUSED_ELEMS = 16 * 1024  # step 3's row chunk: rows x next_pow2(N) in registers
@@ -56,6 +59,68 @@ def applies(m: int, n: int, config: dict) -> bool:
     return rows >= 1 and config["block_m"] % rows == 0
 
 
+@triton.jit
+def _product_then_arrive(x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split,
+                         stride_xm, stride_wn, stride_ps, stride_pm,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Step 1: this program's partial tile, stored, then its arrival at the output tile's
+    counter (release: the partial is visible to the last to arrive, whose acquire reads it).
+    Returns the count before this arrival, the counter and the tile's indices and masks."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    acc, offs_m, offs_n, m_ok, n_ok = tile_product(
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    mask = m_ok[:, None] & n_ok[None, :]
+    p_off = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+    tl.store(part_ptr + split.to(tl.int64) * stride_ps + p_off, acc, mask=mask)
+    tl.debug_barrier()
+    tile_sem = sem_ptr + pid_m * tl.num_programs(1) + pid_n
+    arrived = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu")
+    return arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off
+
+
+@triton.jit
+def _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step 2's sum of the tile's partials in split order (the two-launch path's order),
+    unrolled: every partial's load in flight at once, from L2."""
+    tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        tot += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0,
+                       cache_modifier=".cg")
+    return tot
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tile_gemm_merge_kernel(
+    x_ptr, w_ptr, part_ptr, out_ptr, sem_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ps, stride_pm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    """``kernels.tile_gemm``'s split GEMM + ``_split_sum_kernel`` in one launch: the last
+    split of each output tile sums the partials, rounds once (then ``silu(gate) * up`` of the
+    pairs with ``ACT``) and stores the tile."""
+    arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off = _product_then_arrive(
+        x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if arrived != SPLIT_K - 1:
+        return
+    tot = _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K, BLOCK_M, BLOCK_N)
+    if ACT:
+        y, offs_j = _silu_mul_pairs(tot, tl.program_id(1), BLOCK_M, BLOCK_N, ROUND_TO)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_j < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 tot.to(ROUND_TO).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_xchg(tile_sem, 0, sem="relaxed")  # re-armed: every split of the tile has arrived
+
+
 @triton.jit(do_not_specialize=["M"])
 def _tile_gemm_add_norm_kernel(
     x_ptr, w_ptr, part_ptr, res_ptr, g_ptr, out_ptr, new_res_ptr, ssq_ptr, sem_ptr,
@@ -67,24 +132,14 @@ def _tile_gemm_add_norm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     n_tiles = tl.num_programs(1)
-    acc, offs_m, offs_n, m_ok, n_ok = tile_product(
-        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
-        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
-    mask = m_ok[:, None] & n_ok[None, :]
-    p_off = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
-    tl.store(part_ptr + split.to(tl.int64) * stride_ps + p_off, acc, mask=mask)
-    # 1. arrive at this output tile (release: the partial above is visible to the last one)
-    tl.debug_barrier()
-    tile_sem = sem_ptr + pid_m * n_tiles + pid_n
-    if tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+    arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off = _product_then_arrive(
+        x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if arrived != SPLIT_K - 1:
         return
-    # 2. the tile's last split: the split sum in split order, the residual add, the squares
-    tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
-        tot += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0,
-                       cache_modifier=".cg")
+    # 2. the tile's last split: the split sum, the residual add, the squares
+    tot = _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K, BLOCK_M, BLOCK_N)
     r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     xr = (tot.to(DT).to(tl.float32) + r).to(DT)
@@ -155,3 +210,25 @@ def tile_linear_add_norm_fused(x: torch.Tensor, weight: torch.Tensor, config: di
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out, new_res
+
+
+def tile_linear_fused(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
+                      act: bool) -> bool:
+    """``tile_linear_triton``'s split-K product (``split_k > 1``) and split sum in one
+    launch, into ``out``; False (nothing launched) where no counters can be had inside a
+    capture: the caller then takes two launches."""
+    (m, k), n = x.shape, weight.shape[0]
+    bm, bn, split = config["block_m"], config["block_n"], config["split_k"]
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    sem = _semaphores(x.device, m_tiles * n_tiles, pool="tile_gemm")
+    if sem is None:
+        return False
+    part = _split_partials(split, m, n, x.device)
+    _tile_gemm_merge_kernel[(m_tiles, n_tiles, split)](
+        x, weight, part, out, sem, m, n, k, k // split,
+        x.stride(0), weight.stride(0), part.stride(0), part.stride(1), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["block_k"], SPLIT_K=split,
+        ROUND_TO=_TL_DTYPES[x.dtype], UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+        IEEE=x.dtype == torch.float32, ACT=act,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return True

@@ -18,7 +18,8 @@
 #               2026-12-05e) or lse first (2)
 #               pdlN: PDL (auto mode) in passes of up to N tokens, not only batch-1 (SYNCLESS_PDL_MAX_TOKENS=N)
 #               apf1: PDL off (b > 1), the attention's first K/V tile into L2 before q (SYNCLESS_ATTN_PREFETCH=1)
-#               tfs1: the tile GEMM's split sum + add + norm inside its launch (SYNCLESS_TILE_FUSED_SUM=1)
+#               tfs1: the tile GEMM's split sum (+ add + norm) inside its launch (SYNCLESS_TILE_FUSED_SUM=1)
+#               gate / gatefs: the 0.6B gate_up m16 tile entry (notes/2026-12-05f-tile-gate-up-m16.json), / + tfs1
 #   stamps      kernels.bench_attention_stamps: per-program timestamps of the one-token attention,
 #               for each SYNCLESS_ATTN_PRELOAD in STAMP_PRELOAD (2) x SYNCLESS_ATTN_MERGE in STAMP_MERGE (1)
 #   probe       notes/2026-12-04h-norm-probe.py: b PROBE_B (1,8) ctx 512, both shapes, unpatched / no norm
@@ -96,6 +97,8 @@ PY
             pdl*) envs="SYNCLESS_PDL_MAX_TOKENS=${v#pdl}";;
             apf1) envs="SYNCLESS_ATTN_PREFETCH=1";;
             tfs1) envs="SYNCLESS_TILE_FUSED_SUM=1";;
+            gate) envs="SYNCLESS_TILE_GEMM_TUNING=notes/2026-12-05f-tile-gate-up-m16.json";;
+            gatefs) envs="SYNCLESS_TILE_GEMM_TUNING=notes/2026-12-05f-tile-gate-up-m16.json SYNCLESS_TILE_FUSED_SUM=1";;
             ogemv) envs="SYNCLESS_SKINNY_TUNING=notes/2026-12-04h-tuning-8b-oproj-gemv.json";;
             pf*) envs="SYNCLESS_SKINNY_TUNING=$OUT/tuning-8b-oproj-$v.json"
                  python - "${v#pf}" "$OUT/tuning-8b-oproj-$v.json" <<'PY'

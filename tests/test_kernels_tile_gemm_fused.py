@@ -56,6 +56,30 @@ def test_fused_add_norm_equals_the_two_launches(monkeypatch, dtype, m, n, k, cfg
     assert int(before.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype,use", [  # logits: 16-bit GEMMs widened to float32
+    (dt, use) for dt in (torch.float32, torch.bfloat16, torch.float16)
+    for use in ("plain", "act", "logits") if (dt, use) != (torch.float32, "logits")])
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (5, 40, 96, _cfg(16, 16, 32, 3)),     # ragged N tiles, 3 splits
+    (40, 64, 128, _cfg(32, 32, 32, 2)),   # 2 row blocks, the second ragged
+    (8, 96, 256, _cfg(16, 32, 64, 4)),    # 4 splits
+])
+def test_fused_split_sum_equals_the_two_launches(monkeypatch, dtype, use, m, n, k, cfg):
+    """Plain, SiLU*mul pairs and float32 logits: the split sum in the GEMM's launch gives the
+    two-launch path's result bit for bit (the same float32 order, the same rounding)."""
+    x, w, _, _ = _case(m, n, k, dtype, m + n + k)
+    kw = dict(act="silu_and_mul_pairs") if use == "act" else (
+        dict(out_dtype=torch.float32) if use == "logits" else {})
+    monkeypatch.setenv("SYNCLESS_TILE_FUSED_SUM", "0")
+    two = tile_gemm.tile_linear_triton(x, w, cfg, **kw)
+    monkeypatch.setenv("SYNCLESS_TILE_FUSED_SUM", "1")
+    one = tile_gemm.tile_linear_triton(x, w, cfg, **kw)
+    assert one.dtype == two.dtype and torch.equal(one, two)
+    ref = tile_gemm.tile_linear_reference(x, w, **kw)
+    torch.testing.assert_close(one.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert int(_semaphores(x.device, 1, pool="tile_gemm").abs().sum()) == 0  # re-armed
+
+
 def test_fused_launches_back_to_back_see_their_own_inputs(monkeypatch):
     """Consecutive launches reuse the counters: each result is its own inputs' (a counter
     left armed would make a later launch's last program skip or repeat the merge)."""
