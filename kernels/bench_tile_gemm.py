@@ -7,7 +7,9 @@ end.)
     python -m kernels.bench_tile_gemm --out /tmp/tile-gemm.json [--ms 32,128] [--shapes 06b_o]
         [--tuning-out kernels/tile_gemm_tuning.json]
 
-Timings as in ``kernels.bench``: CUDA-graph replay of back-to-back calls over weight copies
+With ``SYNCLESS_TILE_FUSED_SUM=1`` in the environment every split config is timed with its
+split sum inside the GEMM's launch (``kernels.tile_gemm_fused``): a table swept that way is
+meant for that switch. Timings as in ``kernels.bench``: CUDA-graph replay of back-to-back calls over weight copies
 larger than L2 (so every call reads its weights from HBM). The logits shape is compared
 with ``F.linear(...).float()`` (the path the model takes there today). Every config's output
 is checked against cuBLAS's before it is timed.
@@ -32,8 +34,9 @@ def candidates(m: int, k: int) -> list[dict]:
     """Tile configs worth timing at batch ``m`` (one ``BLOCK_M`` tile covers 16-128 rows)."""
     out = []
     if m <= 16:  # the 2-16-row class: one 16-row tile; N=1024 projections need split-K
+        # (split 1: no split sum at all, for the wide qkv and gate|up)
         grid = [(16, bn, bk, split) for bn, bk, split
-                in itertools.product((32, 64), (64, 128), (2, 4, 8, 16))]
+                in itertools.product((32, 64), (64, 128), (1, 2, 4, 8, 16))]
     else:
         grid = [(bm, bn, bk, split)
                 for bm in sorted({min(max(32, m), 128), 64} if m >= 128 else {max(32, m)})

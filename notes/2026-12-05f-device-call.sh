@@ -7,11 +7,18 @@
 #      b8/32/128, ctx 512/4096); SYNCLESS_TILE_FUSED_SUM and the 0.6B gate_up m16 tile entry
 #      (Qwen3-0.6B b8/16/32/128).
 # About 500 s on an H100: run it alone in one call, from the repo root, after
-# `source .devbundle/install.sh`, with OUT set.
+# `source .devbundle/install.sh`, with OUT set. `... call.sh b` instead: the 2-16-row tile sweep
+# with the split sums fused (split 1 now among the candidates), then the 0.6B b8/16 decode
+# steps with that table against no tile path (about 120 s).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 S=notes/2026-12-04h-device-run.sh
+if [ "${1:-a}" = b ]; then
+  SYNCLESS_TILE_FUSED_SUM=1 TILE_MS=16 TILE_SHAPES=06b_o,06b_down,06b_gate_up,06b_qkv TILE_B=8,16 \
+    OUT=$O bash $S tile
+  exit
+fi
 t0=$(date +%s)
 timeout 200 python -m pytest -q -m gpu tests/test_gpu_tile_gemm.py tests/test_gpu_engine.py \
   -k "eager or fused or layer_ops" -rs > "$O/gpu-tests.log" 2>&1
