@@ -2,7 +2,8 @@
 # 2026-12-05f device call (written for the next session; no device was lent after call 2b):
 #   1. the eager warm-up GPU tests (enforce_eager: zero variants after start-up);
 #   2. the decode attention GPU kernel tests (SYNCLESS_ATTN_PREFETCH on and off);
-#   3. the fused tile split sum GPU tests (greedy == transformers, graphs, 16-row class);
+#   3. the fused tile split sum GPU tests (kernels vs two launches, eager and graph replays;
+#      greedy == transformers with graphs in the 16-row class);
 #   4. decode A/Bs (decode_roofline, ms / ratio): SYNCLESS_ATTN_PREFETCH (both shapes,
 #      b8/32/128, ctx 512/4096); SYNCLESS_TILE_FUSED_SUM and the 0.6B gate_up m16 tile entry
 #      (Qwen3-0.6B b8/16/32/128).
@@ -20,8 +21,8 @@ if [ "${1:-a}" = b ]; then
   exit
 fi
 t0=$(date +%s)
-timeout 200 python -m pytest -q -m gpu tests/test_gpu_tile_gemm.py tests/test_gpu_engine.py \
-  -k "eager or fused or layer_ops" -rs > "$O/gpu-tests.log" 2>&1
+timeout 220 python -m pytest -q -m gpu tests/test_gpu_tile_gemm_fused.py tests/test_gpu_tile_gemm.py \
+  tests/test_gpu_engine.py -k "eager or fused or layer_ops" -rs > "$O/gpu-tests.log" 2>&1
 echo "eager + fused GPU tests rc=$? $(( $(date +%s) - t0 )) s"; tail -3 "$O/gpu-tests.log"
 timeout 90 python -m pytest -q -m gpu tests/test_kernels_gpu_decode.py -k "decode_attention" -rs \
   > "$O/attn-tests.log" 2>&1; echo "attention kernel tests rc=$?"; tail -2 "$O/attn-tests.log"
