@@ -78,5 +78,4 @@ def test_merge_switch_values(monkeypatch):
         pdl.validate_switches()
 
 
-
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -162,8 +162,9 @@ class ModelRunner:
                 max_logit_rows=sched.max_num_seqs)
 
     def _warm_eager_decode(self) -> None:
-        """Every eager one-token attention shape of the model (and of a draft model, whose
-        passes also run eagerly): ``workers.eager_warm_up``."""
+        """One scratch decode pass per eager one-token attention variant and per batch size,
+        of the model and of a draft model (whose passes also run eagerly):
+        ``workers.eager_warm_up``."""
         from workers.eager_warm_up import warm_eager_decode
 
         n = self.cfg.scheduler.max_num_seqs
