@@ -146,7 +146,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
                                num_sms, ctas_per_sm)
     if eager and one_token_launch(one_qblock, block_q, block_m):
-        block_n, num_stages = EAGER_ONE_TOKEN_BLOCK_N, EAGER_ONE_TOKEN_STAGES
+        block_n = EAGER_ONE_TOKEN_BLOCK_N if block_d <= 128 else 32  # wide heads: as above
+        num_stages = EAGER_ONE_TOKEN_STAGES
         splits = floor_pow4(choose_num_splits(num_reqs, num_kv_heads, max_query_len,
                                               max_seq_len_upper_bound, num_sms))
     elif eager:
