@@ -10,12 +10,15 @@
 # About 500 s on an H100: run it alone in one call, from the repo root, after
 # `source .devbundle/install.sh`, with OUT set. `... call.sh b` instead: the 2-16-row tile sweep
 # with the split sums fused (split 1 now among the candidates), then the 0.6B b8/16 decode
-# steps with that table against no tile path (about 120 s).
+# steps with that table against no tile path (about 120 s; on an H200 the issue-3 grid first,
+# about 90 s more).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 S=notes/2026-12-04h-device-run.sh
 if [ "${1:-a}" = b ]; then
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in  # the issue's own card
+    *H200*) GRID_TIMEOUT=150 OUT=$O bash $S grid;; esac
   SYNCLESS_TILE_FUSED_SUM=1 TILE_MS=16 TILE_SHAPES=06b_o,06b_down,06b_gate_up,06b_qkv TILE_B=8,16 \
     OUT=$O bash $S tile
   exit
