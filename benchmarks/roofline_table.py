@@ -1,7 +1,12 @@
 """One line per cell of ``benchmarks.decode_roofline`` result files: the table a device run
-prints last.
+prints last; or, with ``--base``, an A/B verdict against a baseline run of the same cells.
 
     python -m benchmarks.roofline_table OUT/rl-*.json
+    python -m benchmarks.roofline_table --base OUT/ab-qwen3-0.6b-def.json OUT/ab-qwen3-0.6b-tfs1.json
+
+A verdict line: the variant's label, batch, context, the baseline's and the variant's median
+step, the change, and ``faster`` / ``slower`` only where the two runs' [min, max] step ranges
+do not overlap (else ``noise``): a knob becomes a default only on ``faster`` cells.
 
 A line: the file's label (its name without ``rl-`` and ``.json``), batch, context, median step,
 ratio, and, for profiled cells, the kernel time a step and the part of it spent in
@@ -40,11 +45,43 @@ def table(paths: list[str]) -> list[str]:
     return lines
 
 
+def _cells(path: str) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(c["batch_size"], c["context_len"]): c
+            for c in json.loads(Path(path).read_text())["cells"] if "ratio" in c}
+
+
+def verdict(base: dict[str, Any], other: dict[str, Any]) -> str:
+    """``faster`` / ``slower`` where the runs' [min, max] step ranges are apart, else ``noise``."""
+    if other["step_ms_max"] < base["step_ms_min"]:
+        return "faster"
+    if other["step_ms_min"] > base["step_ms_max"]:
+        return "slower"
+    return "noise"
+
+
+def compare(base_path: str, paths: list[str]) -> list[str]:
+    """One verdict line per cell that the baseline and a variant file both measured."""
+    base = _cells(base_path)
+    lines = []
+    for path in paths:
+        label = Path(path).stem.removeprefix("rl-").removeprefix("ab-")
+        for key, cell in _cells(path).items():
+            if key not in base:
+                continue
+            b = base[key]
+            change = 100.0 * (cell["step_ms_median"] / b["step_ms_median"] - 1.0)
+            lines.append(f"{label:24s} b{key[0]:<4d} ctx{key[1]:<5d} {b['step_ms_median']:.3f} -> "
+                         f"{cell['step_ms_median']:.3f} ms {change:+6.1f} % {verdict(b, cell)}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.roofline_table", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="JSON")
-    print("\n".join(table(p.parse_args(argv).files)))
+    p.add_argument("--base", metavar="JSON", help="an A/B verdict of FILES against this run")
+    a = p.parse_args(argv)
+    print("\n".join(compare(a.base, a.files) if a.base else table(a.files)))
 
 
 if __name__ == "__main__":

@@ -30,4 +30,11 @@ echo "eager + fused GPU tests rc=$? $(( $(date +%s) - t0 )) s"; tail -3 "$O/gpu-
 timeout 90 python -m pytest -q -m gpu tests/test_kernels_gpu_decode.py -k "decode_attention" -rs \
   > "$O/attn-tests.log" 2>&1; echo "attention kernel tests rc=$?"; tail -2 "$O/attn-tests.log"
 SHAPES=qwen3-0.6b AB_VARIANTS="def tfs1 gate gatefs" AB_B=8,16,32,128 OUT=$O timeout 150 bash $S attnab
+mv "$O/ab-qwen3-0.6b-def.json" "$O/ab-qwen3-0.6b-def-tile.json"  # the next A/B has its own "def"
 AB_VARIANTS="def apf1" AB_B=8,32,128 OUT=$O timeout 200 bash $S attnab
+echo "== verdicts (faster/slower: the runs' [min, max] ranges apart; else noise)"
+python -m benchmarks.roofline_table --base "$O/ab-qwen3-0.6b-def-tile.json" \
+  "$O"/ab-qwen3-0.6b-{tfs1,gate,gatefs}.json
+for shape in llama-3.1-8b qwen3-0.6b; do
+  python -m benchmarks.roofline_table --base "$O/ab-$shape-def.json" "$O/ab-$shape-apf1.json"
+done
