@@ -45,11 +45,15 @@ SWITCH_ENV = "SYNCLESS_TILE_GEMM"  # 0: cuBLAS everywhere (an A/B knob)
 
 
 @triton.jit
-def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """The float32 ``[BLOCK_M, BLOCK_N]`` product of x's rows ``pid_m`` and W's rows
-    ``pid_n`` over K slice ``split``, with the tile's row and column indices and masks."""
+    """The float32 ``[BLOCK_M, BLOCK_N]`` product of this program's x rows (grid axis 0; the
+    fastest, so the M tiles of one W tile run together and W is read once) and W rows (axis
+    1) over its K slice (axis 2), with the tile's row and column indices and masks."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -81,18 +85,16 @@ def _tile_gemm_kernel(
     PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ACT: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     acc, offs_m, offs_n, m_ok, n_ok = tile_product(
-        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     mask = m_ok[:, None] & n_ok[None, :]
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:
-        tl.store(out_ptr + split.to(tl.int64) * stride_os + o_off, acc, mask=mask)
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + o_off, acc, mask=mask)
     elif ACT:
-        y, offs_j = _silu_mul_pairs(acc, pid_n, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty)
+        y, offs_j = _silu_mul_pairs(acc, tl.program_id(1), BLOCK_M, BLOCK_N,
+                                    x_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
                  y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_j < N // 2)[None, :])
     else:

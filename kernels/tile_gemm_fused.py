@@ -60,38 +60,31 @@ def applies(m: int, n: int, config: dict) -> bool:
 
 
 @triton.jit
-def _product_then_arrive(x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split,
-                         stride_xm, stride_wn, stride_ps, stride_pm,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Step 1: this program's partial tile, stored, then its arrival at the output tile's
-    counter (release: the partial is visible to the last to arrive, whose acquire reads it).
-    Returns the count before this arrival, the counter and the tile's indices and masks."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
+def _product_arrive_sum(x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split,
+                        stride_xm, stride_wn, stride_ps, stride_pm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Steps 1 and 2: this program's partial tile, stored, then its arrival at the output
+    tile's counter (release: the partial is visible to the last to arrive, whose acquire
+    reads it). The last to arrive sums the tile's partials in split order (the two-launch
+    path's order), unrolled so that every partial's load is in flight at once, from L2.
+    Returns whether this program was the last, that sum (zeros otherwise), the counter and
+    the tile's indices and masks."""
     acc, offs_m, offs_n, m_ok, n_ok = tile_product(
-        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, pid_m, pid_n, split,
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     mask = m_ok[:, None] & n_ok[None, :]
     p_off = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
-    tl.store(part_ptr + split.to(tl.int64) * stride_ps + p_off, acc, mask=mask)
+    tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_ps + p_off, acc, mask=mask)
     tl.debug_barrier()
-    tile_sem = sem_ptr + pid_m * tl.num_programs(1) + pid_n
-    arrived = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu")
-    return arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off
-
-
-@triton.jit
-def _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Step 2's sum of the tile's partials in split order (the two-launch path's order),
-    unrolled: every partial's load in flight at once, from L2."""
+    tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    last = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
     tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        tot += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0,
-                       cache_modifier=".cg")
-    return tot
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            tot += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0,
+                           cache_modifier=".cg")
+    return last, tot, tile_sem, offs_m, offs_n, m_ok, mask
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -105,12 +98,11 @@ def _tile_gemm_merge_kernel(
     """``kernels.tile_gemm``'s split GEMM + ``_split_sum_kernel`` in one launch: the last
     split of each output tile sums the partials, rounds once (then ``silu(gate) * up`` of the
     pairs with ``ACT``) and stores the tile."""
-    arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off = _product_then_arrive(
+    last, tot, tile_sem, offs_m, offs_n, m_ok, mask = _product_arrive_sum(
         x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
-    if arrived != SPLIT_K - 1:
+        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, UPCAST, IEEE)
+    if not last:
         return
-    tot = _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K, BLOCK_M, BLOCK_N)
     if ACT:
         y, offs_j = _silu_mul_pairs(tot, tl.program_id(1), BLOCK_M, BLOCK_N, ROUND_TO)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
@@ -133,13 +125,12 @@ def _tile_gemm_add_norm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_tiles = tl.num_programs(1)
-    arrived, tile_sem, offs_m, offs_n, m_ok, mask, p_off = _product_then_arrive(
+    last, tot, tile_sem, offs_m, offs_n, m_ok, mask = _product_arrive_sum(
         x_ptr, w_ptr, part_ptr, sem_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
-    if arrived != SPLIT_K - 1:
+        stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, UPCAST, IEEE)
+    if not last:
         return
-    # 2. the tile's last split: the split sum, the residual add, the squares
-    tot = _split_sum(part_ptr, p_off, mask, stride_ps, SPLIT_K, BLOCK_M, BLOCK_N)
+    # 2. the tile's last split, after the split sum: the residual add, the squares
     r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     xr = (tot.to(DT).to(tl.float32) + r).to(DT)
