@@ -94,7 +94,6 @@ def floor_pow4(n: int) -> int:
     return 1 << ((max(1, n).bit_length() - 1) & ~1)
 
 
-EAGER_ONE_TOKEN_BLOCK_N = 64
 EAGER_ONE_TOKEN_STAGES = 2
 
 
@@ -110,8 +109,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     compiles; ``max_query_len`` is an upper bound, so raising it is always valid), and the
     split count of one-token windows is rounded down to a power of two (any count is exact:
     a split divides its row's real length). Eager one-token windows (``enforce_eager`` decode)
-    also fix their tile (``EAGER_ONE_TOKEN_BLOCK_N``, ``EAGER_ONE_TOKEN_STAGES``) and round the
-    split count down to a power of four, so that every batch and bound lands on at most
+    also keep the default tile and CTA target (no small-grid heuristics), fix their depth
+    (``EAGER_ONE_TOKEN_STAGES``) and round the split count down to a power of four, so that every batch and bound lands on at most
     four shapes, which start-up compiles (``eager_one_token_cases``); an eager step's cost is
     its Python launches, not these tiles. Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
@@ -131,12 +130,13 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         if block_m == 16 and block_d <= 128:  # one query token (swept), or q_len x group <= 16
             # small grids: fewer, wider tiles (each serial tile costs a DRAM round trip);
             # the narrow-tile grids up to NARROW_SPLIT_MAX_CTAS split for more CTAs a SM
-            # past SHORT_BOUND
-            base = num_reqs * num_kv_heads
-            block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
-            if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
-                    and max_seq_len_upper_bound > SHORT_BOUND):
-                ctas_per_sm = LONG_CTAS_PER_SM
+            # past SHORT_BOUND (not eagerly: one shape for every batch, see above)
+            if not eager:
+                base = num_reqs * num_kv_heads
+                block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
+                if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
+                        and max_seq_len_upper_bound > SHORT_BOUND):
+                    ctas_per_sm = LONG_CTAS_PER_SM
             num_stages = 2
     else:
         block_m = max(128 if block_d <= 128 else 64, group_p)
@@ -146,10 +146,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
                                num_sms, ctas_per_sm)
     if eager and one_token_launch(one_qblock, block_q, block_m):
-        block_n = EAGER_ONE_TOKEN_BLOCK_N if block_d <= 128 else 32  # wide heads: as above
         num_stages = EAGER_ONE_TOKEN_STAGES
-        splits = floor_pow4(choose_num_splits(num_reqs, num_kv_heads, max_query_len,
-                                              max_seq_len_upper_bound, num_sms))
+        splits = floor_pow4(splits)
     elif eager:
         splits = floor_pow2(splits)
     elif one_token_launch(one_qblock, block_q, block_m):
