@@ -110,8 +110,8 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     split count of one-token windows is rounded down to a power of two (any count is exact:
     a split divides its row's real length). Eager one-token windows (``enforce_eager`` decode)
     also keep the default tile and CTA target (no small-grid heuristics), fix their depth
-    (``EAGER_ONE_TOKEN_STAGES``) and round the split count down to a power of four, so that every batch and bound lands on at most
-    four shapes, which start-up compiles (``eager_one_token_cases``); an eager step's cost is
+    (``EAGER_ONE_TOKEN_STAGES``) and round the split count down to a power of four, so that
+    every batch and bound lands on at most four shapes, which start-up compiles (``eager_one_token_cases``); an eager step's cost is
     its Python launches, not these tiles. Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
     window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and

@@ -251,6 +251,13 @@ def _split_partials(split: int, m: int, n: int, device: torch.device) -> torch.T
     return flat.as_strided((split, m, n), (plane, n, 1))
 
 
+def product_flags(x: torch.Tensor) -> dict:
+    """``tile_product``'s ``UPCAST`` (the interpreter's bf16 dot: exact fp32 copies instead)
+    and ``IEEE`` (exact fp32 products) for operands like ``x``."""
+    return dict(UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+                IEEE=x.dtype == torch.float32)
+
+
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
                  partial: bool, round_to_x: bool = False, act: bool = False) -> None:
     """``_tile_gemm_kernel`` into ``out``: ``[M, N]`` (or ``[M, N / 2]`` with ``act``), or with
@@ -260,8 +267,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch
     _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, weight, out, m, n, k, k // split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x,
-        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
+        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x, **product_flags(x),
         ACT=act, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 

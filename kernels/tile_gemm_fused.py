@@ -19,10 +19,10 @@ and 2 run, and the result equals the two-launch path's bit for bit. With it, the
 residual equals the two-launch path's bit for bit; the normalised output may differ
 by one rounding (its sum of squares reduces in another order). Step 3 holds the row
 block in registers a chunk of rows at a time (each ``rows x next_pow2(N)`` elements, at most
-``MAX_FUSED_ELEMS``), so rows of up to that many columns take this path. Counters come from their own zeroed buffer
-(``kernels.attention_splits._semaphores``, pool ``"tile_gemm"``), each re-armed by the
-program that read it last; where none can be had (first use inside a graph capture) the
-caller falls back to two launches. No host syncs; no spin waits (no program waits for
+``MAX_FUSED_ELEMS``), so rows of up to that many columns take this path. Counters come from
+their own zeroed buffer (``kernels.attention_splits._semaphores``, pool ``"tile_gemm"``), each
+re-armed by the program that read it last; where none can be had (first use inside a graph
+capture) the caller falls back to two launches. No host syncs; no spin waits (no program waits for
 another: the last to arrive does the work).
 """
 
@@ -34,14 +34,15 @@ import triton.language as tl
 
 from kernels.attention_splits import _semaphores
 from kernels.tile_gemm import (_TL_DTYPES, _check_operands, _silu_mul_pairs, _split_partials,
-                               tile_product)
+                               product_flags, tile_product)
 
 SWITCH_ENV = "SYNCLESS_TILE_FUSED_SUM"
 MAX_FUSED_ELEMS = 16 * 1024  # step 3's row chunk: rows x next_pow2(N) in registers
 
 
 def rows_a_chunk(block_m: int, n: int) -> int:
-    """Rows step 3 normalises at a time (0: not even one row fits ``MAX_FUSED_ELEMS``)."""
+    """Rows step 3 normalises at a time (0: not even one row fits ``MAX_FUSED_ELEMS``,
+    see ``applies``)."""
     return min(block_m, MAX_FUSED_ELEMS // triton.next_power_of_2(n))
 
 
@@ -52,11 +53,10 @@ def enabled() -> bool:
     return _env_flag(SWITCH_ENV, False)
 
 
-def applies(m: int, n: int, config: dict) -> bool:
-    """Whether this shape and config can take the fused launch (CPU ints only): a row of
-    ``N`` fits step 3's registers, and the row block holds whole chunks."""
-    rows = rows_a_chunk(config["block_m"], n)
-    return rows >= 1 and config["block_m"] % rows == 0
+def applies(n: int) -> bool:
+    """Whether a row of ``n`` columns fits step 3's registers (then a chunk of rows, a power
+    of two, divides every power-of-two ``block_m``)."""
+    return triton.next_power_of_2(n) <= MAX_FUSED_ELEMS
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def tile_linear_add_norm_fused(x: torch.Tensor, weight: torch.Tensor, config: di
     m, n = x.shape[0], weight.shape[0]
     _check_operands(x, weight, config)
     assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)
-    if not applies(m, n, config):
+    if not applies(n):
         return None
     bm, bn, split = config["block_m"], config["block_n"], config["split_k"]
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
@@ -197,8 +197,7 @@ def tile_linear_add_norm_fused(x: torch.Tensor, weight: torch.Tensor, config: di
         out.stride(0), new_res.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["block_k"], SPLIT_K=split,
         BLOCK_C=triton.next_power_of_2(n), DT=_TL_DTYPES[x.dtype],
-        ROWS_C=rows_a_chunk(bm, n), TILES_P=triton.next_power_of_2(n_tiles),
-        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
+        ROWS_C=rows_a_chunk(bm, n), TILES_P=triton.next_power_of_2(n_tiles), **product_flags(x),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out, new_res
 
@@ -219,7 +218,6 @@ def tile_linear_fused(x: torch.Tensor, weight: torch.Tensor, config: dict, out: 
         x, weight, part, out, sem, m, n, k, k // split,
         x.stride(0), weight.stride(0), part.stride(0), part.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["block_k"], SPLIT_K=split,
-        ROUND_TO=_TL_DTYPES[x.dtype], UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
-        IEEE=x.dtype == torch.float32, ACT=act,
+        ROUND_TO=_TL_DTYPES[x.dtype], ACT=act, **product_flags(x),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return True

@@ -279,8 +279,7 @@ def _fused_add_norm_variants():
     from kernels.tile_gemm_fused import applies
 
     return [p for p in _shipped_tile_variants() if p.values[0].startswith("add_norm|")
-            and applies(p.values[1]["block_m"], int(p.values[0].rsplit("x", 1)[0].split("|")[-1]),
-                        p.values[1])]
+            and applies(int(p.values[0].rsplit("|", 1)[1].split("x")[0]))]
 
 
 @pytest.mark.parametrize("key,cfg", _fused_add_norm_variants())

@@ -100,8 +100,8 @@ def test_fused_path_normalises_in_row_chunks_and_declines_too_wide_rows(monkeypa
     last program's registers: the fused entry point declines and the caller takes two
     launches. Here with the limit lowered, so that small shapes take several chunks."""
     assert tile_gemm_fused.rows_a_chunk(32, 1024) == 16
-    assert tile_gemm_fused.applies(32, 1024, _cfg(32, 16, 32, 1))
-    assert not tile_gemm_fused.applies(16, 32768, _cfg(16, 16, 32, 1))
+    assert tile_gemm_fused.applies(1024)
+    assert not tile_gemm_fused.applies(32768)
     monkeypatch.setattr(tile_gemm_fused, "MAX_FUSED_ELEMS", 4 * 64)
     x, w, res, nw = _case(29, 40, 64, torch.float32, 7)  # 4-row chunks of a 32-row block
     cfg = _cfg(32, 16, 32, 2)

@@ -64,7 +64,7 @@ def eager_decode_cases(model, max_num_seqs: int, max_model_len: int,
 
 @torch.inference_mode()
 def warm_eager_decode(model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                      device: torch.device, logits: bool = True) -> int:
+                      device: torch.device) -> int:
     """Run one scratch eager decode pass (and its logits) for each case of
     ``eager_decode_cases``; returns how many ran. Every TP rank runs the same cases in the
     same order, so the passes' collectives pair up: the cases depend on the config, the
@@ -74,9 +74,7 @@ def warm_eager_decode(model, kv_caches, max_num_seqs: int, max_model_len: int, b
     for num_reqs, bound in cases:
         ids = torch.zeros(num_reqs, dtype=torch.int64, device=device)
         meta = scratch_decode_meta(num_reqs, bound, block_size, device)
-        h = model(ids, meta.positions, meta, kv_caches)
-        if logits:
-            model.compute_logits(h)
+        model.compute_logits(model(ids, meta.positions, meta, kv_caches))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("enforce_eager: ran %d scratch decode passes (every batch size; attention "
