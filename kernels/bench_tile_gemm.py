@@ -7,10 +7,6 @@ end.)
     python -m kernels.bench_tile_gemm --out /tmp/tile-gemm.json [--ms 32,128] [--shapes 06b_o]
         [--tuning-out kernels/tile_gemm_tuning.json]
 
-With ``SYNCLESS_TILE_FUSED_SUM=1`` in the environment every split config is timed with its
-split sum inside the GEMM's launch (``kernels.tile_gemm_fused``): a table swept that way is
-meant for that switch.
-
 Timings as in ``kernels.bench``: CUDA-graph replay of back-to-back calls over weight copies
 larger than L2 (so every call reads its weights from HBM). The logits shape is compared
 with ``F.linear(...).float()`` (the path the model takes there today). Every config's output

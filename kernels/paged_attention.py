@@ -107,7 +107,7 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
     STAMPS: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-    MERGE_ONE_PASS: tl.constexpr = False, EARLY_PREFETCH: tl.constexpr = False,
+    MERGE_ONE_PASS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -182,7 +182,7 @@ def _paged_attention_kernel(
         new_pos = tl.load(pos_ptr + q_start).to(tl.int64)
         new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
         cos, sin = rope_cos_sin(cs_ptr, stride_cs, new_pos, offs_d, HEAD_DIM // 2)
-        if USE_PDL or EARLY_PREFETCH:  # (EARLY_PREFETCH, PDL off: while q is prepared)
+        if USE_PDL:
             # This split's first K/V tile into L2 while the QKV projection still runs:
             # every cached key (< ctx_len) was written by an earlier step, and this
             # launch writes only the new one, after its loop. (Loading the tile into
@@ -478,8 +478,6 @@ def paged_attention_triton(
         RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
         STAMPS=stamps is not None,
         PRELOAD=preload, MERGE_ONE_PASS=sem is not None and pdl.attention_merge() == 1,
-        EARLY_PREFETCH=(one_token and rope is not None and not launch["USE_PDL"] and q.is_cuda
-                        and pdl.attention_prefetch()),
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:

@@ -170,18 +170,6 @@ def attention_merge() -> int:
     raise ValueError(f"SYNCLESS_ATTN_MERGE must be 1 or 2, got {raw!r}")
 
 
-def attention_prefetch() -> bool:
-    """``SYNCLESS_ATTN_PREFETCH`` (A/B knob, default 0): with PDL off (batch > 1), a one-token
-    decode attention split prefetches its first K/V tile into L2 before it loads and rotates
-    q, as the PDL launch does before its wait, so the tile's DRAM latency overlaps q's."""
-    raw = os.environ.get("SYNCLESS_ATTN_PREFETCH", "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    raise ValueError(f"SYNCLESS_ATTN_PREFETCH must be 0 or 1, got {raw!r}")
-
-
 def validate_switches() -> None:
     """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
     mode()
@@ -191,7 +179,6 @@ def validate_switches() -> None:
     decode_attention_stages()
     attention_preload()
     attention_merge()
-    attention_prefetch()
 
 
 def enabled(t: torch.Tensor) -> bool:

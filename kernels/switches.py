@@ -19,7 +19,6 @@ KERNEL_SWITCHES = (
     "SYNCLESS_SKINNY_TUNING",   # another decode-GEMM tuning table (kernels.skinny_gemm)
     "SYNCLESS_TILE_GEMM",       # 0: cuBLAS for mid-sized batches too (kernels.tile_gemm)
     "SYNCLESS_TILE_GEMM_TUNING",  # another mid-batch GEMM tuning table (kernels.tile_gemm)
-    "SYNCLESS_TILE_FUSED_SUM",  # A/B: split sum + add + norm inside the tile GEMM (kernels.tile_gemm_fused)
     "SYNCLESS_TP_ALLREDUCE",    # nccl | symm: small TP all-reduces (workers.symm_all_reduce)
     "SYNCLESS_TP_SYMM_MAX_BYTES",  # ... the symmetric buffer's size
     "SYNCLESS_NORM_HANDOFF",    # batch 1: RMSNorm done by the producing GEMV (kernels.norm_handoff)
@@ -27,7 +26,6 @@ KERNEL_SWITCHES = (
     "SYNCLESS_DECODE_ATTN_STAGES",  # A/B: one-token decode attention pipelining depth
     "SYNCLESS_ATTN_PRELOAD",    # A/B: ... its one tile loaded before the PDL wait (kernels.pdl)
     "SYNCLESS_ATTN_MERGE",      # A/B: one-pass merge of the decode attention splits (kernels.pdl)
-    "SYNCLESS_ATTN_PREFETCH",   # A/B: PDL off, decode attention's first tile into L2 early (kernels.pdl)
     "SYNCLESS_DECODE_LAYER",    # batch 1: a whole decoder layer in one launch (kernels.decode_layer)
     "SYNCLESS_DECODE_LAYER_CONFIG",  # A/B: that kernel's config (kernels.decode_layer)
 )

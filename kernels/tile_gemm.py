@@ -216,9 +216,6 @@ def _load_tuning(path: str) -> dict[str, dict | None]:
 def validate_switches() -> None:
     """Start-up check (``kernels.switches``): the switch parses and a table named by
     ``SYNCLESS_TILE_GEMM_TUNING`` loads, instead of failing at the first mid-sized step."""
-    from kernels import tile_gemm_fused
-
-    tile_gemm_fused.enabled()
     if enabled() and os.environ.get(TUNING_ENV, "").strip():
         _load_tuning(os.environ[TUNING_ENV].strip())
 
@@ -295,11 +292,6 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
         _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype,
                      act=act is not None)
         return out
-    from kernels import tile_gemm_fused
-
-    if tile_gemm_fused.enabled() and tile_gemm_fused.tile_linear_fused(x, weight, config, out,
-                                                                       act is not None):
-        return out  # the split sum done by each tile's last split (an A/B knob)
     part = _split_partials(split, m, n, x.device)
     _launch_gemm(x, weight, config, part, partial=True)
     block_r, block_c = 16, 128
@@ -318,14 +310,9 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     then one program a row sums them, adds the residual and normalises, with the rounding
     points of the unfused ops (the new residual equals the tile GEMM then ``kernels.rms_norm``
     bit for bit; the normalised output may differ by one rounding, its sum of squares
-    reducing in another order). Saves the norm's launch and its round trip through memory."""
-    from kernels import tile_gemm_fused
-
-    if tile_gemm_fused.enabled():  # one launch instead (an A/B knob)
-        fused = tile_gemm_fused.tile_linear_add_norm_fused(x, weight, config, residual,
-                                                           norm_weight, eps)
-        if fused is not None:
-            return fused
+    reducing in another order). Saves the norm's launch and its round trip through memory.
+    (Doing the split sum, add and norm inside the GEMM's launch, by the programs that arrive
+    last, measured 2-10 % slower end to end on an H100: notes/2026-12-05g-results.md.)"""
     m, n = x.shape[0], weight.shape[0]
     _check_operands(x, weight, config)
     assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)

@@ -30,7 +30,6 @@ def test_every_switch_the_kernels_read_is_listed():
 @pytest.mark.parametrize("name,getter,default", [
     ("SYNCLESS_ROPE_IN_ATTENTION", "ops.rope_in_attention_enabled", True),  # one launch fewer
     ("SYNCLESS_FUSED_MLP", "ops.fused_mlp_enabled", False),  # measured slower on the H200: opt-in
-    ("SYNCLESS_TILE_FUSED_SUM", "tile_gemm_fused.enabled", False),  # not yet measured
 ])
 def test_boolean_switches_parse_strictly(monkeypatch, name, getter, default):
     import importlib
@@ -71,9 +70,7 @@ def test_malformed_handoff_and_attention_switches_fail_at_start_up(monkeypatch):
     for name, bad, msg in (("SYNCLESS_NORM_HANDOFF", "maybe", "must be 0 or 1"),
                            ("SYNCLESS_ATTN_RELEASE", "soon", "must be early or late"),
                            ("SYNCLESS_DECODE_ATTN_STAGES", "two", "non-negative integer"),
-                           ("SYNCLESS_DECODE_LAYER", "fast", "must be 0 or 1"),
-                           ("SYNCLESS_ATTN_PREFETCH", "yes", "must be 0 or 1"),
-                           ("SYNCLESS_TILE_FUSED_SUM", "sometimes", "must be 0 or 1")):
+                           ("SYNCLESS_DECODE_LAYER", "fast", "must be 0 or 1")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=msg):
             kernel_env_vars()

@@ -273,63 +273,6 @@ def _shipped_tile_variants():
     return out
 
 
-def _fused_add_norm_variants():
-    """The shipped add_norm configs that ``SYNCLESS_TILE_FUSED_SUM=1`` runs fused (the others
-    keep two launches: their row block is too wide)."""
-    from kernels.tile_gemm_fused import applies
-
-    return [p for p in _shipped_tile_variants() if p.values[0].startswith("add_norm|")
-            and applies(int(p.values[0].rsplit("|", 1)[1].split("x")[0]))]
-
-
-@pytest.mark.parametrize("key,cfg", _fused_add_norm_variants())
-def test_fused_add_norm_tile_gemm_compiles_without_spills(key, cfg):
-    """``SYNCLESS_TILE_FUSED_SUM=1``: the one-launch add + norm GEMM of each shipped add_norm
-    config it applies to compiles for sm_90, K loop pipelined, without register spills (its
-    last program holds a whole row block: ``kernels.tile_gemm_fused.MAX_FUSED_ELEMS``)."""
-    import triton.language as tl
-
-    from kernels.tile_gemm_fused import _tile_gemm_add_norm_kernel, rows_a_chunk
-
-    assert _fused_add_norm_variants(), "the shipped table has no config the fused path takes"
-    n = int(key.rsplit("|", 1)[1].split("x")[0])
-    const = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-                 SPLIT_K=cfg["split_k"], BLOCK_C=triton.next_power_of_2(n), DT=tl.bfloat16,
-                 UPCAST=False, IEEE=False, ROWS_C=rows_a_chunk(cfg["block_m"], n),
-                 TILES_P=triton.next_power_of_2(triton.cdiv(n, cfg["block_n"])))
-    compiled = _compile(_tile_gemm_add_norm_kernel, const,
-                        {"part_ptr": "*fp32", "ssq_ptr": "*fp32", "sem_ptr": "*i32"},
-                        floats=("eps",), aligned_ints=("N", "K", "k_per_split"),
-                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    regs, spills = _resource_usage(compiled.asm["cubin"])
-    assert spills == 0 and compiled.metadata.shared <= 227 * 1024, (regs, spills)
-    assert "async_copy" in compiled.asm["ttgir"], "the K loop's loads are not pipelined"
-
-
-@pytest.mark.parametrize("cfg,act,out", [
-    # notes/2026-12-05f-tile-gate-up-m16.json: Qwen3-0.6B gate|up at 2-16 rows, SiLU*mul pairs
-    (dict(block_m=16, block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=4), True, "*bf16"),
-    (dict(block_m=64, block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=4), False, "*bf16"),
-    (dict(block_m=32, block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=3), False, "*fp32"),
-], ids=["gate-up-m16-act", "plain-m64", "logits-m32"])
-def test_fused_split_sum_tile_gemm_compiles_without_spills(cfg, act, out):
-    """``SYNCLESS_TILE_FUSED_SUM=1``'s one-launch split GEMM (plain, SiLU*mul pairs, float32
-    logits) compiles for sm_90, K loop pipelined, without register spills."""
-    import triton.language as tl
-
-    from kernels.tile_gemm_fused import _tile_gemm_merge_kernel
-
-    const = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-                 SPLIT_K=cfg["split_k"], ROUND_TO=tl.bfloat16, UPCAST=False, IEEE=False, ACT=act)
-    compiled = _compile(_tile_gemm_merge_kernel, const,
-                        {"part_ptr": "*fp32", "sem_ptr": "*i32", "out_ptr": out},
-                        aligned_ints=("N", "K", "k_per_split"),
-                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    regs, spills = _resource_usage(compiled.asm["cubin"])
-    assert spills == 0 and compiled.metadata.shared <= 227 * 1024, (regs, spills)
-    assert "async_copy" in compiled.asm["ttgir"], "the K loop's loads are not pipelined"
-
-
 @pytest.mark.parametrize("key,cfg", _shipped_tile_variants())
 def test_tile_gemm_shipped_configs_compile_without_spills(key, cfg):
     """The shipped table's configs compile for sm_90 within the shared memory of one SM and

@@ -76,13 +76,3 @@ def test_attention_preload_defaults_to_keys_and_values_and_rejects_bad_values(mo
     monkeypatch.setenv("SYNCLESS_ATTN_PRELOAD", "keys")
     with pytest.raises(ValueError, match="SYNCLESS_ATTN_PRELOAD must be a non-negative integer"):
         pdl.attention_preload()
-
-
-def test_attention_prefetch_is_off_unless_set_to_one(monkeypatch):
-    """``SYNCLESS_ATTN_PREFETCH``: an A/B knob, off by default (not yet measured)."""
-    monkeypatch.delenv("SYNCLESS_ATTN_PREFETCH", raising=False)
-    got = [pdl.attention_prefetch()]
-    for raw in ("0", " 1 "):
-        monkeypatch.setenv("SYNCLESS_ATTN_PREFETCH", raw)
-        got.append(pdl.attention_prefetch())
-    assert got == [False, False, True]
