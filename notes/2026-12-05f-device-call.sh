@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Run in 2026-12-05g on an H100 (notes/2026-12-05g-results.md). SYNCLESS_TILE_FUSED_SUM and
+# SYNCLESS_ATTN_PREFETCH were removed after it (measured slower / within noise), with
+# tests/test_gpu_tile_gemm_fused.py: this script is kept as the record of what ran.
 # 2026-12-05f device call (written for the next session; no device was lent after call 2b):
 #   1. the eager warm-up GPU tests (enforce_eager: zero variants after start-up);
 #   2. the decode attention GPU kernel tests (SYNCLESS_ATTN_PREFETCH on and off);
