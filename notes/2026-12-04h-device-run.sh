@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Stop 23 device runs (issue 3, one H200). Usage: bash THIS [tests|throughput|grid|probe]...
 #   tests       GPU engine tests (greedy == transformers, sync check, no kernel variant after start-up)
+#   gpuall      every tests/*gpu*.py file (not `-m gpu tests`: tests/test_serve_cli.py imports openai, which
+#               the device lacks); well over 290 s on an H100 (2026-12-05g), so give it a call of its own
 #   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
 #               as the baseline in the same run (BASELINE=none skips it)
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
@@ -45,6 +47,8 @@ for what in "$@"; do
   case $what in
     tests) timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py} -rs \
              2>&1 | tee -a "$OUT/gpu-tests.log" | tail -8;;
+    gpuall) timeout ${TESTS_TIMEOUT:-560} python -m pytest -q -m gpu tests/*gpu*.py -rs -p no:cacheprovider \
+              > "$OUT/gpu-all.log" 2>&1; echo "gpuall rc=$?"; tail -8 "$OUT/gpu-all.log" | cut -c1-300;;
     tile)
       timeout ${TILE_TIMEOUT:-300} python -m kernels.bench_tile_gemm --ms "${TILE_MS:-32,64,128,256}" ${TILE_SHAPES:+--shapes $TILE_SHAPES} \
         --out "$OUT/tile-gemm.json" --tuning-out "$OUT/tile_gemm_tuning.json" > "$OUT/tile-gemm.log" 2>&1 \
