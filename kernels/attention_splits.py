@@ -111,8 +111,9 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     a split divides its row's real length). Eager one-token windows (``enforce_eager`` decode)
     also keep the default tile and CTA target (no small-grid heuristics), fix their depth
     (``EAGER_ONE_TOKEN_STAGES``) and round the split count down to a power of four, so that
-    every batch and bound lands on at most four shapes, which start-up compiles (``eager_one_token_cases``); an eager step's cost is
-    its Python launches, not these tiles. Graph captures keep the exact, tuned shapes:
+    every batch and bound lands on at most four shapes, which start-up compiles
+    (``eager_one_token_cases``); an eager step's cost is its Python launches, not these
+    tiles. Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
     window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and
     split count, H200 2026-12-04g). The cost: such eager windows lose split-KV (a few
@@ -193,7 +194,7 @@ def _reduce_splits_kernel(
 # zero between launches (the last arriving program re-arms its counter). One growing
 # buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
 # their addresses.
-_SEMAPHORES: dict[tuple[str, int, str], torch.Tensor] = {}
+_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 MIN_SEMAPHORES = 1 << 14
 
@@ -214,12 +215,11 @@ def reduce_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     )
 
 
-def _semaphores(device: torch.device, n: int, pool: str = "attention") -> torch.Tensor | None:
+def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
     """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
     a buffer too small (allocating then would tie it to the graph's pool): the caller
-    falls back to a separate reduce launch. One buffer per ``pool`` (each kernel family its
-    own: a PDL launch may start before the previous kernel's last program re-arms)."""
-    key = (device.type, device.index if device.index is not None else -1, pool)
+    falls back to the reduce kernel."""
+    key = (device.type, device.index if device.index is not None else -1)
     buf = _SEMAPHORES.get(key)
     if buf is not None and buf.numel() >= n:
         return buf

@@ -44,14 +44,15 @@ TUNING_ENV = "SYNCLESS_TILE_GEMM_TUNING"  # another tuning file (a benchmark's f
 SWITCH_ENV = "SYNCLESS_TILE_GEMM"  # 0: cuBLAS everywhere (an A/B knob)
 
 
-@triton.jit
-def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """The float32 ``[BLOCK_M, BLOCK_N]`` product of this program's x rows (grid axis 0; the
-    fastest, so the M tiles of one W tile run together and W is read once) and W rows (axis
-    1) over its K slice (axis 2), with the tile's row and column indices and masks."""
-    pid_m = tl.program_id(0)
+@triton.jit(do_not_specialize=["M"])
+def _tile_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,27 +75,12 @@ def tile_product(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
             acc += tl.dot(a, tl.trans(b), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
-    return acc, offs_m, offs_n, m_ok, n_ok
-
-
-@triton.jit(do_not_specialize=["M"])
-def _tile_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ACT: tl.constexpr = False,
-):
-    acc, offs_m, offs_n, m_ok, n_ok = tile_product(
-        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     mask = m_ok[:, None] & n_ok[None, :]
     o_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if PARTIAL:
-        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + o_off, acc, mask=mask)
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + o_off, acc, mask=mask)
     elif ACT:
-        y, offs_j = _silu_mul_pairs(acc, tl.program_id(1), BLOCK_M, BLOCK_N,
-                                    x_ptr.dtype.element_ty)
+        y, offs_j = _silu_mul_pairs(acc, pid_n, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
                  y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_j < N // 2)[None, :])
     else:
@@ -248,13 +234,6 @@ def _split_partials(split: int, m: int, n: int, device: torch.device) -> torch.T
     return flat.as_strided((split, m, n), (plane, n, 1))
 
 
-def product_flags(x: torch.Tensor) -> dict:
-    """``tile_product``'s ``UPCAST`` (the interpreter's bf16 dot: exact fp32 copies instead)
-    and ``IEEE`` (exact fp32 products) for operands like ``x``."""
-    return dict(UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
-                IEEE=x.dtype == torch.float32)
-
-
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
                  partial: bool, round_to_x: bool = False, act: bool = False) -> None:
     """``_tile_gemm_kernel`` into ``out``: ``[M, N]`` (or ``[M, N / 2]`` with ``act``), or with
@@ -264,7 +243,8 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch
     _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, weight, out, m, n, k, k // split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x, **product_flags(x),
+        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x,
+        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
         ACT=act, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
