@@ -3,6 +3,8 @@
 #   tests       GPU engine tests (greedy == transformers, sync check, no kernel variant after start-up)
 #   gpuall      every tests/*gpu*.py file (not `-m gpu tests`: tests/test_serve_cli.py imports openai, which
 #               the device lacks); well over 290 s on an H100 (2026-12-05g), so give it a call of its own
+#   gpupar      the same files in GPU_WORKERS (4) pytest-xdist processes, one file a process (--dist loadfile):
+#               Triton's compiles run in parallel; needs pytest-xdist + execnet in .devbundle/wheels (2026-12-05h)
 #   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
 #               as the baseline in the same run (BASELINE=none skips it)
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)
@@ -49,6 +51,9 @@ for what in "$@"; do
              2>&1 | tee -a "$OUT/gpu-tests.log" | tail -8;;
     gpuall) timeout ${TESTS_TIMEOUT:-560} python -m pytest -q -m gpu tests/*gpu*.py -rs -p no:cacheprovider \
               > "$OUT/gpu-all.log" 2>&1; echo "gpuall rc=$?"; tail -8 "$OUT/gpu-all.log" | cut -c1-300;;
+    gpupar) timeout ${TESTS_TIMEOUT:-560} python -m pytest -q -m gpu tests/*gpu*.py -rs -p no:cacheprovider \
+              -n ${GPU_WORKERS:-4} --dist loadfile --durations=15 > "$OUT/gpu-par.log" 2>&1; echo "gpupar rc=$?"
+            grep -E "passed|failed|error" "$OUT/gpu-par.log" | tail -4 | cut -c1-300;;
     tile)
       timeout ${TILE_TIMEOUT:-300} python -m kernels.bench_tile_gemm --ms "${TILE_MS:-32,64,128,256}" ${TILE_SHAPES:+--shapes $TILE_SHAPES} \
         --out "$OUT/tile-gemm.json" --tuning-out "$OUT/tile_gemm_tuning.json" > "$OUT/tile-gemm.log" 2>&1 \
