@@ -7,7 +7,7 @@ import torch
 
 from kernels import reference as ref
 from tests.interpreted import INTERPRETED, delegate_all
-from tests.test_kernels import SKINNY_CASES, skinny_case
+from tests.test_kernels_skinny import SKINNY_CASES, skinny_case
 
 if INTERPRETED:
     from kernels import gemv
