@@ -79,7 +79,7 @@ def measure_ceilings(device: str) -> dict[str, Any]:
     rate (bf16 8192^3 on a GPU, fp32 1024^3 on the CPU), measured where this runs."""
     import torch
 
-    from benchmarks.decode_roofline import measure_bandwidth
+    from benchmarks.roofline_model import measure_bandwidth
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     bw = measure_bandwidth(dev, (2048 if dev.type == "cuda" else 128) << 20, 10 if dev.type == "cuda" else 3)
