@@ -241,6 +241,9 @@ def test_throughput_job(ray_head, tmp_path):
     base = res["baseline"]
     assert "error" not in base, base
     assert base["num_requests"] == 6 and base["output_tokens_per_second"] > 0
+    # its manager warmed and cached before the timed call, which must then reuse it
+    assert base["warm_up"] == "before the timed call (cached manager)", base["warm_up"]
+    assert base["warm_up_s"] >= 0
     assert res["ratio_vs_baseline"]["output_tokens_per_second"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
 
