@@ -74,7 +74,7 @@ for c in d['cells']: print('tile=$t', c['batch_size'], c['context_len'], round(c
       timeout ${TPUT_TIMEOUT:-330} python -m benchmarks.throughput --shape qwen3-0.6b --input-len 512 --output-len 256 \
         --num-prompts 256 --max-model-len 1024 --async-scheduling $base --output "$OUT/throughput.json" \
         > "$OUT/throughput.log" 2>&1 || tail -20 "$OUT/throughput.log"
-      grep -E "^Throughput|achieved|baseline|speedup|roofline|mid-serving" "$OUT/throughput.log" | cut -c1-200 | head -12;;
+      grep -E "^Throughput|achieved|baseline|speedup|roofline|mid-serving|syncless / transformers|warm_up" "$OUT/throughput.log" | cut -c1-200 | head -12;;
     grid)
       for shape in ${SHAPES:-llama-3.1-8b qwen3-0.6b}; do
         env ${EXTRA:-} timeout ${GRID_TIMEOUT:-250} python -m benchmarks.decode_roofline --shape "$shape" \
