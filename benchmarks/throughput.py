@@ -70,7 +70,9 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
         busy = sum(t[1] for t in llm.engine.timeline)
         idle = sum(t[2] for t in llm.engine.timeline if t[2] >= 0)
         res["device_timeline"] = {"steps": len(llm.engine.timeline), "device_busy_s": busy,
-                                  "device_idle_s": idle, "busy_fraction_of_elapsed": busy / elapsed}
+                                  "device_idle_s": idle, "busy_fraction_of_elapsed": busy / elapsed,
+                                  # per step: (rows, device seconds, idle seconds before it; -1: unknown)
+                                  "per_step": [list(t) for t in llm.engine.timeline]}
     return res
 
 
