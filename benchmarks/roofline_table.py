@@ -35,19 +35,16 @@ def cell_line(label: str, cell: dict[str, Any]) -> str:
             f"attn+rope {attention_us(p):6.1f}")
 
 
-def table(paths: list[str]) -> list[str]:
-    lines = []
-    for path in sorted(paths):
-        label = Path(path).stem.removeprefix("rl-")
-        for cell in json.loads(Path(path).read_text())["cells"]:
-            if "ratio" in cell:  # skipped cells (e.g. a KV cache that does not fit) have none
-                lines.append(cell_line(label, cell))
-    return lines
-
-
 def _cells(path: str) -> dict[tuple[int, int], dict[str, Any]]:
+    """A result file's measured cells by (batch, context), in file order; skipped cells (e.g.
+    a KV cache that does not fit) have no ratio and are left out."""
     return {(c["batch_size"], c["context_len"]): c
             for c in json.loads(Path(path).read_text())["cells"] if "ratio" in c}
+
+
+def table(paths: list[str]) -> list[str]:
+    return [cell_line(Path(path).stem.removeprefix("rl-"), cell)
+            for path in sorted(paths) for cell in _cells(path).values()]
 
 
 def verdict(base: dict[str, Any], other: dict[str, Any]) -> str:

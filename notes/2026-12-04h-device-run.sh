@@ -4,7 +4,7 @@
 #   gpuall      every tests/*gpu*.py file (not `-m gpu tests`: tests/test_serve_cli.py imports openai, which
 #               the device lacks); well over 290 s on an H100 (2026-12-05g), so give it a call of its own
 #   gpupar      the same files in GPU_WORKERS (4) pytest-xdist processes, one file a process (--dist loadfile):
-#               Triton's compiles run in parallel; needs pytest-xdist + execnet in .devbundle/wheels (2026-12-05h)
+#               Triton's compiles run in parallel (pytest-xdist is in the device image, 2026-12-05h)
 #   throughput  the issue-3 workload (Qwen3-0.6B, 256 x 512 -> 256) with transformers' generate_batch
 #               as the baseline in the same run (BASELINE=none skips it)
 #   grid        decode_roofline, both shapes, b 1..256, ctx 512 and 4096 (phase floor beside the roofline)

@@ -2,7 +2,7 @@
 
 The throughput workload's prefill forward spends 3.55 ms of 18.3 in ``_paged_attention_kernel``
 (16 prompts x 512 tokens, Qwen3-0.6B heads: 16 q, 8 kv, d 128; H100). This times that one
-launch (CUDA events, 20 calls) for prefill tile variants, checks each output against the
+launch (``kernels.bench.graph_time_us``: a CUDA graph of back-to-back calls) for prefill tile variants, checks each output against the
 shipped config's, and prints a table.
 
     python notes/2026-12-05h-prefill-attn-probe.py [PROMPTS] [LEN] [HQ] [HKV]
@@ -13,6 +13,7 @@ import sys
 import torch
 
 from kernels import paged_attention as pa
+from kernels.bench import graph_time_us
 
 n_req, plen = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (16, 512)
 hq, hkv = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (16, 8)
@@ -46,18 +47,6 @@ def run(block_m=None, **cfg):
         pa.launch_config = shipped
 
 
-def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / iters * 1e3
-
-
 ref = run()
 flops = 4 * n_req * hq * d * plen * (plen + 1) / 2
 rows = []
@@ -67,7 +56,7 @@ for v in variants:
     try:
         out = run(**v)
         err = (out.float() - ref.float()).abs().max().item()
-        us = timed(lambda: run(**v))
+        us = graph_time_us([lambda: run(**v)])
         rows.append((us, v, err))
     except Exception as exc:  # e.g. out of shared memory
         rows.append((float("inf"), v, f"{type(exc).__name__}: {str(exc)[:60]}"))
