@@ -114,7 +114,8 @@ def remote_hardware_info(num_gpus: float) -> dict[str, Any] | None:
 # Common engine options as flags (None = engine default); anything else: --engine-option k=v.
 ENGINE_FLAGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "block_size": int, "max_num_seqs": int,
-    "max_num_batched_tokens": int, "tensor_parallel_size": int, "gpu_memory_utilization": float,
+    "max_num_batched_tokens": int, "tensor_parallel_size": int, "pipeline_parallel_size": int,
+    "data_parallel_size": int, "gpu_memory_utilization": float,
     "num_kv_blocks": int, "kv_cache_memory_bytes": int, "device": str,
 }
 ENGINE_BOOL_FLAGS = ("async_scheduling", "enforce_eager", "enable_chunked_prefill")

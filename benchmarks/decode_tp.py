@@ -1,4 +1,4 @@
-"""Run ``decode_roofline.measure`` on every rank of a tensor-parallel group.
+"""Run ``decode_bench.measure`` on every rank of a tensor-parallel group.
 
 One Ray actor per rank, placed and given its device exactly as the engine's workers
 are (``placement.place_workers`` bundles, the platform adapter's visibility and
@@ -33,7 +33,7 @@ class RankBench:
     def measure(self, conf: dict[str, Any], init_method: str) -> dict[str, Any]:
         import torch
 
-        from benchmarks.decode_roofline import measure
+        from benchmarks.decode_bench import measure
         from workers.distributed import destroy_distributed, init_distributed
 
         device = self.platform.torch_device()
@@ -42,7 +42,7 @@ class RankBench:
         else:
             torch.cuda.set_device(device)
         tp = init_distributed(self.platform.collective_backend, init_method, self.rank, self.world_size,
-                              self.world_size, device=device)
+                              self.world_size)
         try:
             return measure(conf, tp=tp, device=device)
         finally:
@@ -80,7 +80,6 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
 
     from placement import actor_env_vars, select_platform
     from placement.placement_groups import Layout, place_workers
-    from kernels.switches import kernel_env_vars
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
@@ -88,7 +87,7 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
     timeout = float(conf.get("start_timeout_s", 300))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **actor_env_vars(kind), **kernel_env_vars()}  # a malformed switch fails before placing
+           **actor_env_vars(kind)}
     gpu = kind != "cpu"
     placement = place_workers(Layout(tp_size, 1), kind, timeout, name="decode-tp")
     actors = []
@@ -105,9 +104,7 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
             ray.kill(a, no_restart=True)
         placement.remove()
     collective = select_platform(kind).collective_library  # the name WorkerActor.stats uses
-    out = dict(results[0])
-    if out["tp_all_reduce"] != "symm":
-        out["tp_all_reduce"] = collective
+    out = dict(results[0], tp_all_reduce=collective)
     out["placement"] = f"{tp_size} Ray actors ({'1 GPU' if gpu else '1 CPU'} each), {collective}"
     out["rank_bandwidth_bytes_per_s"] = [r["bandwidth"]["bandwidth_bytes_per_s"] for r in results]
     for i, cell in enumerate(out["cells"]):

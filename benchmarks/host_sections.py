@@ -1,6 +1,7 @@
 """Host time of a pipelined decode step, by section of ``ModelRunner.launch`` / ``finish``.
 
     python -m benchmarks.host_sections --shape qwen3-0.6b --batch-sizes 1,8 --context-lens 512
+    python -m benchmarks.host_sections --driver --tokenizer DIR --batch-sizes 256 --context-lens 512
 
 Runs ``benchmarks.decode_roofline``'s cells (same plans, same pipelining) with wall-clock
 timers wrapped around the step's host-side functions. Each section's time is inclusive
@@ -9,6 +10,12 @@ median over the timed pipelined steps; ``wait`` is the time ``finish`` spends bl
 the step's one event, so ``busy = step - wait`` is the host's own work a step. When
 ``busy`` is about the step, the host sets the pace, not the device. The timers add about
 a microsecond a call: compare sections within one run, not with another benchmark.
+
+``--driver`` times the driver's side of a decode step instead, without workers: the real
+``Scheduler`` and ``OutputProcessor`` with a real tokenizer, fed sampled tokens of real
+text, one result per step at each batch size. ``schedule`` and ``update`` (applying the
+result) lie on the path from a result to the next plan; ``outputs`` (detokenizing, stop
+strings, deltas) runs after the next plan was sent under async scheduling.
 """
 
 from __future__ import annotations
@@ -140,6 +147,81 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+# real text for the driver cells' sampled tokens (any tokenizer encodes it)
+_TEXT = ("The engine schedules requests, ships typed plans to its workers and streams tokens back. "
+         "Each worker keeps exact sequence lengths on the device; the driver knows upper bounds. "
+         "Über-große Stapel, naïve café prices (3.50 €) and 数据 mix ASCII with multi-byte text. ")
+
+
+def driver_cells(tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, steps: int,
+                 stop_strings: bool = True) -> list[dict[str, Any]]:
+    """Median driver time a decode step (us) at each batch size: ``schedule``, ``update``
+    (``Scheduler.update_from_result``) and ``outputs`` (``OutputProcessor.process``).
+    With ``stop_strings`` every request has two stop strings that never occur."""
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    from cluster.input_processor import InputProcessor
+    from cluster.output_processor import OutputProcessor
+    from cluster.scheduler import Scheduler
+    from metadata.config import EngineConfig
+    from metadata.sampling_params import SamplingParams
+    from metadata.wire import SampledRow, StepResult
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok.encode(_TEXT * (1 + 40 * (prompt_len + steps) // len(_TEXT)))
+    cells = []
+    for b in batch_sizes:
+        if len(ids) < b + prompt_len + steps:
+            ids = ids * (1 + (b + prompt_len + steps) // len(ids))
+        max_len = prompt_len + steps + 1
+        cfg = EngineConfig.from_options(max_num_seqs=b, max_num_batched_tokens=b * prompt_len,
+                                        num_kv_blocks=b * (max_len // 16 + 2), max_model_len=max_len)
+        sched = Scheduler(cfg, cfg.cache.num_kv_blocks, max_len)
+        outputs = OutputProcessor(tok)
+        inputs = InputProcessor(tok, (), len(tok), max_len, b * prompt_len, True, 0)
+        future: dict[str, list[int]] = {}
+        for i in range(b):
+            sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True,
+                                stop=["\u241e never", "zz\u241f"] if stop_strings else None)
+            for r in inputs.make_requests(f"d{i}", {"prompt_token_ids": ids[i:i + prompt_len]}, sp, 1 << 30):
+                outputs.add(r)
+                sched.add(r)
+                future[r.request_id] = ids[i + prompt_len:i + prompt_len + steps]
+        times: dict[str, list[float]] = {"schedule": [], "update": [], "outputs": []}
+        while sched.has_unfinished():
+            t0 = time.perf_counter()
+            step = sched.schedule()
+            t1 = time.perf_counter()
+            rows = [SampledRow(handle=h, token_ids=[future[r.request_id][len(r.output_token_ids)]])
+                    for h, r in step.sampled.items()]
+            result = StepResult(step_id=step.plan.step_id, outputs=rows)
+            t2 = time.perf_counter()
+            update = sched.update_from_result(step, result)
+            t3 = time.perf_counter()
+            outputs.process(update, sched)
+            t4 = time.perf_counter()
+            if len(step.plan.rows) == b and all(r.num_scheduled_tokens == 1 for r in step.plan.rows):
+                for k, v in (("schedule", t1 - t0), ("update", t3 - t2), ("outputs", t4 - t3)):
+                    times[k].append(v)
+        med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        cells.append({"batch_size": b, "prompt_len": prompt_len, "decode_steps": len(times["update"]),
+                      "stop_strings": stop_strings, "schedule_us": med["schedule"], "update_us": med["update"],
+                      "outputs_us": med["outputs"], "to_next_plan_us": med["schedule"] + med["update"],
+                      "total_us": sum(med.values())})
+    return cells
+
+
+def driver_table(cells: list[dict[str, Any]]) -> str:
+    rows = [f"{'driver (us a decode step)':28s}" + "".join(f"{'b%d' % c['batch_size']:>12s}" for c in cells)]
+    for key, label in (("schedule_us", "schedule"), ("update_us", "update_from_result"),
+                       ("to_next_plan_us", "result -> next plan"), ("outputs_us", "outputs (after the plan)"),
+                       ("total_us", "total")):
+        rows.append(f"{label:28s}" + "".join(f"{c[key]:12.1f}" for c in cells))
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_sections", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,10 +232,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    p.add_argument("--driver", action="store_true",
+                   help="time the driver's side of a decode step (schedule, update, outputs) instead")
+    p.add_argument("--tokenizer", help="--driver: the tokenizer directory (default: the model's)")
+    p.add_argument("--no-stop-strings", action="store_true", help="--driver: requests without stop strings")
     common.add_output_args(p, "host_sections")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if args.driver:
+        return _driver_main(args)
     model_dir, load_format = common.model_and_format(args)
     conf = {"model_dir": model_dir, "load_format": load_format, "model_name": args.shape or model_dir,
             "batch_sizes": decode_roofline._ints(args.batch_sizes),
@@ -163,6 +251,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "temperature": 0.0}
     cells = run(conf)
     print(table(cells), flush=True)
+    out_path, _ = common.output_paths(args, "host_sections")
+    result = common.record("host_sections", args, config=conf, cells=cells)
+    common.write_json(out_path, result)
+    return result
+
+
+def _driver_main(args) -> dict[str, Any]:
+    tokenizer = args.tokenizer or common.model_and_format(args)[0]
+    conf = {"tokenizer": tokenizer, "batch_sizes": decode_roofline._ints(args.batch_sizes),
+            "prompt_len": decode_roofline._ints(args.context_lens)[0], "steps": args.iters,
+            "stop_strings": not args.no_stop_strings}
+    cells = driver_cells(tokenizer, conf["batch_sizes"], conf["prompt_len"], conf["steps"], conf["stop_strings"])
+    print(driver_table(cells), flush=True)
     out_path, _ = common.output_paths(args, "host_sections")
     result = common.record("host_sections", args, config=conf, cells=cells)
     common.write_json(out_path, result)

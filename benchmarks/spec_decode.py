@@ -15,6 +15,15 @@ here. It assumes a verify step costs one target decode step, which holds while
 decode is memory bound (small batches).
 
     python -m benchmarks.spec_decode --shape llama-3.1-8b --draft-shape qwen3-0.6b-llama3-vocab --self-draft
+
+``--workload real-text`` measures prompt-lookup (n-gram) drafting instead, on a real model
+(default: the embedded SmolLM2-135M-Instruct; ``--model DIR_OR_GGUF``): chat requests whose
+answers copy from the prompt (``benchmarks.spec_text``: repeat / edit / comment / summarize
+a code snippet), greedy, natural stops. It reports the n-gram acceptance rate (accepted /
+drafted tokens), the speedup in output tokens/s over plain decoding of the same requests,
+and whether the outputs are identical (greedy speculation must not change them).
+
+    python -m benchmarks.spec_decode --workload real-text --batch-sizes 1,8
 """
 
 from __future__ import annotations
@@ -77,8 +86,88 @@ def alpha_from_mean_accepted(mean_acc: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+def _run_chats(llm, convs: list, out_len: int) -> dict:
+    """Greedy answers to ``convs`` (chat template applied), after a short warm-up request."""
+    from cluster import SamplingParams
+
+    llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    st0 = dict(llm.engine.stats)
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=out_len), use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    st = llm.engine.stats
+    drafted = st.get("spec_draft_tokens", 0) - st0.get("spec_draft_tokens", 0)
+    accepted = st.get("spec_accepted_tokens", 0) - st0.get("spec_accepted_tokens", 0)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n_out = sum(len(t) for t in tokens)
+    return {"batch": len(convs), "output_tokens": n_out, "elapsed_s": elapsed,
+            "output_tokens_per_s": n_out / elapsed, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None, "token_ids": tokens}
+
+
+def real_text_main(args) -> dict:
+    """Plain decoding vs n-gram (prompt lookup) speculation on real chat requests."""
+    from benchmarks.spec_text import conversations
+    from cluster import LLM
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    extra = {"device": args.device, "max_num_seqs": max(batches), "max_model_len": args.max_model_len,
+             "async_scheduling": not args.sync}
+    if args.num_kv_blocks:
+        extra["num_kv_blocks"] = args.num_kv_blocks
+    ngram = {"speculative_method": "ngram_host" if args.sync and args.host_lookup else "ngram",
+             "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+             "prompt_lookup_max": args.lookup_max}
+    runs: dict[str, dict[int, dict]] = {}
+    model_name = None
+    for name, spec in (("plain", {}), ("ngram", ngram)):
+        llm = LLM(model=args.model, **extra, **spec)
+        model_name = llm.engine.served_model_name
+        try:
+            runs[name] = {b: _run_chats(llm, conversations(b), args.output_len) for b in batches}
+        finally:
+            llm.shutdown()
+    results = []
+    for b in batches:
+        plain, spec = runs["plain"][b], runs["ngram"][b]
+        results.append({"batch": b, "k": args.k, "method": ngram["speculative_method"],
+                        "plain_tokens_per_s": plain["output_tokens_per_s"],
+                        "ngram_tokens_per_s": spec["output_tokens_per_s"],
+                        "output_tokens": plain["output_tokens"],
+                        "acceptance_rate": spec["acceptance_rate"],
+                        "accepted_per_output_token": spec["accepted_tokens"] / max(1, spec["output_tokens"]),
+                        "speedup": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                        "outputs_identical": spec["token_ids"] == plain["token_ids"]})
+    for r in runs.values():
+        for run in r.values():
+            run.pop("token_ids")
+    out = {"benchmark": "spec_decode", "workload": "real-text", "model": model_name, "config": vars(args),
+           "hardware": hardware_info(), "versions": versions(), "runs": {k: list(v.values()) for k, v in runs.items()},
+           "results": results}
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"model {model_name}, {ngram['speculative_method']} k={args.k} "
+          f"lookup {args.lookup_min}..{args.lookup_max}, {'sync' if args.sync else 'async'} scheduling")
+    print(f"{'batch':>5} {'out tok':>8} {'plain/s':>9} {'ngram/s':>9} {'accept':>7} {'speedup':>8} {'same':>5}")
+    for r in results:
+        print(f"{r['batch']:>5} {r['output_tokens']:>8} {r['plain_tokens_per_s']:9.1f} {r['ngram_tokens_per_s']:9.1f} "
+              f"{r['acceptance_rate'] or 0:7.3f} {r['speedup']:8.3f} {str(r['outputs_identical']):>5}")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("synthetic", "real-text"), default="synthetic",
+                   help="synthetic: random ids, draft-model speculation on --shape/--draft-shape; "
+                        "real-text: n-gram speculation on real chat requests (see above)")
+    p.add_argument("--model", default=None,
+                   help="real-text: checkpoint directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--lookup-min", type=int, default=1, help="real-text: prompt_lookup_min")
+    p.add_argument("--lookup-max", type=int, default=3, help="real-text: prompt_lookup_max")
+    p.add_argument("--max-model-len", type=int, default=1024, help="real-text: engine max_model_len")
+    p.add_argument("--sync", action="store_true", help="real-text: synchronous scheduling")
+    p.add_argument("--host-lookup", action="store_true",
+                   help="real-text with --sync: speculative_method='ngram_host' (lookup on the driver)")
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--draft-shape", default="qwen3-0.6b-llama3-vocab")
     p.add_argument("--self-draft", action="store_true", help="also run the target as its own draft")
@@ -90,6 +179,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--output", default="spec_decode.json")
     args = p.parse_args(argv)
+    if args.workload == "real-text":
+        return real_text_main(args)
     target, fmt = resolve_model(None, args.shape)
     draft, _ = resolve_model(None, args.draft_shape)
     batches = [int(b) for b in args.batch_sizes.split(",")]

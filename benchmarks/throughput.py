@@ -52,13 +52,20 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
     prompts = [r.prompt for r in requests]
     params = [SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
                              max_tokens=r.expected_output_len, seed=i) for i, r in enumerate(requests)]
-    before = dict(llm.engine.stats)
-    llm.engine.timeline.clear()
+    engine = llm.engine  # None under data parallelism: the replicas report their own counters
+    before = dict(engine.stats) if engine is not None else {}
+    if engine is not None:
+        engine.timeline.clear()
     t0_mono = time.monotonic()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    stats = {k: v - before.get(k, 0) for k, v in llm.engine.stats.items()}  # the timed run only
+    if engine is not None:
+        stats = {k: v - before.get(k, 0) for k, v in engine.stats.items()}  # the timed run only
+    else:
+        import msgspec
+
+        stats = {"replicas": [msgspec.to_builtins(x) for x in llm.data_parallel.stats()]}
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     finish = sorted(
@@ -66,13 +73,13 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
     )
     res = {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish,
            "engine_stats": stats}
-    if llm.engine.timeline:  # measure_device_timeline: where the device's time went
-        busy = sum(t[1] for t in llm.engine.timeline)
-        idle = sum(t[2] for t in llm.engine.timeline if t[2] >= 0)
-        res["device_timeline"] = {"steps": len(llm.engine.timeline), "device_busy_s": busy,
+    if engine is not None and engine.timeline:  # measure_device_timeline: where the device's time went
+        busy = sum(t[1] for t in engine.timeline)
+        idle = sum(t[2] for t in engine.timeline if t[2] >= 0)
+        res["device_timeline"] = {"steps": len(engine.timeline), "device_busy_s": busy,
                                   "device_idle_s": idle, "busy_fraction_of_elapsed": busy / elapsed,
                                   # per step: (rows, device seconds, idle seconds before it; -1: unknown)
-                                  "per_step": [list(t) for t in llm.engine.timeline]}
+                                  "per_step": [list(t) for t in engine.timeline]}
     return res
 
 
@@ -207,11 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     tokenizer = llm.get_tokenizer()
     requests = get_requests(args, vocab_size_of(model_dir), tokenizer)
-    too_long = [r for r in requests if r.prompt_len + r.expected_output_len > llm.engine.max_model_len]
+    core = llm.engine or llm.data_parallel  # one engine, or the data-parallel replicas' front
+    max_model_len = core.max_model_len
+    too_long = [r for r in requests if r.prompt_len + r.expected_output_len > max_model_len]
     if too_long:
-        raise SystemExit(f"{len(too_long)} requests exceed max_model_len {llm.engine.max_model_len}; "
+        raise SystemExit(f"{len(too_long)} requests exceed max_model_len {max_model_len}; "
                          "lower --input-len/--output-len or raise --max-model-len")
-    device = llm.engine.device
+    device = core.device
     engine_cfg = llm.config.to_dict()
     print(f"engine ready in {init_s:.1f} s on {device}; running {len(requests)} requests", flush=True)
     res = run_engine(llm, requests, args.temperature, args.num_warmup)
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["config"] = {
         "model_name": args.shape or model_dir, "model_dir": model_dir, "load_format": load_format,
         "engine_options": opts, "engine_config": engine_cfg, "device": device, "engine_init_s": init_s,
-        "max_model_len": llm.engine.max_model_len, "dataset": args.dataset, "num_prompts": len(requests),
+        "max_model_len": max_model_len, "dataset": args.dataset, "num_prompts": len(requests),
     }
     if roof is not None:
         result["roofline"] = roof

@@ -24,6 +24,12 @@ from metadata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Health hooks of an idle engine thread: how often it pings the workers (a death is noticed
+# without traffic), and the restart backoff after a failure (doubling up to the max).
+PROBE_INTERVAL_S = 1.0
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
 
 class Overloaded(RuntimeError):
     """Too many requests are waiting; the client should retry later (429 / RESOURCE_EXHAUSTED)."""
@@ -105,6 +111,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._state_listeners: list = []
         self._prompt_tokens = 0  # engine thread only
+        self._held: list = []  # engine thread only: commands taken mid-step, for the loop
+        self._next_probe = 0.0  # engine thread only: death watch and restart backoff
+        self._restart_at = 0.0
+        self._backoff = RESTART_BACKOFF_S
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -114,9 +124,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="engine-core", daemon=True)
         self._thread.start()
         await ready
-        from transformers import AutoTokenizer
+        from cluster.model_source import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.info["tokenizer_path"])
+        self.tokenizer = load_tokenizer(self.info["tokenizer_path"], None)  # a directory or a .gguf file
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for ``grace_s``, abort the rest,
@@ -168,9 +178,18 @@ class AsyncEngine:
         fut = self.loop.create_future()
         self._cmds.put(("add", request_id, prompt, params, strict_field, fut))
         try:
-            stream.prompt_token_ids, stream.prompt = await fut
+            stream.prompt_token_ids, stream.prompt = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            self.abort(request_id)
+            # The caller left while the engine thread validates: once it has decided, abort
+            # the request (added) or forget its stream (refused), so nothing is left behind.
+            def settle(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    if self._streams.get(request_id) is stream:
+                        del self._streams[request_id]
+                else:
+                    self.abort(request_id)
+
+            fut.add_done_callback(settle)
             raise
         except BaseException:
             self._streams.pop(request_id, None)
@@ -337,19 +356,22 @@ class AsyncEngine:
 
     def _loop(self, core) -> None:
         idle_wait = None
+        core.intake = lambda: self._intake(core)
         while True:
             busy = core.has_unfinished() and not core.dead
-            cmds = []
+            cmds, self._held = self._held, []
             try:
-                if busy and idle_wait is None:
+                if (busy and idle_wait is None) or cmds:
                     while True:
                         cmds.append(self._cmds.get_nowait())
                 else:
-                    cmds.append(self._cmds.get(timeout=idle_wait))
+                    cmds.append(self._cmds.get(timeout=idle_wait if busy else self._watch_wait(core)))
                     while True:
                         cmds.append(self._cmds.get_nowait())
             except queue.Empty:
                 pass
+            if not busy:
+                self._watch(core)
             finals: list = []
             for cmd in cmds:
                 if cmd[0] == "stop":
@@ -383,8 +405,58 @@ class AsyncEngine:
             if not deltas and not core.in_flight and core.has_unfinished():
                 idle_wait = 0.01  # nothing schedulable right now: do not spin
 
+    def _intake(self, core) -> None:
+        """``core.intake``: runs inside ``core.step()`` right before it schedules, so requests
+        that arrived during the step join the plan about to be sent. Only the additions at the
+        head of the queue are taken here; the first other command and all after it wait, in
+        order, for the loop."""
+        while not self._held:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._add(core, *cmd[1:])
+            else:
+                self._held.append(cmd)
+
+    # -------------------------------------------- engine thread: health hooks
+    def _watch_wait(self, core) -> float:
+        """How long the idle loop may wait for a command before its next health hook."""
+        due = self._restart_at if core.dead else self._next_probe
+        return min(max(due - time.monotonic(), 0.001), PROBE_INTERVAL_S)
+
+    def _watch(self, core) -> None:
+        """While idle: notice dead workers without traffic, and restart them with backoff."""
+        now = time.monotonic()
+        if core.dead:
+            if now < self._restart_at or core.has_unfinished():
+                return
+            try:
+                core.recover()
+            except Exception as exc:  # noqa: BLE001 - retried after the backoff
+                logger.error("restarting the workers failed (next try in %.0f s): %s", self._backoff, exc)
+                self._restart_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, RESTART_BACKOFF_MAX_S)
+            else:
+                logger.info("workers restarted; serving again")
+                self._backoff = RESTART_BACKOFF_S
+                self._next_probe = time.monotonic() + PROBE_INTERVAL_S
+            self._post([], [], core)
+        elif now >= self._next_probe:
+            self._next_probe = now + PROBE_INTERVAL_S
+            probe = getattr(core.executor, "probe", None)
+            died = probe() if probe is not None else None
+            if died:
+                logger.error("engine failed while idle: %s", died)
+                core.dead = died
+                self._restart_at = time.monotonic()
+                self._post([], [], core)
+
     def _add(self, core, request_id, prompt, params, strict_field, fut) -> None:
         try:
+            if core.dead:  # a restart is due (the loop's health hook) and failed so far
+                raise EngineUnavailable(f"the engine is restarting its workers after: {core.dead}; retry later")
             if len(core.scheduler.waiting) >= self.max_waiting_requests:
                 raise Overloaded(
                     f"the server is overloaded: {len(core.scheduler.waiting)} requests are waiting "

@@ -12,7 +12,10 @@ class IncrementalDetokenizer:
     text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
+                 token_text: dict[int, str] | None = None):
+        """``token_text``: a cache of single-token decodes to share between the sequences of
+        one tokenizer and ``skip_special_tokens`` value (decoding is a pure function of ids)."""
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT:])
@@ -22,6 +25,7 @@ class IncrementalDetokenizer:
         # a fast tokenizer's Rust backend decodes the same text without transformers' per-call
         # Python wrapping (about 4x less driver time per token at large batch sizes)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._token_text = token_text if token_text is not None else {}
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
@@ -36,7 +40,13 @@ class IncrementalDetokenizer:
         return self._emit(True)
 
     def _emit(self, final: bool) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        if self.read_offset - self.prefix_offset == 1:  # steady decoding: the previous token alone
+            t = self.ids[self.prefix_offset]
+            prefix = self._token_text.get(t)
+            if prefix is None:
+                prefix = self._token_text[t] = self._decode([t])
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]

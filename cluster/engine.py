@@ -1,4 +1,10 @@
-"""The engine core: intake, the (optionally asynchronous) step loop, output processing."""
+"""The engine core: intake and the (optionally asynchronous) step loop.
+
+One step: schedule -> execute (send the plan) -> ``Scheduler.update_from_result`` (all
+post-step scheduler state) -> build outputs (``OutputProcessor``: detokenize, stop
+strings, deltas). Under async scheduling the next plan is sent between the last two, so
+output processing never delays the workers' next plan.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +12,20 @@ import gc
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
-from cluster.detokenizer import IncrementalDetokenizer, find_stop
 from cluster.executor import EngineDeadError, RayExecutor
 from cluster.input_processor import InputProcessor, InvalidRequestError
-from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
-from cluster.request import Request, RequestStatus
-from cluster.scheduler import ScheduledStep, Scheduler
+from cluster.output_processor import OutputProcessor
+from cluster.outputs import RequestOutput, StreamDelta
+from cluster.request import Request
+from cluster.scheduler import ScheduledStep, Scheduler, StepUpdate
 from metadata.config import ConfigError, EngineConfig
 from metadata.sampling_params import SamplingParams
-from metadata.wire import StepResult, encode
-from workers.models.arch import ModelLoadError, load_arch
-from workers.models.loader import checkpoint_files
+from metadata.wire import StepStats, encode
+from cluster.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_dir(cfg: EngineConfig) -> str:
-    if cfg.model.model is None:
-        from cluster.demo_model import ensure_demo_model
-
-        return str(ensure_demo_model())
-    return cfg.model.model
 
 
 def resolve_device(cfg: EngineConfig) -> str:
@@ -40,20 +37,23 @@ def resolve_device(cfg: EngineConfig) -> str:
 
 
 class EngineCore:
-    """Owns the scheduler and the executor. ``step()`` advances the engine by one
-    result: in async mode it keeps two plans queued on the workers, so the
-    driver's scheduling and output processing overlap the device's work."""
+    """Owns the scheduler, the executor and the output processor. ``step()`` advances the
+    engine by one result: in async mode it keeps plans queued on the workers (two ahead,
+    P + 1 with P pipeline stages), so the driver's work overlaps the device's.
+
+    Public surface: ``EngineCore(cfg)``, ``add_request``, ``abort``, ``step``,
+    ``has_unfinished``, ``output``, ``release``, ``recover``, ``shutdown``; ``stats``
+    (counters and seconds, see ``_account``), ``timeline``, ``dead``, ``groups``,
+    ``in_flight``, ``scheduler``, and the ``intake`` hook."""
 
     def __init__(self, cfg: EngineConfig):
         import ray
-        from transformers import AutoTokenizer
 
         self.cfg = cfg
-        self.model_dir = resolve_model_dir(cfg)
-        arch = load_arch(self.model_dir)
-        if cfg.model.load_format == "safetensors":
-            checkpoint_files(self.model_dir)
-        self.arch = arch
+        source = resolve_model(cfg)  # checkpoint dir or .gguf file, default SmolLM2-135M-Instruct
+        self.model_dir, self.arch, self.tokenizer = source.path, source.arch, source.tokenizer
+        self.eos_token_ids, self.served_model_name = source.eos_token_ids, source.served_name
+        arch = self.arch
         limit = arch.max_position_embeddings
         if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
             raise ConfigError(
@@ -61,12 +61,6 @@ class EngineCore:
                 f"max_position_embeddings {limit}"
             )
         self.max_model_len = cfg.model.max_model_len or limit
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.model_dir)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load a tokenizer from {cfg.model.tokenizer or self.model_dir}: {exc}") from None
-        eos = arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.eos_token_ids = tuple(eos)
         if not ray.is_initialized():
             ray.init(address=cfg.parallel.ray_address, log_to_driver=True)
         self.device = resolve_device(cfg)
@@ -79,10 +73,12 @@ class EngineCore:
         self.async_scheduling = cfg.scheduler.async_scheduling
         self.in_flight: deque[tuple[ScheduledStep, list]] = deque()
         self.groups: dict[str, list[Request]] = {}
-        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "plan_bytes": 0}
         self.dead: str | None = None
-        self._last_sent_step = 0  # reset to 0 whenever the workers are restarted
+        # called right before plans are scheduled (a server's request intake): under async
+        # scheduling that is mid-step, so requests that arrived meanwhile join the next plan
+        self.intake: Callable[[], None] | None = None
         self.timeline: list[tuple[int, float, float]] = []  # (rows, device step s, idle before s)
         # The tokenizer, transformers and torch modules live as long as the engine: keep them
         # out of the cyclic collector, whose full passes over them stall the step loop 100+ ms.
@@ -103,19 +99,17 @@ class EngineCore:
                                           strict_field)
         self.groups[request_id] = reqs
         for r in reqs:
-            self.detok[r.request_id] = IncrementalDetokenizer(
-                self.tokenizer, r.prompt_token_ids, r.params.skip_special_tokens
-            )
+            self.outputs.add(r)
             self.scheduler.add(r)
 
     def recover(self) -> None:
         """Restart the workers after a failure (its requests already finished with an error).
-        The new workers' KV caches are empty, so the scheduler starts afresh too."""
+        The new workers' KV caches are empty, so the scheduler (and its plan chain) starts
+        afresh too."""
         logger.warning("restarting the workers after: %s", self.dead)
         self.executor.restart()
         self.scheduler = Scheduler(self.cfg, self.executor.num_blocks, self.max_model_len)
         self.in_flight.clear()
-        self._last_sent_step = 0  # the new workers' plan chain starts again
         self.dead = None
 
     def abort(self, request_id: str) -> bool:
@@ -130,57 +124,21 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def output(self, request_id: str) -> RequestOutput:
-        reqs = self.groups[request_id]
-        first = reqs[0]
-        return RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=r.index, text=self.detok[r.request_id].text, token_ids=list(r.output_token_ids),
-                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                    logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-                )
-                for r in reqs
-            ],
-            finished=all(r.finished for r in reqs),
-            metrics=RequestMetrics(first.arrival, first.first_token_time, first.last_token_time,
-                                   sum(r.num_preemptions for r in reqs)),
-        )
+        return self.outputs.request_output(request_id, self.groups[request_id])
 
     def release(self, request_id: str) -> None:
         """Forget a finished request group (after its output was delivered)."""
         for r in self.groups.pop(request_id, []):
-            self.detok.pop(r.request_id, None)
+            self.outputs.release(r)
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
         """Advance by one step result; returns the per-sequence deltas it produced."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        # async: the driver stays two steps ahead, so result travel, output processing and the
-        # next plan's preparation all hide behind device work (exact lengths stay on the device)
-        depth = 3 if self.async_scheduling else 1
-        while len(self.in_flight) < depth and self.scheduler.has_unfinished():
-            t_plan = time.perf_counter()
-            sched = self.scheduler.schedule()
-            plan = sched.plan
-            if not (plan.rows or plan.finished_handles or plan.preempted_handles):
-                break
-            plan.prev_step_id = self._last_sent_step
-            self._last_sent_step = plan.step_id
-            t_sched = time.perf_counter()
-            try:
-                refs = self.executor.submit(plan)
-            except Exception as exc:
-                return self._fail_all(f"cannot submit a step: {exc}")
-            self.stats["steps"] += 1
-            self.stats["driver_schedule_s"] = self.stats.get("driver_schedule_s", 0.0) + t_sched - t_plan
-            if plan.rows and self.cfg.measure_device_timeline:
-                self.stats["plan_bytes"] += len(encode(plan))
-                self.stats["plan_rows"] = self.stats.get("plan_rows", 0) + len(plan.rows)
-            self.in_flight.append((sched, refs))
-            if not plan.rows:
-                break
+        failure = self._send_plans()  # schedule -> execute
+        if failure:
+            return self._fail_all(failure)
         if not self.in_flight:
             return []
         sched, refs = self.in_flight.popleft()
@@ -189,90 +147,69 @@ class EngineCore:
             result = self.executor.collect(refs)
         except EngineDeadError as exc:
             return self._fail_all(str(exc))
-        t0 = time.perf_counter()
-        deltas = self._process(sched, result)
+        t_update = time.perf_counter()
+        update = self.scheduler.update_from_result(sched, result)
+        t_updated = time.perf_counter()
+        if self.async_scheduling:
+            failure = self._send_plans()  # the next plan leaves before this result's outputs are built
+        t_out = time.perf_counter()
+        deltas = self.outputs.process(update, self.scheduler)
+        t_end = time.perf_counter()
+        self._account(sched, update, result.stats, t_update - t_wait, t_updated - t_update, t_end - t_out)
+        if failure:
+            deltas += self._fail_all(failure)
+        return deltas
+
+    def _send_plans(self) -> str | None:
+        """Schedule and send plans until ``in_flight`` holds the pipelining depth (async: the
+        driver stays two steps ahead, with P pipeline stages P + 1, so result travel, output
+        processing and the next plan's preparation hide behind device work; sync: one).
+        Returns why sending failed, if it did."""
+        pp = self.cfg.parallel.pipeline_parallel_size
+        depth = pp + 2 if self.async_scheduling else 1
         st = self.stats
-        st["driver_wait_s"] = st.get("driver_wait_s", 0.0) + t0 - t_wait  # blocked on the workers
-        st["driver_process_s"] = st.get("driver_process_s", 0.0) + time.perf_counter() - t0
-        st["worker_launch_s"] = st.get("worker_launch_s", 0.0) + result.host_launch_s
-        if result.device_step_s >= 0:
-            self.timeline.append((len(sched.plan.rows), result.device_step_s, result.device_idle_before_s))
-        return deltas
+        if self.intake is not None and len(self.in_flight) < depth:
+            self.intake()
+        while len(self.in_flight) < depth and self.scheduler.has_unfinished():
+            t_plan = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if sched.empty:
+                break
+            plan = sched.plan
+            t_sched = time.perf_counter()
+            try:
+                refs = self.executor.submit(plan)
+            except Exception as exc:
+                return f"cannot submit a step: {exc}"
+            st["steps"] += 1
+            st["driver_schedule_s"] = st.get("driver_schedule_s", 0.0) + t_sched - t_plan
+            if plan.rows and self.cfg.measure_device_timeline:
+                st["plan_bytes"] += len(encode(plan))
+                st["plan_rows"] = st.get("plan_rows", 0) + len(plan.rows)
+            self.in_flight.append((sched, refs))
+            if not plan.rows:
+                break
+        return None
 
-    def _process(self, sched: ScheduledStep, result: StepResult) -> list[StreamDelta]:
-        now = time.monotonic()
-        deltas: list[StreamDelta] = []
-        drafts = {r.handle: r.num_draft_tokens for r in sched.plan.rows if r.sample}
-        returned = {row.handle for row in result.outputs}
-        for handle, req in sched.sampled.items():
-            if handle not in returned and not req.finished:
-                req.num_placeholders -= 1 + drafts.get(handle, 0)  # worker produced nothing for it
-        kv_written: dict[int, int] = {}
-        for row in result.outputs:
-            req = sched.sampled.get(row.handle)
-            if req is None:
-                continue
-            k = drafts.get(row.handle, 0)
-            req.num_placeholders -= 1 + k  # the scheduler counted every draft as a future token
-            if k:
-                accepted = len(row.token_ids) - 1
-                kv_written[row.handle] = 1 + accepted
-                self.stats["spec_draft_tokens"] = self.stats.get("spec_draft_tokens", 0) + k
-                self.stats["spec_accepted_tokens"] = self.stats.get("spec_accepted_tokens", 0) + accepted
-                if req.handle == row.handle:  # still placed there: its rejected drafts hold no KV
-                    req.num_computed_tokens -= k - accepted
-            if req.finished:
-                continue  # in-flight tokens of a request that already finished: dropped
-            parts = []
-            for i, tok in enumerate(row.token_ids):
-                req.output_token_ids.append(tok)
-                self.stats["generation_tokens"] += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.last_token_time = now
-                lp = None
-                if req.logprobs is not None and row.logprobs:
-                    tl = row.logprobs[i]
-                    lp = {tok: tl.sampled_logprob}
-                    lp.update({t: v for t, v in zip(tl.top_token_ids, tl.top_logprobs)})
-                    req.logprobs.append(lp)
-                    req.cumulative_logprob += tl.sampled_logprob
-                parts.append(self._check_stop(req, tok, lp))
-                if req.finished:
-                    break  # a stop inside the accepted drafts: the rest is dropped
-            deltas.append(parts[0] if len(parts) == 1 else _merge(parts))
-        self.scheduler.confirm_step(sched, kv_written)
-        return deltas
-
-    def _check_stop(self, req: Request, tok: int, lp) -> StreamDelta:
-        detok = self.detok[req.request_id]
-        n_out = len(req.output_token_ids)
-        reason = stop_reason = None
-        if n_out >= req.params.min_tokens:
-            if tok in req.eos_token_ids:
-                reason = "stop"
-            elif tok in req.params.stop_token_ids:
-                reason, stop_reason = "stop", tok
-        if reason is None and (n_out >= req.max_tokens or req.num_known_tokens >= self.max_model_len):
-            reason = "length"
-        if reason == "stop" and not req.params.include_stop_str_in_output:
-            new = detok.flush()  # a stop token (EOS or stop_token_ids) adds no text (as vLLM)
-        else:
-            new = detok.add(tok, final=reason is not None)
-        if req.params.stop and n_out >= req.params.min_tokens:
-            hit = find_stop(detok.text, len(new), req.params.stop)
-            if hit is not None:
-                pos, s = hit
-                detok.text = detok.text[: pos + len(s) if req.params.include_stop_str_in_output else pos]
-                reason, stop_reason = "stop", s
-        # Streamed text holds back what could still turn out to start a stop string.
-        hold = 0 if reason is not None else max((len(s) - 1 for s in req.params.stop), default=0)
-        upto = max(req.emitted_chars, len(detok.text) - hold)
-        delta_text = detok.text[req.emitted_chars : upto]
-        req.emitted_chars = upto
-        if reason is not None:
-            self.scheduler.finish(req, reason, stop_reason)
-        return StreamDelta(req.parent_id, req.index, [tok], delta_text, [lp] if lp else None, reason, stop_reason)
+    def _account(self, sched: ScheduledStep, update: StepUpdate, stats: StepStats, wait_s: float,
+                 update_s: float, output_s: float) -> None:
+        """Engine statistics of one result. Seconds: ``driver_wait_s`` blocked on the workers,
+        ``driver_update_s`` applying the result to the scheduler (on the path to the next
+        plan), ``driver_output_s`` detokenizing and building outputs (after the next plan
+        left, under async scheduling), ``driver_process_s`` the two together; the workers'
+        ``worker_launch_s`` (host time preparing and enqueueing steps)."""
+        st = self.stats
+        st["generation_tokens"] += update.num_new_tokens
+        if update.num_draft_tokens:
+            st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + update.num_draft_tokens
+            st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + update.num_accepted_tokens
+        st["driver_wait_s"] = st.get("driver_wait_s", 0.0) + wait_s
+        st["driver_update_s"] = st.get("driver_update_s", 0.0) + update_s
+        st["driver_output_s"] = st.get("driver_output_s", 0.0) + output_s
+        st["driver_process_s"] = st.get("driver_process_s", 0.0) + update_s + output_s
+        st["worker_launch_s"] = st.get("worker_launch_s", 0.0) + stats.host_launch_s
+        if stats.device_step_s >= 0:
+            self.timeline.append((len(sched.plan.rows), stats.device_step_s, stats.device_idle_before_s))
 
     def _fail_all(self, message: str) -> list[StreamDelta]:
         logger.error("engine failed: %s", message)
@@ -290,10 +227,3 @@ class EngineCore:
         self.executor.shutdown()
         gc.unfreeze()  # what the engine held can be collected again
 
-
-def _merge(parts: list[StreamDelta]) -> StreamDelta:
-    """One delta for several tokens a sequence gained in one step (accepted drafts)."""
-    last = parts[-1]
-    lps = [lp for p in parts for lp in (p.logprobs or [])]
-    return StreamDelta(last.request_id, last.index, [t for p in parts for t in p.token_ids],
-                       "".join(p.text for p in parts), lps or None, last.finish_reason, last.stop_reason)

@@ -1,7 +1,8 @@
 """Starts the worker actors in placement groups and ships them step plans.
 
-One actor per rank of the TP x PP layout (placement/). Every rank of the TP
-group receives the same plan bytes; one result (rank 0's) comes back per step.
+One actor per rank of the TP x PP layout (placement/). Every rank of every
+pipeline stage receives the same plan bytes; one result comes back per step, the
+last stage's first rank's (it sampled the tokens; rank 0 without pipeline stages).
 ``collect`` waits on all ranks at once, so a rank that dies while its peers are
 blocked in a collective is noticed immediately: the step fails with
 ``EngineDeadError`` naming the rank, where it ran and why it died. ``restart()``
@@ -21,7 +22,6 @@ import ray
 from metadata.config import EngineConfig
 from metadata.wire import StepPlan, StepResult, decode_result, encode
 from placement.placement_groups import Layout, Placement, place_workers
-from kernels.switches import kernel_env_vars
 from placement.platforms import actor_env_vars
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,15 @@ class RayExecutor:
         self.max_model_len = max_model_len
         self.device_kind = device_kind
         self.layout = Layout(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size)
+        self.result_rank = self.layout.stage_ranks(self.layout.pipeline_parallel_size - 1)[0]
+        self.stage_layers = None  # [start, end) layers per pipeline stage
+        if self.layout.pipeline_parallel_size > 1:  # a split that does not fit: refused before placement
+            from workers.models.arch import load_arch
+            from workers.pipeline import stage_layers
+
+            self.stage_layers = stage_layers(load_arch(model_dir).num_layers,
+                                             self.layout.pipeline_parallel_size,
+                                             cfg.parallel.pipeline_layer_split)
         self.workers: list = []
         self.info: list[dict] = []
         self.placement: Placement | None = None
@@ -80,7 +89,7 @@ class RayExecutor:
         self.placement = place_workers(self.layout, self.device_kind, timeout)
         try:
             env = {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   **actor_env_vars(self.device_kind), **kernel_env_vars()}
+                   **actor_env_vars(self.device_kind)}
             gpu = self.device_kind != "cpu"
             cls = ray.remote(WorkerActor)
             cfg_bytes = msgspec.msgpack.encode(self.cfg)
@@ -103,8 +112,15 @@ class RayExecutor:
             raise
         self.dead = None
         logger.info("workers ready: %s", ", ".join(
-            f"rank {i['rank']} {i['platform']} {i['node_ip']} pid {i['pid']} gpu {','.join(i['gpu_ids']) or '-'}"
-            for i in self.info))
+            f"rank {i['rank']}{self._stage_note(i['rank'])} {i['platform']} {i['node_ip']} pid {i['pid']} "
+            f"gpu {','.join(i['gpu_ids']) or '-'}" for i in self.info))
+
+    def _stage_note(self, rank: int) -> str:
+        if self.stage_layers is None:
+            return ""
+        stage = self.layout.stage_of(rank)
+        start, end = self.stage_layers[stage]
+        return f" (stage {stage}, layers {start}-{end - 1})"
 
     def restart(self) -> None:
         """Replace every worker (after a failure): new placement, new actors, empty KV cache."""
@@ -113,6 +129,30 @@ class RayExecutor:
         self.shutdown()
         self.num_restarts += 1
         self._start()
+
+    def probe(self, timeout: float = 5.0) -> str | None:
+        """Death watch for idle times (a step notices a death by itself): ping every worker;
+        None while all that answer are alive, else the first death (also kept in ``dead``).
+        A worker that is slow to answer is not called dead."""
+        if self.dead:
+            return self.dead
+        if not self.workers:
+            return None
+        refs = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done = set(ready)
+        for rank, ref in enumerate(refs):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self.dead = f"worker {self._where(rank)} died: {death_cause(exc)}"
+                return self.dead
+            except ray.exceptions.RayError as exc:
+                self.dead = f"worker {self._where(rank)} does not answer: {str(exc)[:300]}"
+                return self.dead
+        return None
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -164,7 +204,7 @@ class RayExecutor:
         return [w.execute.remote(data) for w in self.workers]
 
     def collect(self, refs: list) -> StepResult:
-        """Wait for one step on every rank; rank 0's result is the step's result."""
+        """Wait for one step on every rank; the last stage's first rank's result is the step's."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         results: dict[int, StepResult] = {}
@@ -184,7 +224,7 @@ class RayExecutor:
             r = min(failed, key=lambda r: r.rank)
             self.dead = f"worker {self._where(r.rank)} failed step {r.step_id}: {r.error}"
             raise EngineDeadError(self.dead)
-        return results[0]
+        return results[self.result_rank]
 
     def _gather(self, ready, rank_of, results, deaths) -> None:
         for ref in ready:

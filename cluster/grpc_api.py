@@ -3,12 +3,14 @@ the standard ``grpc.health.v1.Health`` service.
 
 Status codes: validation -> INVALID_ARGUMENT (the message names the field),
 overload -> RESOURCE_EXHAUSTED, engine failure or shutdown -> UNAVAILABLE,
-unknown model -> NOT_FOUND, missing/wrong API key -> UNAUTHENTICATED.
-A cancelled call aborts its request.
+unknown model -> NOT_FOUND, missing/wrong API key -> UNAUTHENTICATED, a bug -> INTERNAL
+with an error id (the details stay in the server log). A cancelled call aborts its request.
+Text prompts are bounded and tokenized by the ``PromptPreprocessor`` thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import uuid
@@ -19,6 +21,8 @@ from grpc_health.v1._async import HealthServicer
 
 from cluster.async_engine import AsyncEngine, EngineUnavailable, Overloaded
 from cluster.input_processor import InvalidRequestError
+from cluster.openai_protocol import MAX_REQUEST_ID_CHARS, clip, valid_request_id
+from cluster.prompt_preprocessor import PromptPreprocessor
 from cluster.proto import pb2, pb2_grpc
 from metadata.sampling_params import SamplingParams, SamplingParamsError
 
@@ -72,11 +76,18 @@ class _Health(HealthServicer):
 
 class GenerationService(pb2_grpc.GenerationServicer):
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), preprocessor: PromptPreprocessor | None = None):
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.api_key = api_key
+        self._pre = preprocessor
+
+    @property
+    def preprocessor(self) -> PromptPreprocessor:
+        if self._pre is None:
+            self._pre = PromptPreprocessor(self.engine.tokenizer, self.engine.info["max_model_len"])
+        return self._pre
 
     async def _check_auth(self, context) -> None:
         if not self.api_key:
@@ -95,7 +106,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
 
     async def _fail(self, context, exc: BaseException):
         if isinstance(exc, InvalidRequestError):
-            msg = str(exc)
+            msg = clip(str(exc), 1000)
             if exc.field and not msg.startswith(exc.field):
                 msg = f"{exc.field}: {msg}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
@@ -103,13 +114,19 @@ class GenerationService(pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if isinstance(exc, EngineUnavailable):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        raise exc
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s in Generate", error_id, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (error id {error_id})")
 
     async def Generate(self, request, context):
         await self._check_auth(context)
         if request.model and request.model not in self.accepted_names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model: '{request.model}' does not exist; this server serves '{self.model_name}'")
+                                f"model: '{clip(request.model)}' does not exist; this server serves "
+                                f"'{self.model_name}'")
+        if request.request_id and not valid_request_id(request.request_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters")
         which = request.WhichOneof("prompt")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
@@ -117,10 +134,13 @@ class GenerationService(pb2_grpc.GenerationServicer):
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             params = sampling_from_proto(request.sampling)
+            prompt = await self.preprocessor.prompt(prompt)
             # a max_tokens the client set past the context is refused, the default is cut
             stream = await self.engine.add_request(
                 rid, prompt, params, "max_tokens" if request.sampling.HasField("max_tokens") else None)
-        except (InvalidRequestError, Overloaded, EngineUnavailable) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - _fail answers every kind
             await self._fail(context, exc)
             return
         n_out = 0
@@ -194,10 +214,11 @@ class GenerationService(pb2_grpc.GenerationServicer):
 
 
 async def start_grpc(engine: AsyncEngine, model_name: str, host: str, port: int, api_key: str | None,
-                     aliases: tuple[str, ...] = ()):
+                     aliases: tuple[str, ...] = (), preprocessor: PromptPreprocessor | None = None):
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, api_key, aliases), server)
+    pb2_grpc.add_GenerationServicer_to_server(
+        GenerationService(engine, model_name, api_key, aliases, preprocessor), server)
     health = _Health(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics, and /v1/debug/kv for KV-block accounting.
+/v1/models, /health, /metrics, /version, /tokenize, /detokenize, and /v1/debug/kv for
+KV-block accounting.
 
-Every error is OpenAI's error JSON (never a traceback). A client that goes away
-cancels its handler (``handler_cancellation``), which aborts its requests and
-frees their KV blocks.
+Every error is OpenAI's error JSON; a client never sees a traceback or a file path (an
+unexpected error is logged here under an error id that the client's message names). A
+client that goes away cancels its handler (``handler_cancellation``), which aborts its
+requests and frees their KV blocks. Prompts are bounded in size, rendered and tokenized
+by the ``PromptPreprocessor`` thread, never on this event loop.
 """
 
 from __future__ import annotations
@@ -11,23 +14,67 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from cluster.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestStream
+from cluster.async_engine import (
+    AsyncEngine,
+    EngineUnavailable,
+    Overloaded,
+    RequestStream,
+)
 from cluster.input_processor import InvalidRequestError
 from cluster.metrics import CONTENT_TYPE
 from cluster.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs, chat_params,
-    completion_logprobs, completion_params, decode_request, max_tokens_field, model_card, new_id, now,
-    parse_completion_prompts, render_chat, usage,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenText,
+    chat_logprobs,
+    chat_messages,
+    chat_params,
+    chat_template_kwargs,
+    clip,
+    completion_logprobs,
+    completion_params,
+    decode_request,
+    max_tokens_field,
+    model_card,
+    new_id,
+    now,
+    parse_completion_prompts,
+    usage,
 )
+from cluster.prompt_preprocessor import PromptPreprocessor
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _PROMPT_FIELDS = {"prompt", "prompt_token_ids"}
+_THREAD_DECODE_BYTES = 1 << 20  # bodies above this are JSON-decoded off the event loop
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def server_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("syncless")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError | None:
@@ -55,15 +102,29 @@ def _error_response(err: APIError) -> web.Response:
 
 
 class OpenAIServer:
+    """The HTTP routes over an engine. ``engine`` needs: ``add_request(id, prompt, params,
+    strict_field) -> RequestStream``, ``abort``, ``debug_state``, ``tokenizer``, ``info``,
+    ``healthy``, ``dead`` (the front-end interface; a data-parallel router can provide it too)."""
+
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics=None,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), *, preprocessor: PromptPreprocessor | None = None,
+                 max_logprobs: int = 20):
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.api_key = api_key
         self.metrics = metrics
+        self.max_logprobs = max_logprobs
         self.created = now()
+        self._pre = preprocessor
         self._tt: TokenText | None = None
+        self._tt_ids: TokenText | None = None
+
+    @property
+    def preprocessor(self) -> PromptPreprocessor:
+        if self._pre is None:
+            self._pre = PromptPreprocessor(self.engine.tokenizer, self.engine.info["max_model_len"])
+        return self._pre
 
     @property
     def token_text(self) -> TokenText:
@@ -71,11 +132,21 @@ class OpenAIServer:
             self._tt = TokenText(self.engine.tokenizer)
         return self._tt
 
+    def _token_text(self, as_ids: bool | None) -> TokenText:
+        if not as_ids:
+            return self.token_text
+        if self._tt_ids is None:
+            self._tt_ids = TokenText(self.engine.tokenizer, as_ids=True)
+        return self._tt_ids
+
     # ----------------------------------------------------------------- app
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
@@ -103,11 +174,15 @@ class OpenAIServer:
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499
             raise
-        except Exception as exc:  # noqa: BLE001
+        except RecursionError:
+            status = 400
+            return _error_response(APIError(400, "the request is nested too deeply"))
+        except Exception as exc:
             err = engine_error(exc)
-            if err is None:
-                logger.exception("unhandled error on %s %s", request.method, request.path)
-                err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+            if err is None:  # a bug: the details stay in the server's log
+                error_id = uuid.uuid4().hex[:12]
+                logger.exception("internal error %s on %s %s", error_id, request.method, request.path)
+                err = APIError(500, f"internal server error (error id {error_id}; the server log has the details)")
             status = err.status
             return _error_response(err)
         finally:
@@ -128,7 +203,7 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_names:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+            raise APIError(404, f"the model '{clip(model)}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
 
     # ------------------------------------------------------------ simple routes
@@ -138,6 +213,41 @@ class OpenAIServer:
         if not self.engine.healthy:
             raise APIError(503, "the server is shutting down")
         return _json({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": server_version()})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = await self._decode(request, TokenizeRequest)
+        self._check_model(req.model)
+        try:
+            ids = await self.preprocessor.tokenize(req.prompt, req.add_special_tokens)
+        except InvalidRequestError as exc:
+            raise engine_error(exc) from None
+        return _json({"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"), "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = await self._decode(request, DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.info.get("vocab_size") or 0
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {clip(str(bad[0]), 30)} is outside the vocabulary [0, {vocab})", "tokens")
+        if len(req.tokens) > self.engine.info.get("max_model_len", 0) * 4:
+            raise APIError(400, f"tokens: at most {self.engine.info['max_model_len'] * 4} ids", "tokens")
+        return _json({"prompt": await self.preprocessor.detokenize(req.tokens)})
+
+    async def _decode(self, request: web.Request, typ: type):
+        """The body decoded into ``typ`` (400 for a body that is unreadable, mis-encoded or invalid)."""
+        try:
+            body = await request.read()
+        except RequestPayloadError as exc:
+            raise APIError(400, f"cannot read the request body: {clip(str(exc).strip(), 200)}") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise APIError(413, f"the request body is larger than {request.client_max_size} bytes") from None
+        if len(body) > _THREAD_DECODE_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, decode_request, body, typ)
+        return decode_request(body, typ)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = self.metrics.render() if self.metrics is not None else b""
@@ -171,13 +281,18 @@ class OpenAIServer:
         return streams
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), CompletionRequest)
+        req = await self._decode(request, CompletionRequest)
         self._check_model(req.model)
-        params = completion_params(req)
+        params = completion_params(req, self.max_logprobs)
         prompts = parse_completion_prompts(req.prompt)
+        try:
+            prompts = [await self.preprocessor.prompt(p) for p in prompts]
+        except InvalidRequestError as exc:
+            raise engine_error(exc) from None
         rid = req.request_id or new_id("cmpl")
         streams = await self._add_all(rid, prompts, params, "prompt", max_tokens_field(req))
-        ctx = _Ctx(self, rid, "text_completion", params.n, req.stream_options, req.echo)
+        ctx = _Ctx(self, rid, "text_completion", params.n, req.stream_options, req.echo,
+                   self._token_text(req.return_tokens_as_token_ids))
         try:
             if req.stream:
                 return await self._stream(request, ctx, streams, self._completion_chunk)
@@ -190,7 +305,7 @@ class OpenAIServer:
             for o in out.outputs:
                 lp = None
                 if params.logprobs is not None and o.logprobs is not None:
-                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, self.token_text, 0)
+                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, ctx.tt, 0)
                 text = (self._prompt_text(s) + o.text) if req.echo else o.text
                 choices.append({"index": i * params.n + o.index, "text": text, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
@@ -200,13 +315,19 @@ class OpenAIServer:
                       "choices": choices, "usage": usage(n_prompt, n_out)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), ChatCompletionRequest)
+        req = await self._decode(request, ChatCompletionRequest)
         self._check_model(req.model)
-        params = chat_params(req)
-        prompt = render_chat(self.engine.tokenizer, req)
+        params = chat_params(req, self.max_logprobs)
+        try:
+            prompt = await self.preprocessor.chat(
+                chat_messages(req), add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, kwargs=chat_template_kwargs(req))
+        except InvalidRequestError as exc:
+            raise engine_error(exc, "messages") from None
         rid = req.request_id or new_id("chatcmpl")
         streams = await self._add_all(rid, [prompt], params, "messages", max_tokens_field(req))
-        ctx = _Ctx(self, rid, "chat.completion.chunk", params.n, req.stream_options, False)
+        ctx = _Ctx(self, rid, "chat.completion.chunk", params.n, req.stream_options, False,
+                   self._token_text(req.return_tokens_as_token_ids))
         ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
             if req.stream:
@@ -219,7 +340,7 @@ class OpenAIServer:
         for o in out.outputs:
             lp = None
             if ctx.top_logprobs is not None and o.logprobs is not None:
-                lp = chat_logprobs(o.token_ids, o.logprobs, self.token_text, ctx.top_logprobs)
+                lp = chat_logprobs(o.token_ids, o.logprobs, ctx.tt, ctx.top_logprobs)
             choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
                             "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         n_out = sum(len(o.token_ids) for o in out.outputs)
@@ -232,7 +353,7 @@ class OpenAIServer:
         return self.engine.tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False)
 
     # -------------------------------------------------------------- streaming
-    def _completion_chunk(self, ctx: "_Ctx", i: int, s: RequestStream, index: int, token_ids, text: str,
+    def _completion_chunk(self, ctx: _Ctx, i: int, s: RequestStream, index: int, token_ids, text: str,
                           lps, finish, stop_reason) -> dict[str, Any]:
         key = (i, index)
         if ctx.echo and key not in ctx.started:
@@ -240,22 +361,22 @@ class OpenAIServer:
         ctx.started.add(key)
         lp = None
         if lps is not None:
-            lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, self.token_text, ctx.offsets.get(key, 0))
+            lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, ctx.tt, ctx.offsets.get(key, 0))
         choice = {"index": i * ctx.n + index, "text": text, "logprobs": lp, "finish_reason": finish,
                   "stop_reason": stop_reason}
         return ctx.chunk([choice])
 
-    def _chat_chunk(self, ctx: "_Ctx", i: int, s: RequestStream, index: int, token_ids, text: str,
+    def _chat_chunk(self, ctx: _Ctx, i: int, s: RequestStream, index: int, token_ids, text: str,
                     lps, finish, stop_reason) -> dict[str, Any]:
         lp = None
         if lps is not None and ctx.top_logprobs is not None:
-            lp = chat_logprobs(token_ids, lps, self.token_text, ctx.top_logprobs)
+            lp = chat_logprobs(token_ids, lps, ctx.tt, ctx.top_logprobs)
         delta = {"content": text} if (text or finish is None) else {}
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                   "stop_reason": stop_reason}
         return ctx.chunk([choice])
 
-    async def _stream(self, request: web.Request, ctx: "_Ctx", streams: list[RequestStream], make) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, ctx: _Ctx, streams: list[RequestStream], make) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": ctx.rid})
         await resp.prepare(request)
@@ -287,6 +408,12 @@ class OpenAIServer:
                 await send(chunk)
         except EngineUnavailable as exc:
             await send(APIError(503, str(exc)).body())
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("internal error %s while streaming %s", error_id, ctx.rid)
+            await send(APIError(500, f"internal server error (error id {error_id})").body())
         finally:
             await merged.aclose()
         await resp.write(b"data: [DONE]\n\n")
@@ -295,8 +422,10 @@ class OpenAIServer:
 
 
 class _Ctx:
-    def __init__(self, server: OpenAIServer, rid: str, obj: str, n: int, stream_options, echo: bool):
+    def __init__(self, server: OpenAIServer, rid: str, obj: str, n: int, stream_options, echo: bool,
+                 tt: TokenText):
         self.server = server
+        self.tt = tt
         self.rid = rid
         self.object = obj
         self.n = n

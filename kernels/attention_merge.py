@@ -1,16 +1,10 @@
 """The in-launch merge of split-KV partials (``kernels.paged_attention``'s fused reduce).
 
 The last split program of a (query block, KV head) to arrive reads every used split's
-partial output and log-sum-exp back from L2 and writes the merged rows. Two forms:
-
-* two-pass (``SYNCLESS_ATTN_MERGE=2``): the splits' lse first, their max and weight sum
-  (cross-warp reductions), then the partials. The partial loads wait for the lse round
-  trip and the reductions (sm_90 SASS: one L2 round trip, eight CTA barriers, then the rest).
-* one-pass (``SYNCLESS_ATTN_MERGE=1``): a running max over the splits, as flash attention
-  runs over key tiles. No load depends on another, so every lse and partial load is in
-  flight at once; the counter's re-arm is relaxed (see ``merge_splits``).
-
-Both compute the same value (up to fp32 rounding order): the splits' softmax-weighted mean.
+partial output and log-sum-exp back from L2 and writes the merged rows: the splits'
+softmax-weighted mean, in one pass with a running max over the splits (as flash attention
+runs over key tiles). No load depends on another, so every lse and partial load is in flight
+at once; the counter's re-arm is relaxed (see ``merge_splits``).
 """
 
 from __future__ import annotations
@@ -22,26 +16,16 @@ import triton.language as tl
 @triton.jit
 def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows, offs_m, offs_d,
                  row_ok, d_ok, stride_os, stride_ls,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 SPLITS_P: tl.constexpr, ONE_PASS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Merge splits ``0..used-1`` into ``final_ptr`` and re-arm the arrival counter ``sem``.
 
-    Returns the merged fp32 rows (profiling stamps depend on them). The re-arm may be
-    relaxed: nothing reads the counter again in this launch (every split has arrived), and
-    the next launch that bumps it starts after this one completes -- kernel boundaries,
-    graph replays and PDL waits (which wait for the whole previous grid) all order it."""
+    The re-arm may be relaxed: nothing reads the counter again in this launch (every split
+    has arrived), and the next launch that bumps it starts after this one completes --
+    kernel boundaries, graph replays and PDL waits (which wait for the whole previous grid)
+    all order it."""
     merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if ONE_PASS:
-        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    else:  # the max and the weight sum first, from every split's lse at once
-        offs_s = tl.arange(0, SPLITS_P)
-        lse_all = tl.load(lse_ptr + offs_s[:, None] * stride_ls + l_rows[None, :],
-                          mask=(offs_s[:, None] < used) & row_ok[None, :],
-                          other=float("-inf"), cache_modifier=".cg")
-        m_all = tl.max(lse_all, 0)
-        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-        w_sum = tl.sum(tl.exp2(lse_all - m_all[None, :]), 0)
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Unrolled: the partials' loads are independent and all in flight at once (a rolled
     # loop pays one L2 round trip per split); unused splits are masked.
     for sp in tl.static_range(NUM_SPLITS):
@@ -50,21 +34,14 @@ def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
                         cache_modifier=".cg")
         part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
                        mask=sp_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        if ONE_PASS:
-            m_new = tl.maximum(m_run, lse_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with keys yet
-            alpha = tl.exp2(m_run - m_safe)
-            w_s = tl.exp2(lse_s - m_safe)
-            merged = merged * alpha[:, None] + w_s[:, None] * part
-            w_sum = w_sum * alpha + w_s
-            m_run = m_new
-        else:
-            merged += tl.exp2(lse_s - m_all)[:, None] * part
+        m_new = tl.maximum(m_run, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with keys yet
+        alpha = tl.exp2(m_run - m_safe)
+        w_s = tl.exp2(lse_s - m_safe)
+        merged = merged * alpha[:, None] + w_s[:, None] * part
+        w_sum = w_sum * alpha + w_s
+        m_run = m_new
     merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
     tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
              merged.to(final_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if ONE_PASS:
-        tl.atomic_xchg(sem, 0, sem="relaxed")  # re-armed for the next launch / graph replay
-    else:
-        tl.atomic_xchg(sem, 0)
-    return merged
+    tl.atomic_xchg(sem, 0, sem="relaxed")  # re-armed for the next launch / graph replay

@@ -16,15 +16,15 @@ runs in another order than the prologue's, so results agree within 16-bit tolera
 bit for bit; they are deterministic (no atomics).
 
 Only where both sides are skinny-GEMM launches at ``M = 1`` on CUDA (16-bit) and tensor
-parallelism is 1 (an all-reduce would sit between producer and norm); ``SYNCLESS_NORM_HANDOFF=0``
-turns it off. Everywhere else ``linear_handoff`` returns None and the caller takes the
-fused-prologue path. The two device functions here are the skinny GEMM's ``EPI_NORM`` and
-``PRE_NORMED`` code (``kernels.skinny_gemm``).
+parallelism is 1 (an all-reduce would sit between producer and norm); the ``norm_handoff``
+option turns it off. Everywhere else ``kernels.ops.linear_handoff`` returns None and the caller
+takes the fused-prologue path. The two device functions here are the skinny GEMM's
+``EPI_NORM`` and ``PRE_NORMED`` code (``kernels.skinny_gemm``); the dispatch is in
+``kernels.ops``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -82,85 +82,3 @@ def handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M: tl.constexpr,
         tot += tl.load(ss_ptr + offs_m[:, None] * n_parts + (p0 + offs_p)[None, :],
                        mask=m_ok[:, None] & ((p0 + offs_p) < n_parts)[None, :], other=0.0)
     return tl.rsqrt(tl.sum(tot, 1) / K + eps)
-
-
-def enabled() -> bool:
-    """``SYNCLESS_NORM_HANDOFF`` (default on), parsed strictly."""
-    from kernels import ops
-
-    return ops._env_flag("SYNCLESS_NORM_HANDOFF", True)
-
-
-def _streams(cfg: dict | None) -> bool:
-    """Whether a skinny config is the batch-1 FMA streaming loop that carries the handoff
-    (not unfused, not the persistent GEMV, not tensor cores)."""
-    return cfg is not None and cfg.get("kernel") != "gemv" and not cfg.get("use_dot")
-
-
-def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from kernels import ops
-
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and ops.SKINNY_MAX_M >= 1
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and enabled())
-
-
-def linear_handoff_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                          norm_weight: torch.Tensor, eps: float, config: dict,
-                          ) -> tuple[PreNormed, torch.Tensor]:
-    """``y = x @ weight^T`` handed over to the next RMSNorm (``norm_weight``, ``eps``) with
-    the residual add: returns ``(PreNormed(s * g, partials), s)``. One skinny launch."""
-    from kernels import skinny_gemm
-
-    m, n = x.shape[0], weight.shape[0]
-    grid = skinny_gemm.row_tiles(m, n, config)[1]
-    sg = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ss = torch.empty((m, grid), dtype=torch.float32, device=x.device)
-    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    skinny_gemm.launch_skinny(x if x.stride(-1) == 1 else x.contiguous(), weight, None, sg,
-                              residual, norm_weight, new_res, ss, eps, None, config,
-                              epi_norm=True)
-    return PreNormed(sg, ss, float(eps)), new_res
-
-
-def linear_handoff(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                   norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
-                   consumer_act: str | None = None) -> tuple[PreNormed, torch.Tensor] | None:
-    """The producer side where it applies (see the module doc; ``consumer`` is the weight
-    that will read the result with ``consumer_act``, and it needs a skinny M = 1 config of
-    its own), else None: the caller runs ``linear`` and fuses the norm into the consumer."""
-    if residual is None or not _applies(x, weight):
-        return None
-    from kernels import skinny_gemm
-
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = skinny_gemm.select_config(m, n, k, "plain")
-    if not _streams(cfg) or prenormed_config(consumer, m, consumer_act) is None:
-        return None
-    return linear_handoff_triton(x, weight, residual, norm_weight, eps, cfg)
-
-
-def prenormed_config(weight: torch.Tensor, m: int = 1, act: str | None = None) -> dict | None:
-    """The consumer's skinny config: its fused-norm entry (same tiles, no prologue), or
-    None where that shape runs unfused, on tensor cores or as the persistent GEMV."""
-    from kernels import skinny_gemm
-
-    kind = skinny_gemm.kind_of(True, act, False)
-    cfg = skinny_gemm.select_config(m, weight.shape[0], weight.shape[1], kind)
-    return cfg if _streams(cfg) else None
-
-
-def linear_prenormed(pn: PreNormed, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     act: str | None = None) -> torch.Tensor:
-    """``act(norm(s) @ weight^T + bias)`` from a handed-over ``pn``: one skinny launch that
-    streams ``s * g`` and applies ``rstd`` at the end; elsewhere the norm is materialised."""
-    cfg = prenormed_config(weight, pn.sg.shape[0], act) if pn.sg.is_cuda else None
-    if cfg is None:
-        from kernels import ops
-
-        return ops.linear(pn.materialise(), weight, bias, act=act)[0]
-    from kernels.skinny_gemm import skinny_linear_triton
-
-    return skinny_linear_triton(pn.sg, weight, bias, act=act, eps=pn.eps, config=cfg,
-                                prenormed_ss=pn.ss)[0]

@@ -1,4 +1,9 @@
-"""Device dispatch: Triton kernels on CUDA, the torch references elsewhere."""
+"""Device dispatch: Triton kernels on CUDA, the torch references elsewhere.
+
+Every choice between kernels is made here, from CPU facts (shapes, dtypes, the batch size)
+and the installed ``kernels.settings.KernelSettings``; the leaf kernels take the tuning
+entries they need as arguments and never reach back here.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import os
 import torch
 
 from kernels import reference
+from kernels.norm_handoff import Normed, PreNormed
+from kernels.settings import KernelSettings, current
 
 # Decode-sized batches (M <= this) of 16-bit weights use the Triton skinny GEMM with its
 # fused RMSNorm prologue / SiLU*mul epilogue; larger ones cuBLAS plus separate kernels.
@@ -44,17 +51,6 @@ def paged_attention(
     )
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
-
-
 # Largest (padded) decode batch whose attention launch also does the rope prologue. H200,
 # 2026-12-04 (notes/2026-12-04c-h200-results.md), kernel time a step, fused vs two launches:
 # Qwen3-0.6B b1 -65 us, b8 -14 us, b32 +225 us, b128 +263 us (the prologue's registers cost
@@ -68,20 +64,14 @@ ROPE_IN_ATTENTION_MAX_TOKENS = 8
 ROPE_IN_ATTENTION_MAX_TOKEN_KEYS = 8 * 1024
 
 
-def rope_in_attention_enabled() -> bool:
-    """``SYNCLESS_ROPE_IN_ATTENTION`` (default on): at one query token a request, at most
-    ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens and at most ``ROPE_IN_ATTENTION_MAX_TOKEN_KEYS``
-    tokens x length bound, the attention launch also does the rope + KV-write prologue (one
-    launch a layer fewer)."""
-    return _env_flag("SYNCLESS_ROPE_IN_ATTENTION", True)
-
-
 def rope_in_attention_applies(num_tokens: int, max_query_len: int, bound: int) -> bool:
     """Whether a CUDA decode pass of these CPU sizes runs rope + KV write inside the
-    attention launch (``rope_and_attention``)."""
+    attention launch (``rope_and_attention``): the ``rope_in_attention`` option (default on),
+    one query token a request, at most ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens and at most
+    ``ROPE_IN_ATTENTION_MAX_TOKEN_KEYS`` tokens x length bound (one launch a layer fewer)."""
     return (max_query_len == 1 and num_tokens <= ROPE_IN_ATTENTION_MAX_TOKENS
             and num_tokens * bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
-            and rope_in_attention_enabled())
+            and current().rope_in_attention)
 
 
 def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -157,7 +147,8 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: str | 
     from kernels.skinny_gemm import kind_of, select_config
 
     kind = kind_of(norm, act, out_dtype == torch.float32)
-    return select_config(x.shape[0], weight.shape[0], weight.shape[1], kind)
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1], kind,
+                         current().skinny_table)
 
 
 def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6,
@@ -225,7 +216,8 @@ def tile_config(x, weight, bias) -> dict | None:
         return None
     from kernels.tile_gemm import select_config
 
-    return select_config(x.shape[0], weight.shape[0], weight.shape[1])
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1], "plain",
+                         current().tile_table)
 
 
 def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
@@ -273,40 +265,17 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
-def fused_mlp_enabled() -> bool:
-    """``SYNCLESS_FUSED_MLP`` (default off): the one-launch batch-1 MLP block. Off because
-    it measured slower than the three launches it replaces on the H200 (8B shape 111.9 vs
-    101.5 us, 0.6B 16.5 vs 15.5 us: its register-double-buffered streaming keeps too few
-    bytes in flight per SM; notes/2026-12-04b-h200-results.md). On, the numerics follow the
-    skinny GEMM's (the normalised input rounded before the ``rstd`` scale), not the
-    RMSNorm + cuBLAS path the 8B shape otherwise takes."""
-    return _env_flag("SYNCLESS_FUSED_MLP", False)
-
-
 def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
               act: str = "silu_and_mul", handoff_to=None):
     """``down(act(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
-    (tensor parallelism 1, no biases; ``act`` names the gate|up layout). A batch of one
-    16-bit row on CUDA with the stacked layout: one launch (``kernels.mlp_block``);
-    otherwise the three ``linear`` calls it fuses, where ``kernels.norm_handoff`` applies
-    with the norm done by the producing GEMV (o_proj; and down when ``handoff_to =
-    (next norm weight, eps, next consumer weight)`` names the next layer's input norm and
-    QKV: ``h`` is then a ``PreNormed`` and ``new_residual`` already includes ``h``)."""
-    if (act == "silu_and_mul" and _use_triton(attn) and attn.dim() == 2 and attn.shape[0] == 1
-            and fused_mlp_enabled()
-            and attn.dtype in (torch.bfloat16, torch.float16)
-            and all(w.dtype == attn.dtype and w.stride(-1) == 1 for w in (wo, w_gate_up, w_down))):
-        from kernels.mlp_block import mlp_block_ready, mlp_block_triton, select_config
-
-        cfg = select_config(wo.shape[0], wo.shape[1], w_down.shape[1])
-        if cfg is not None and mlp_block_ready(attn):
-            return mlp_block_triton(attn, wo, residual, norm_weight, eps, w_gate_up, w_down,
-                                    config=cfg)
-    from kernels import norm_handoff
-
-    handed = norm_handoff.linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
+    (tensor parallelism 1, no biases; ``act`` names the gate|up layout): the three ``linear``
+    calls, where ``kernels.norm_handoff`` applies with the norm done by the producing GEMV
+    (o_proj; and down when ``handoff_to = (next norm weight, eps, next consumer weight)``
+    names the next layer's input norm and QKV: ``h`` is then a ``PreNormed`` and
+    ``new_residual`` already includes ``h``)."""
+    handed = linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
     if handed is not None:
-        h, new_res = norm_handoff.linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
+        h, new_res = linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
     elif (normed := linear_add_norm(attn, wo, residual, norm_weight, eps)) is not None:
         h, new_res = linear(normed[0], w_gate_up, act=act)[0], normed[1]
     else:
@@ -314,12 +283,12 @@ def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
         h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
                             act=act)
     if handoff_to is not None:
-        handed = norm_handoff.linear_handoff(h, w_down, new_res, *handoff_to)
+        handed = linear_handoff(h, w_down, new_res, *handoff_to)
         if handed is not None:
             return handed
         normed = linear_add_norm(h, w_down, new_res, *handoff_to[:2])
         if normed is not None:
-            return norm_handoff.Normed(normed[0]), normed[1]
+            return Normed(normed[0]), normed[1]
     return linear(h, w_down)[0], new_res
 
 
@@ -331,34 +300,83 @@ def linear_add_norm(x, weight, residual, norm_weight, eps: float):
         return None
     from kernels.tile_gemm import select_config, tile_linear_add_norm_triton
 
-    cfg = select_config(x.shape[0], weight.shape[0], weight.shape[1], "add_norm")
+    cfg = select_config(x.shape[0], weight.shape[0], weight.shape[1], "add_norm",
+                        current().tile_table)
     if cfg is None or residual.stride(-1) != 1 or residual.dtype != x.dtype:
         return None
     return tile_linear_add_norm_triton(x, weight, cfg, residual, norm_weight, eps)
 
 
-DECODE_LAYER_MAX_TOKENS = 16  # kernels.decode_layer.MAX_BATCH: one 16-row MMA tile
+def _streams(cfg: dict | None) -> bool:
+    """Whether a skinny config is the batch-1 FMA streaming loop that carries the norm
+    handoff (not unfused, not the persistent GEMV, not tensor cores)."""
+    return cfg is not None and cfg.get("kernel") != "gemv" and not cfg.get("use_dot")
 
 
-def decode_layer_enabled() -> bool:
-    """``SYNCLESS_DECODE_LAYER`` (default off until measured faster on the H200): a whole
-    decoder layer in one launch for decode steps of up to ``DECODE_LAYER_MAX_TOKENS``
-    requests (``kernels.decode_layer``)."""
-    return _env_flag("SYNCLESS_DECODE_LAYER", False)
+def _handoff_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and SKINNY_MAX_M >= 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and current().norm_handoff)
 
 
-def decode_layer(x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                 block_table, seq_lens, max_seq_len_upper_bound: int, scale: float,
-                 next_qkv=None):
-    """One decoder layer for a decode step (token ``m`` the only one of request ``m``) ->
-    ``(out, new_residual)``: on CUDA one launch
-    (``kernels.decode_layer``; ``next_qkv``, the next layer's QKV weight, is prefetched into
-    L2), elsewhere its plain-torch reference. None where the kernel cannot take the inputs
-    (``kernels.decode_layer.supported``): the caller runs the layer op by op."""
-    args = (x, residual, weights, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            block_table, seq_lens, max_seq_len_upper_bound, scale)
-    if _use_triton(x):
-        from kernels.decode_layer import decode_layer_triton
+def linear_handoff(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                   norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
+                   consumer_act: str | None = None) -> tuple[PreNormed, torch.Tensor] | None:
+    """``x @ weight^T`` handed to the next RMSNorm by its producer (``kernels.norm_handoff``;
+    ``consumer`` is the weight that will read the result with ``consumer_act``, and it needs
+    a skinny M = 1 config of its own) where that applies, else None: the caller runs
+    ``linear`` and fuses the norm into the consumer."""
+    if residual is None or not _handoff_applies(x, weight):
+        return None
+    from kernels.skinny_gemm import linear_handoff_triton, select_config
 
-        return decode_layer_triton(*args, next_qkv=next_qkv)
-    return reference.decode_layer_reference(*args)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    cfg = select_config(m, n, k, "plain", current().skinny_table)
+    if not _streams(cfg) or prenormed_config(consumer, m, consumer_act) is None:
+        return None
+    return linear_handoff_triton(x, weight, residual, norm_weight, eps, cfg)
+
+
+def prenormed_config(weight: torch.Tensor, m: int = 1, act: str | None = None) -> dict | None:
+    """The handoff consumer's skinny config: its fused-norm entry (same tiles, no prologue),
+    or None where that shape runs unfused, on tensor cores or as the persistent GEMV."""
+    from kernels.skinny_gemm import kind_of, select_config
+
+    cfg = select_config(m, weight.shape[0], weight.shape[1], kind_of(True, act, False),
+                        current().skinny_table)
+    return cfg if _streams(cfg) else None
+
+
+def linear_prenormed(pn: PreNormed, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     act: str | None = None) -> torch.Tensor:
+    """``act(norm(s) @ weight^T + bias)`` from a handed-over ``pn``: one skinny launch that
+    streams ``s * g`` and applies ``rstd`` at the end; elsewhere the norm is materialised."""
+    cfg = prenormed_config(weight, pn.sg.shape[0], act) if pn.sg.is_cuda else None
+    if cfg is None:
+        return linear(pn.materialise(), weight, bias, act=act)[0]
+    from kernels.skinny_gemm import skinny_linear_triton
+
+    return skinny_linear_triton(pn.sg, weight, bias, act=act, eps=pn.eps, config=cfg,
+                                prenormed_ss=pn.ss)[0]
+
+
+def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:
+    """``kernels.tile_gemm.precompile`` of the installed tuning table (worker warm-up)."""
+    from kernels.tile_gemm import precompile
+
+    return precompile(uses, max_rows=max_rows, max_logit_rows=max_logit_rows,
+                      table=current().tile_table)
+
+
+def build_kernel_settings(cfg) -> KernelSettings:
+    """The ``KernelSettings`` of a ``metadata.config.KernelConfig``, its tuning tables loaded
+    and checked now (a worker's start-up), not at the first launch that reads them."""
+    from kernels.skinny_gemm import load_table as load_skinny
+    from kernels.tile_gemm import load_table as load_tile
+
+    return KernelSettings(
+        pdl=cfg.pdl, pdl_max_tokens=cfg.pdl_max_tokens,
+        rope_in_attention=cfg.rope_in_attention, norm_handoff=cfg.norm_handoff,
+        skinny_table=load_skinny(cfg.skinny_tuning),
+        tile_table=load_tile(cfg.tile_gemm_tuning) if cfg.tile_gemm else {},
+    )

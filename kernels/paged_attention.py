@@ -53,8 +53,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.attention_merge import merge_splits
-from kernels.grid_sync import stamp
-from kernels.pdl import prefetch_lines_l2, release_only, wait_and_release, wait_only
+from kernels.pdl import prefetch_lines_l2, wait_and_release
 from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-exported here
     CTAS_PER_SM, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, MIN_TOKENS_PER_SPLIT_SHORT, _device_sms,
     _semaphores, reduce_splits, choose_num_splits, launch_config, one_token_launch,
@@ -87,7 +86,7 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 # them (== 1, % 16) would compile a new variant mid-serving for, e.g., an odd eager batch.
 @triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt", "stride_ls"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr, stamp_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, final_ptr, sem_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     kn_ptr, vn_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     num_reqs, kv_cap, scale_log2, eps, stride_cs,
@@ -102,20 +101,14 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_QBLOCK_PER_REQ: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 2,
     ROPE: tl.constexpr = False, Q_NORM: tl.constexpr = False, K_NORM: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
-    STAMPS: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-    MERGE_ONE_PASS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Profiling only (STAMPS, ``kernels.bench_attention_stamps``): %globaltimer at fixed points of each
-    # program; the data-dependent ones take their input from the value they wait for.
-    lin = (pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
-    stamp(stamp_ptr, lin, 0, STAMPS)
 
     if ONE_QBLOCK_PER_REQ:
         req = pid
@@ -195,21 +188,16 @@ def _paged_attention_kernel(
             l_ok = ok0[:, None] & (offs_l < HEAD_DIM)[None, :]
             k_row0 = page0 * stride_kb + in_page0 * stride_kt + kvh * stride_kh
             v_row0 = page0 * stride_vb + in_page0 * stride_vt + kvh * stride_vh
-            if PRELOAD >= 1:  # A/B (SYNCLESS_ATTN_PRELOAD): the tile itself, into registers
+            if PRELOAD:  # one-tile splits: the tile itself, into registers
                 m0 = ok0[:, None] if HEAD_DIM == BLOCK_D else ok0[:, None] & d_ok[None, :]
                 k_pre = tl.load(k_ptr + k_row0[:, None] + offs_d[None, :], mask=m0, other=0.0)
             else:
                 prefetch_lines_l2(k_ptr + k_row0[:, None] + offs_l[None, :], l_ok)
-            if PRELOAD >= 2:
+            if PRELOAD:
                 v_pre = tl.load(v_ptr + v_row0[:, None] + offs_d[None, :], mask=m0, other=0.0)
             else:
                 prefetch_lines_l2(v_ptr + v_row0[:, None] + offs_l[None, :], l_ok)
-    stamp(stamp_ptr, lin, 1, STAMPS)
-    if RELEASE_LATE:  # the next kernel launches only as this one's programs finish
-        wait_only(USE_PDL)
-    else:
-        wait_and_release(USE_PDL)
-    stamp(stamp_ptr, lin, 2, STAMPS)
+    wait_and_release(USE_PDL)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qhead * stride_qh
     if ROPE:
         # One query token: rotate (and normalise) the raw q heads and this KV head's new
@@ -229,8 +217,6 @@ def _paged_attention_kernel(
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    if STAMPS:
-        stamp(stamp_ptr, _after(lin, tl.sum(q.to(tl.float32))), 3, STAMPS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -246,14 +232,14 @@ def _paged_attention_kernel(
             kv_mask = kv_ok[:, None] & d_ok[None, :]
         k_off = page * stride_kb + in_page * stride_kt + kvh * stride_kh
         v_off = page * stride_vb + in_page * stride_vt + kvh * stride_vh
-        if PRELOAD >= 1:  # the split's first tile came in before the wait
+        if PRELOAD:  # the split's first tile came in before the wait
             if t == tile_lo:
                 k = k_pre
             else:
                 k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if PRELOAD >= 2:
+        if PRELOAD:
             if t == tile_lo:
                 v = v_pre
             else:
@@ -287,8 +273,6 @@ def _paged_attention_kernel(
             pv = tl.dot(p_lo, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if STAMPS:
-        stamp(stamp_ptr, _after(lin, tl.sum(acc)), 4, STAMPS)
 
     if ROPE:
         # The split holding the row's last tile owns the new key: it adds it (unless a
@@ -322,27 +306,11 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             sem = sem_ptr + pid * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-            if STAMPS:
-                stamp(stamp_ptr, _after(lin, arrived.to(tl.float32)), 5, STAMPS)
             if arrived == used - 1:
                 f_rows = (q_start + tok).to(tl.int64) * stride_ft + qhead * stride_fh
-                merged = merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows,
-                                      f_rows, offs_m, offs_d, row_ok, d_ok, stride_os,
-                                      stride_ls, BLOCK_M, BLOCK_D, NUM_SPLITS, SPLITS_P,
-                                      MERGE_ONE_PASS)
-                if STAMPS:
-                    stamp(stamp_ptr, _after(lin, tl.sum(merged)), 6, STAMPS)
-    if RELEASE_LATE:
-        release_only(USE_PDL)
-    if STAMPS:
-        stamp(stamp_ptr, _after(lin, tl.sum(o)), 7, STAMPS)
-
-
-@triton.jit
-def _after(lin, x):
-    """``lin`` as a value that depends on ``x`` (a NaN test the compiler cannot fold), so a
-    stamp taken with it waits for ``x``; a NaN ``x`` moves the stamp one row down."""
-    return lin + (x != x).to(lin.dtype)
+                merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
+                             offs_m, offs_d, row_ok, d_ok, stride_os, stride_ls, BLOCK_M,
+                             BLOCK_D, NUM_SPLITS)
 
 
 def row_lines(head_dim: int, element_size: int) -> dict[str, int]:
@@ -375,7 +343,6 @@ def paged_attention_triton(
     config: dict | None = None,
     rope: DecodeRope | None = None,
     eager: bool = False,
-    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
@@ -391,9 +358,8 @@ def paged_attention_triton(
     overrides the split-KV heuristic (tests, benchmarks). Decode-shaped splits
     merge their partials in the last arriving program (``fused_reduce``, default
     on) instead of a second launch. ``eager``: a launch outside any CUDA graph takes its
-    shape from the small fixed set of ``launch_config(eager=True)``. ``stamps`` (profiling): an int64
-    ``[programs + 1, 32]`` buffer for each program's timestamps (``kernels.bench_attention_stamps``).
-    ``config`` overrides ``block_n`` /
+    shape from the small fixed set of ``launch_config(eager=True)``. ``config`` overrides
+    ``block_n`` /
     ``num_warps`` / ``num_stages`` (benchmarks). Rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten.
     """
@@ -428,7 +394,6 @@ def paged_attention_triton(
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     if one_token and not eager:  # the depth follows the tiles a split gets after any override
         num_stages = one_token_stages(block_n, num_splits, max_seq_len_upper_bound)
-        num_stages = pdl.decode_attention_stages() or num_stages  # an A/B knob (benchmarks)
     if config:
         num_stages = config.get("num_stages", num_stages)
     sem = None
@@ -443,15 +408,17 @@ def paged_attention_triton(
         lse, dst, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0  # lse unused
 
     launch = pdl.launch_kwargs(q)
-    preload = (pdl.attention_preload() if one_token and rope is not None and num_stages == 1
-               and launch["USE_PDL"] else 0)
-    if preload == 2 and not (config and "num_warps" in config):
+    # with PDL, a one-tile split's K and V tile load before the wait (on an H100, 5 % off a
+    # Qwen3-0.6B batch-1 step, 1 % off Llama-3.1-8B's; the keys alone were slower); a longer
+    # split's first tile is prefetched into L2 instead
+    preload = one_token and rope is not None and num_stages == 1 and launch["USE_PDL"]
+    if preload and not (config and "num_warps" in config):
         num_warps = 8  # K and V tiles held across the wait: 4 warps spill (sm_90)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, dst, lse, out, sem if sem is not None else seq_lens,
-        stamps if stamps is not None else seq_lens, block_table, seq_lens, query_start_loc,
+        block_table, seq_lens, query_start_loc,
         *(_rope_args(rope) if rope is not None else (q,) * 7),
         num_reqs, kv_cap, float(scale) * LOG2E,
         float(rope.eps) if rope is not None else 0.0,
@@ -471,13 +438,11 @@ def paged_attention_triton(
         # The interpreter's tl.dot multiplies bf16 as raw uint16 bits (triton 3.9):
         # off-GPU only, feed it fp32 copies of the same bf16 values.
         UPCAST=(not q.is_cuda) and torch.bfloat16 in (q.dtype, k_cache.dtype),
-        FUSED_REDUCE=sem is not None, SPLITS_P=triton.next_power_of_2(num_splits),
+        FUSED_REDUCE=sem is not None,
         **row_lines(head_dim, k_cache.element_size()),
         ROPE=rope is not None, Q_NORM=rope is not None and rope.q_norm_weight is not None,
         K_NORM=rope is not None and rope.k_norm_weight is not None,
-        RELEASE_LATE=one_token and launch["USE_PDL"] and pdl.attention_release_late(),
-        STAMPS=stamps is not None,
-        PRELOAD=preload, MERGE_ONE_PASS=sem is not None and pdl.attention_merge() == 1,
+        PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1 and sem is None:

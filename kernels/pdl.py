@@ -12,10 +12,9 @@ visible. The protocol every kernel here follows:
    lengths, positions and block table, written before its first layer), and
    cache hints (an L2 prefetch never returns stale data: L2 is the coherence
    point). The skinny GEMM peels its first K chunk here; the fused-rope decode
-   attention loads a one-tile split's K/V tile into registers, or prefetches a
-   longer split's first tile into L2 (those keys are from earlier steps);
-2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch; the
-   one-token decode attention may release at its end instead, ``SYNCLESS_ATTN_RELEASE``);
+   attention loads a one-tile split's K/V tile into registers (those keys are from
+   earlier steps);
+2. ``gdc_wait()``, then ``gdc_launch_dependents()`` (let the next kernel launch);
 3. everything else: activations, the KV cache's loads, every store.
 
 Triggering only *after* our own wait makes the chain transitive: when kernel
@@ -26,9 +25,9 @@ write-after-read hazard either. Kernels launched without the attribute
 is safe. Inside a CUDA graph capture the dependency is recorded as a
 programmatic edge (CUDA 12.3+).
 
-``SYNCLESS_PDL``: ``auto`` (the default) uses PDL only inside declared forward passes of
-one token (batch-1 decode; ``SYNCLESS_PDL_MAX_TOKENS`` moves that limit), ``1`` in every
-pass of at most ``SYNCLESS_PDL_MAX_TOKENS`` tokens (unset: any) and in the sampler, ``0``
+The ``pdl`` option (``KernelSettings.pdl``): ``auto`` (the default) uses PDL only inside
+declared forward passes of one token (batch-1 decode; ``pdl_max_tokens`` moves that limit),
+``on`` in every pass of at most ``pdl_max_tokens`` tokens (0: any) and in the sampler, ``off``
 nowhere. Why auto: once the batch-1 step stopped being host-bound, PDL made it faster in
 every cell of one same-run A/B (2026-12-04f, H200): Llama-3.1-8B -1.9 % (ctx 512) and
 -3.0 % (4096), Qwen3-0.6B -8.5 % and -4.2 %; at batch 8 it made the 0.6B 8 % and 4 %
@@ -38,9 +37,7 @@ without, but whole decode steps gain little and not reliably: Llama-3.1-8B batch
 -2.0 % in one run and +0.3 % in another, batch 8 +1 %; Qwen3-0.6B -4 % at batch 128,
 host noise below (notes/2026-12-04d-h200-results.md). Without the peeled first K chunk
 the 8B batch-1 step was 2.6 % slower with PDL on; peeling two chunks was 1 % slower.
-``SYNCLESS_L2_PREFETCH=N`` (bytes, default 0) makes each skinny-GEMM program
-bulk-prefetch the first N bytes of its weight rows into L2 before its wait: no
-gain at 2 KB, a loss with whole rows on the 8B shape, so it stays off. PDL never
+PDL never
 applies to CPU tensors, the Triton interpreter, GPUs below compute capability 9,
 or a Triton without ``gdc_wait``.
 """
@@ -56,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.settings import current
+
 try:  # triton >= 3.3 exposes grid dependency control
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
 
@@ -63,21 +62,7 @@ try:  # triton >= 3.3 exposes grid dependency control
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GDC = False
 
-_OFF = ("0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
 AUTO_MAX_TOKENS = 1  # auto mode: passes of at most this many tokens (batch-1 decode)
-
-
-def mode() -> str:
-    """``SYNCLESS_PDL`` as ``"auto"`` (unset or ``auto``), ``"on"`` or ``"off"``."""
-    raw = os.environ.get("SYNCLESS_PDL", "").strip().lower()
-    if raw in ("", "auto"):
-        return "auto"
-    if raw in _ON:
-        return "on"
-    if raw in _OFF:
-        return "off"
-    raise ValueError(f"SYNCLESS_PDL must be auto, 1 or 0, got {raw!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,9 +77,9 @@ _scope = threading.local()
 @contextlib.contextmanager
 def step_tokens(n: int):
     """Declares the token count of the forward pass being launched (a CPU int): PDL
-    applies only to passes of at most ``SYNCLESS_PDL_MAX_TOKENS`` tokens, where the
-    kernels are short enough for the overlap to pay (0 or unset: no limit). Kernels
-    launched outside a declared pass (the sampler's) follow ``SYNCLESS_PDL`` alone."""
+    applies only to passes of at most ``pdl_max_tokens`` tokens (under ``auto``: one token
+    unless set), where the kernels are short enough for the overlap to pay. Kernels launched
+    outside a declared pass (the sampler's) use PDL only under ``pdl = 'on'``."""
     prev = getattr(_scope, "tokens", None)
     _scope.tokens = n
     try:
@@ -103,90 +88,20 @@ def step_tokens(n: int):
         _scope.tokens = prev
 
 
-def _env_bytes_or_count(name: str) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{name} must be a non-negative integer, got {raw!r}")
-    return int(raw)
-
-
-def _token_limit_allows(pdl_mode: str | None = None) -> bool:
-    """Whether the declared pass is short enough for PDL under ``pdl_mode`` (read when None)."""
-    limit = _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
+def _token_limit_allows(pdl_mode: str, limit: int) -> bool:
+    """Whether the declared pass is short enough for PDL under ``pdl_mode``."""
     tokens = getattr(_scope, "tokens", None)
-    if (pdl_mode or mode()) == "auto":  # only inside a declared pass, of at most the limit (default 1)
+    if pdl_mode == "auto":  # only inside a declared pass, of at most the limit (default 1)
         return tokens is not None and tokens <= (limit if limit > 0 else AUTO_MAX_TOKENS)
     return limit <= 0 or tokens is None or tokens <= limit
-
-
-def l2_prefetch_row_bytes() -> int:
-    """With PDL on, how many bytes of each weight row a skinny-GEMM program prefetches
-    into L2 before its wait (``SYNCLESS_L2_PREFETCH``: bytes; 0 off)."""
-    return _env_bytes_or_count("SYNCLESS_L2_PREFETCH")
-
-
-def attention_release_late() -> bool:
-    """``SYNCLESS_ATTN_RELEASE=late`` (A/B knob, default ``early``): each program of the
-    one-token decode attention releases at its end instead of right after its wait. The next
-    kernel launches once every program has released or exited, so in effect after the last
-    attention program's work, and its programs do not share SMs with running attention."""
-    raw = os.environ.get("SYNCLESS_ATTN_RELEASE", "").strip().lower()
-    if raw not in ("", "early", "late"):
-        raise ValueError(f"SYNCLESS_ATTN_RELEASE must be early or late, got {raw!r}")
-    return raw == "late"
-
-
-def decode_attention_stages() -> int:
-    """``SYNCLESS_DECODE_ATTN_STAGES`` (A/B knob; 0 or unset: the launch config's): the
-    software-pipelining depth of the one-query-token decode attention (its shared memory)."""
-    return _env_bytes_or_count("SYNCLESS_DECODE_ATTN_STAGES")
-
-
-def attention_preload() -> int:
-    """``SYNCLESS_ATTN_PRELOAD`` (default 2): with PDL on, a one-token decode attention split
-    of one tile loads that tile into registers before its wait (1: the keys, 2: keys and
-    values; 0: prefetches its lines into L2 instead). On an H100, 2 took 5% off a Qwen3-0.6B
-    batch-1 step and 1% off Llama-3.1-8B's; 1 was slower (notes/2026-12-05d-results.md)."""
-    if not os.environ.get("SYNCLESS_ATTN_PRELOAD", "").strip():
-        return 2
-    n = _env_bytes_or_count("SYNCLESS_ATTN_PRELOAD")
-    if n > 2:
-        raise ValueError(f"SYNCLESS_ATTN_PRELOAD must be 0, 1 or 2, got {n}")
-    return n
-
-
-def attention_merge() -> int:
-    """``SYNCLESS_ATTN_MERGE`` (A/B knob, default 1): how the last split of a fused-reduce
-    decode attention merges the partials (``kernels.attention_merge``): 1 runs one pass with
-    all loads in flight, 2 reads the splits' lse first (two dependent L2 round trips).
-    1 won every cell of its H100 A/B (``notes/2026-12-05e-results.md``)."""
-    raw = os.environ.get("SYNCLESS_ATTN_MERGE", "").strip()
-    if raw in ("", "1"):
-        return 1
-    if raw == "2":
-        return 2
-    raise ValueError(f"SYNCLESS_ATTN_MERGE must be 1 or 2, got {raw!r}")
-
-
-def validate_switches() -> None:
-    """Parse every PDL switch once (at start-up): a malformed one raises ``ValueError``."""
-    mode()
-    _env_bytes_or_count("SYNCLESS_PDL_MAX_TOKENS")
-    l2_prefetch_row_bytes()
-    attention_release_late()
-    decode_attention_stages()
-    attention_preload()
-    attention_merge()
 
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device use PDL."""
     if not (HAVE_GDC and t.is_cuda):
         return False
-    pdl_mode = mode()  # read once: this runs at every eager kernel launch
-    if pdl_mode == "off" or not _token_limit_allows(pdl_mode):
+    settings = current()
+    if settings.pdl == "off" or not _token_limit_allows(settings.pdl, settings.pdl_max_tokens):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False

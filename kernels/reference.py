@@ -255,31 +255,3 @@ def prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
     qsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32, device=q_lens.device)
     qsl[1:] = q_lens.cumsum(0).int()
     return positions, input_ids, seq_lens, slot_mapping, qsl
-
-
-def decode_layer_reference(x, residual, w, positions, cos_sin_cache, k_cache, v_cache,
-                           slot_mapping, block_table, seq_lens, max_seq_len_upper_bound: int,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pre-norm decoder layer for ``M`` tokens ``x [M, H]``, token ``m`` the only query
-    token of request ``m`` (``w``: a ``kernels.decode_layer.LayerWeights``), unfused: norm
-    (+ residual) and QKV, [q/k norm], rotary and the KV write, paged attention, o_proj, norm
-    (+ residual) and gate|up with SiLU*mul, down. Returns ``(out, new_residual)``;
-    ``residual`` None: ``x`` is it."""
-    hq, hk, d = w.num_heads, w.num_kv_heads, w.head_dim
-    m = x.shape[0]
-    qkv, r1 = skinny_linear_reference(x, w.qkv, residual=residual, norm_weight=w.input_norm,
-                                      eps=w.eps)
-    r1 = x if r1 is None else r1
-    q = qkv[:, : hq * d].reshape(m, hq, d)
-    k = qkv[:, hq * d : (hq + hk) * d].reshape(m, hk, d)
-    v = qkv[:, (hq + hk) * d :].reshape(m, hk, d)
-    q = rope_and_write_kv_reference(positions[:m], q, k, v, cos_sin_cache, k_cache, v_cache,
-                                    slot_mapping[:m], w.q_norm, w.k_norm, w.qk_eps)
-    qsl = torch.arange(m + 1, dtype=torch.int32)
-    o = paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens[:m],
-                                  qsl.to(x.device), qsl, max_seq_len_upper_bound, scale)
-    y = torch.nn.functional.linear(o.reshape(m, hq * d), w.o)
-    act_name = "silu_and_mul_pairs" if w.gate_up_pairs else "silu_and_mul"
-    act, r2 = skinny_linear_reference(y, w.gate_up, residual=r1, norm_weight=w.post_norm,
-                                      eps=w.eps, act=act_name)
-    return torch.nn.functional.linear(act, w.down), r2

@@ -19,8 +19,6 @@ import triton.language as tl
 from kernels import pdl
 from kernels.pdl import wait_and_release
 
-from kernels.reference import noise_row_key
-
 
 @triton.jit
 def _mix32(x):
@@ -33,13 +31,26 @@ def _mix32(x):
 
 
 # Sizes are not specialised on, so one compile serves every batch and vocabulary.
+@triton.jit
+def _row_key(seed_ptr, pos_ptr, row):
+    """``kernels.reference.noise_row_key`` of one row, in registers: computing it here
+    instead of in torch saves some twenty tiny launches a call (a step must stay far below
+    the device's launch-queue depth, or its launch waits for the device)."""
+    s = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
+    lo = (s & 0xFFFFFFFF).to(tl.uint32)
+    hi = (s >> 32).to(tl.uint32)
+    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
+    p = tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True)
+    return _mix32(key ^ (p & 0xFFFFFFFF).to(tl.uint32))
+
+
 @triton.jit(do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"])
-def _race_partial_kernel(probs_ptr, key_ptr, best_ptr, idx_ptr, vocab, stride_p, per_split,
+def _race_partial_kernel(probs_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, vocab, stride_p, per_split,
                          num_splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     wait_and_release(USE_PDL)
-    key = tl.load(key_ptr + row).to(tl.uint32)
+    key = _row_key(seed_ptr, pos_ptr, row)
     key7 = key >> 7
     lo = split * per_split
     hi = tl.minimum(lo + per_split, vocab)
@@ -105,12 +116,11 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
         return out
     if probs.stride(-1) != 1:
         probs = probs.contiguous()
-    key = noise_row_key(seeds, positions)
     per_split, num_splits = vocab_splits(probs, block, num_splits)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
     launch = pdl.launch_kwargs(probs)  # one PDL decision for both launches
-    _race_partial_kernel[(rows, num_splits)](probs, key, best, idx, vocab, probs.stride(0), per_split,
+    _race_partial_kernel[(rows, num_splits)](probs, seeds, positions, best, idx, vocab, probs.stride(0), per_split,
                                              num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4,
                                              **launch)
     _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS,

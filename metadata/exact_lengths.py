@@ -10,9 +10,10 @@ options that would make it valid.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from metadata.config import ConfigError, EngineConfig
+if TYPE_CHECKING:  # annotations only: the config calls in here, never the other way
+    from metadata.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,14 @@ EXACT_LENGTH_CONSUMERS: list[ExactLengthConsumer] = [
 ]
 
 
-def refuse_exact_length_consumers(cfg: EngineConfig) -> None:
-    """Raise ``ConfigError`` if an enabled feature needs exact host lengths (async + spec)."""
+def exact_length_refusal(cfg: EngineConfig) -> str | None:
+    """Why the config is refused if an enabled feature needs exact host lengths (async +
+    spec; ``EngineConfig.validate`` raises it as a ``ConfigError``), else None."""
     bad = [c for c in EXACT_LENGTH_CONSUMERS if c.enabled(cfg)]
     if bad:
         c = bad[0]
-        raise ConfigError(
+        return (
             f"{c.name} needs exact sequence lengths on the host, which async scheduling with "
             f"speculative decoding never has ({c.why}); {c.alternatives}"
         )
+    return None

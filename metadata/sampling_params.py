@@ -12,6 +12,9 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
                  "frequency_penalty")
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 MAX_CACHE_SALT_LEN = 1024
+MAX_INT32 = (1 << 31) - 1  # top_k, min_tokens and max_tokens become device int tensors
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -54,7 +57,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         def bad(name: str, cond: str, value: object) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} must be {cond}, got {value!r}")
+            shown = repr(value)
+            if len(shown) > 80:  # never echo a huge input back
+                shown = shown[:77] + "..."
+            return SamplingParamsError(f"{name} must be {cond}, got {shown}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -77,35 +83,41 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop", "a list of strings (and stop_token_ids a list of ids)", self.stop)
         if not 1 <= self.n <= 128:
             raise bad("n", "in [1, 128]", self.n)
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0", self.temperature)
+        if self.temperature != 0 and not 1e-5 <= self.temperature <= 1e4:
+            raise bad("temperature", "0 (greedy) or in [1e-05, 10000]", self.temperature)
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if self.top_k < 0:
-            raise bad("top_k", ">= 1, or 0 / -1 to disable", self.top_k)
+        if not 0 <= self.top_k <= MAX_INT32:
+            raise bad("top_k", f"in [1, {MAX_INT32}], or 0 / -1 to disable", self.top_k)
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]", self.min_p)
         if self.seed is not None and not 0 <= self.seed < (1 << 63):
             raise bad("seed", "in [0, 2**63)", self.seed)
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        if not 1e-3 <= self.repetition_penalty <= 1e3:
+            raise bad("repetition_penalty", "in [0.001, 1000] (1: off)", self.repetition_penalty)
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+            or not 1 <= self.max_tokens <= MAX_INT32
         ):
-            raise bad("max_tokens", "an integer >= 1", self.max_tokens)
-        if self.min_tokens < 0:
-            raise bad("min_tokens", ">= 0", self.min_tokens)
+            raise bad("max_tokens", f"an integer in [1, {MAX_INT32}]", self.max_tokens)
+        if not 0 <= self.min_tokens <= MAX_INT32:
+            raise bad("min_tokens", f"in [0, {MAX_INT32}]", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]", self.logprobs)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"<{len(self.stop)} strings>")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", f"<{len(self.stop_token_ids)} ids>")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32
+               for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN

@@ -76,15 +76,24 @@ class SampledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     logprobs: list[TokenLogprobs] | None = None
 
 
-class StepResult(msgspec.Struct, forbid_unknown_fields=True):
-    step_id: int
-    outputs: list[SampledRow] = []
-    error: str | None = None
-    rank: int = 0
+class StepStats(msgspec.Struct, forbid_unknown_fields=True):
+    """How long one step took on the worker. Rides in the result's envelope for the engine's
+    statistics; the scheduler never reads it."""
+
     worker_time_s: float = 0.0  # launch start to result encoded, on the worker's clock
     host_launch_s: float = 0.0  # worker CPU time spent preparing and enqueueing the step
     device_step_s: float = -1.0  # GPU time of this step (measure_device_timeline only)
     device_idle_before_s: float = -1.0  # GPU idle between the previous step's end and this one's start
+
+
+class StepResult(msgspec.Struct, forbid_unknown_fields=True):
+    """What one step produced (rank 0's rows; other ranks report only ``error``)."""
+
+    step_id: int
+    outputs: list[SampledRow] = []
+    error: str | None = None
+    rank: int = 0
+    stats: StepStats = msgspec.field(default_factory=StepStats)
 
 
 _plan_encoder = msgspec.msgpack.Encoder()

@@ -73,3 +73,98 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                pad_token_id=0, min_new_tokens=max_new_tokens)
             outs.append(g[0, len(p):].tolist())
     return outs
+
+
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_GGUF_NAMES = {  # Hugging Face suffix -> GGUF block tensor (llama.cpp's names)
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", rope_freqs=None) -> Path:
+    """Convert a tiny checkpoint of ``write_checkpoint`` to a GGUF file as llama.cpp's
+    converter does (its tensor names, Q/K rows permuted for Llama, 2-D weights stored as
+    ``qtype``, norms as F32); ``rope_freqs``: llama.cpp's per-frequency rope divisors."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = _GGUF_ARCH[cfg["architectures"][0]]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    def permute(t, n_head):  # llama.cpp's LlamaModel.permute
+        return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    for name, t in tensors.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.get("tie_word_embeddings"):
+                continue
+            g = "output.weight"
+        else:
+            parts = name.removeprefix("model.layers.").split(".")
+            g = f"blk.{parts[0]}.{_GGUF_NAMES['.'.join(parts[1:-1])]}.{parts[-1]}"
+            if arch == "llama" and ".attn_q." in g:
+                a = permute(a, heads)
+            elif arch == "llama" and ".attn_k." in g:
+                a = permute(a, kv)
+        if a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(g, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(g, a.astype(np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def hf_gguf_greedy(gguf_file: Path, prompts: list[list[int]], max_new_tokens: int,
+                   dtype=torch.float32, device: str = "cpu") -> list[list[int]]:
+    """transformers' own load of a GGUF file (its dequantization and Q/K unpermute), greedy."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # plain argmax: never stop, never suppress EOS
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return outs

@@ -1,5 +1,5 @@
-"""The two forms of the decode attention's in-launch split merge (``kernels.attention_merge``,
-``SYNCLESS_ATTN_MERGE``), run under the Triton interpreter against the plain-torch reference."""
+"""The decode attention's in-launch one-pass split merge (``kernels.attention_merge``), run
+under the Triton interpreter against the plain-torch reference."""
 
 import pytest
 import torch
@@ -9,16 +9,13 @@ from tests.test_kernels import DECODE_LENS, TOL, make_attention_case, run_attent
 
 if INTERPRETED:
     from kernels import paged_attention as pa
-    from kernels import pdl
 else:
-    pa = pdl = None  # only the child touches triton
+    pa = None  # only the child touches triton
 
 
-@pytest.mark.parametrize("merge", ["1", "2"])
 @pytest.mark.parametrize("num_splits", [3, 8])  # 8 splits > tiles of the short rows: masked
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
-def test_decode_merge_forms_match_reference(monkeypatch, merge, num_splits, hq, hkv):
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", merge)
+def test_decode_merge_matches_reference(num_splits, hq, hkv):
     c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv,
                             pad_tokens=2, bound_slack=40, seed=3)
     for _ in range(2):  # the second launch needs every counter re-armed by the first
@@ -27,11 +24,9 @@ def test_decode_merge_forms_match_reference(monkeypatch, merge, num_splits, hq, 
         assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("merge", ["1", "2"])
-def test_merge_forms_when_a_later_split_dominates(monkeypatch, merge):
+def test_merge_when_a_later_split_dominates():
     """Long rows whose keys grow with their position: each split's lse exceeds the ones
     before it, so a one-pass merge must rescale what it has summed at every split."""
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", merge)
     c = make_attention_case([1, 1, 1], [700, 1024, 1500], 4, 2, bs=16, seed=11)
     bt = c["block_table"]
     for r in range(bt.shape[0]):
@@ -42,12 +37,10 @@ def test_merge_forms_when_a_later_split_dominates(monkeypatch, merge):
     torch.testing.assert_close(out, expect, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("merge", ["1", "2"])
-def test_merge_forms_with_splits_that_see_no_key(monkeypatch, merge):
+def test_merge_with_splits_that_see_no_key():
     """Spec-verify rows (several query tokens a request): a row's early query tokens see no key
     in the last splits (lse -inf there), and an empty request. (Split 0 holds key 0, which
     every query sees: only masked rows start the running max at -inf.)"""
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", merge)
     c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3,
                             bound_slack=9, seed=8)
     for splits in (3, 4):
@@ -56,26 +49,11 @@ def test_merge_forms_with_splits_that_see_no_key(monkeypatch, merge):
         torch.testing.assert_close(out, expect, **TOL[torch.float32])
 
 
-def test_one_pass_merge_equals_two_pass_in_bf16(monkeypatch):
-    """Same partials, two summation orders: bf16 outputs within one rounding step."""
+def test_merge_in_bf16():
     c = make_attention_case([1] * 6, [33, 64, 65, 150, 17, 240], 8, 2, dtype=torch.bfloat16,
                             bound_slack=16, seed=5)
-    outs = {}
-    for merge in ("2", "1"):
-        monkeypatch.setenv("SYNCLESS_ATTN_MERGE", merge)
-        outs[merge], expect = run_attention(c, num_splits=6, fused_reduce=True)
-        torch.testing.assert_close(outs[merge], expect, **TOL[torch.bfloat16])
-    torch.testing.assert_close(outs["1"], outs["2"], atol=1e-2, rtol=1e-2)
-
-
-def test_merge_switch_values(monkeypatch):
-    monkeypatch.delenv("SYNCLESS_ATTN_MERGE", raising=False)
-    assert pdl.attention_merge() == 1
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", " 2 ")
-    assert pdl.attention_merge() == 2
-    monkeypatch.setenv("SYNCLESS_ATTN_MERGE", "online")
-    with pytest.raises(ValueError, match="SYNCLESS_ATTN_MERGE must be 1 or 2, got 'online'"):
-        pdl.validate_switches()
+    out, expect = run_attention(c, num_splits=6, fused_reduce=True)
+    torch.testing.assert_close(out, expect, **TOL[torch.bfloat16])
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -10,7 +10,7 @@ import pytest
 
 from metadata import wire
 from metadata.config import ALL_OPTIONS, REMOVED_OPTIONS, ConfigError, EngineConfig
-from metadata.wire import (NewRequest, SampledRow, SamplingOptions, ScheduledRow, StepPlan, StepResult,
+from metadata.wire import (NewRequest, SampledRow, SamplingOptions, ScheduledRow, StepPlan, StepResult, StepStats,
                            TokenLogprobs, decode_plan, decode_result, encode)
 
 
@@ -151,7 +151,7 @@ def test_plan_and_result_round_trip():
     assert back.new_requests[0].sampling.seed == (1 << 62) + 3
     res = StepResult(step_id=42, outputs=[SampledRow(handle=3, token_ids=[11], logprobs=[
         TokenLogprobs(sampled_logprob=-0.25, sampled_rank=1, top_token_ids=[11, 4], top_logprobs=[-0.25, -2.0])])],
-        rank=0, worker_time_s=0.01)
+        rank=0, stats=StepStats(worker_time_s=0.01))
     back = decode_result(encode(res))
     assert back == res and type(back.outputs[0].logprobs[0]) is TokenLogprobs
     assert decode_plan(encode(StepPlan(step_id=1))) == StepPlan(step_id=1)

@@ -131,8 +131,10 @@ def test_find_stop():
 @pytest.fixture(scope="module")
 def demo_llm(ray_local):
     from cluster import LLM
+    from cluster.demo_model import ensure_demo_model
 
-    llm = LLM(block_size=16, num_kv_blocks=64, max_model_len=256)
+    # the byte-level demo model explicitly (the default model is SmolLM2, a BPE tokenizer)
+    llm = LLM(model=str(ensure_demo_model()), block_size=16, num_kv_blocks=64, max_model_len=256)
     yield llm
     llm.engine.scheduler.blocks.check_all_free()
     llm.shutdown()

@@ -323,6 +323,10 @@ def test_exponential_race(rows, vocab, splits, block):
     assert int(got[0]) < vocab // 2
     other = smp.exponential_race_triton(probs, seeds + 1, pos, block=block, num_splits=splits)
     assert other.tolist() != got.tolist()  # the seed matters
+    # the row key is hashed inside the kernel: negative seeds and positions past 2^32 too
+    neg, far = -seeds - 7, pos + (5 << 32)
+    got = smp.exponential_race_triton(probs, neg, far, block=block, num_splits=splits)
+    assert got.tolist() == ref.exponential_race_reference(probs, neg, far).tolist()
 
 
 def test_exponential_race_ties_and_strides():

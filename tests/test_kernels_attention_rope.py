@@ -138,8 +138,8 @@ def test_decode_attention_with_rope_bound_below_seq_len():
 def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
     """``ops.rope_and_attention`` (kernels on CPU tensors under the interpreter): up to
     ROPE_IN_ATTENTION_MAX_TOKENS tokens of one query token each take the fused launch,
-    larger or multi-token batches, too many keys (tokens x bound) and the switch set to 0
-    the two launches; all equal the reference."""
+    larger or multi-token batches, too many keys (tokens x bound) and the option off the two
+    launches; all equal the reference."""
     from kernels import ops
 
     calls = []
@@ -152,13 +152,11 @@ def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
     # key_cap: ROPE_IN_ATTENTION_MAX_TOKEN_KEYS as a multiple of this case's rows x bound
-    for n, env, key_cap, want in ((3, None, 1, True),
-                                  (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, None, None, False),
-                                  (3, "0", None, False), (3, None, 0.99, False)):
-        if env is None:
-            monkeypatch.delenv("SYNCLESS_ROPE_IN_ATTENTION", raising=False)
-        else:
-            monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", env)
+    from kernels.settings import overridden
+
+    for n, on, key_cap, want in ((3, True, 1, True),
+                                 (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, True, None, False),
+                                 (3, False, None, False), (3, True, 0.99, False)):
         c = make_case([5 + 9 * i for i in range(n)], 4, 2, 32, torch.float32, qk_norm=True)
         if key_cap is not None:  # exactly at the cap (fused) or just under it (not)
             rows = c["q"].shape[0]  # padded rows count too
@@ -167,9 +165,10 @@ def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
         exp, kc_exp, _ = expected(c)
         kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
         calls.clear()
-        out = ops.rope_and_attention(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc,
-                                     c["slots"], c["table"], c["seq"], c["qsl"], c["qsl"], 1,
-                                     c["bound"], c["scale"], c["qw"], c["kw"], 1e-6)
+        with overridden(rope_in_attention=on):  # the rope_in_attention option
+            out = ops.rope_and_attention(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc,
+                                         c["slots"], c["table"], c["seq"], c["qsl"], c["qsl"], 1,
+                                         c["bound"], c["scale"], c["qw"], c["kw"], 1e-6)
         assert calls == [want]
         torch.testing.assert_close(out[:n], exp[:n], **TOL[torch.float32])
         torch.testing.assert_close(kc, kc_exp, **TOL[torch.float32])

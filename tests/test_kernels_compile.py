@@ -4,7 +4,7 @@
 a device, so a kernel that the interpreter accepts but the compiler refuses (a plain
 Python global, a loop variable that changes type, bad inline PTX) fails here, in CI,
 instead of on the GPU machine. The constexpr sets are the ones the engine launches on an
-H200: PDL on, the L2 prefetch on, the fused split merge, the wide decode tiles."""
+H200: PDL on, the L2 prefetches on, the fused split merge, the wide decode tiles."""
 
 import os
 
@@ -80,14 +80,10 @@ def test_persistent_gemv_compiles(variant):
              floats=("eps",))
 
 
-@pytest.mark.parametrize("decode,rope,head_dim,late,extra", [
-    (True, False, 128, False, {}), (True, True, 128, False, {}), (True, True, 32, False, {}),
-    (False, False, 128, False, {}), (True, True, 128, True, {}),
-    (True, True, 128, False, dict(STAMPS=True)), (True, True, 128, False, dict(PRELOAD=1)),
-    (True, True, 128, False, dict(PRELOAD=2)),
-    (True, True, 128, False, dict(PRELOAD=2, MERGE_ONE_PASS=True)),
-    (True, False, 128, False, dict(MERGE_ONE_PASS=True))])
-def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
+@pytest.mark.parametrize("decode,rope,head_dim,preload", [
+    (True, False, 128, False), (True, True, 128, False), (True, True, 32, False),
+    (False, False, 128, False), (True, True, 128, True)])
+def test_paged_attention_compiles(decode, rope, head_dim, preload):
     from kernels.paged_attention import _paged_attention_kernel
 
     from kernels.paged_attention import row_lines
@@ -97,23 +93,21 @@ def test_paged_attention_compiles(decode, rope, head_dim, late, extra):
     assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
     const = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, KV_BLOCK_SIZE=16, GROUP=4, GROUP_P=4,
                  IEEE=False, UPCAST=False, USE_PDL=True, ROPE=rope, Q_NORM=rope, K_NORM=rope,
-                 RELEASE_LATE=late, **lines,
-                 **{"STAMPS": False, "PRELOAD": 0, "MERGE_ONE_PASS": False, **extra})
+                 PRELOAD=preload, **lines)
     if decode:  # one query token, 128-key tiles, fused split merge
         const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True,
-                     FUSED_REDUCE=True, SPLITS_P=8)
+                     FUSED_REDUCE=True)
     else:  # prefill: query blocks found by binary search
         const.update(BLOCK_Q=32, BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, ONE_QBLOCK_PER_REQ=False,
-                     FUSED_REDUCE=False, SPLITS_P=1)
+                     FUSED_REDUCE=False)
     i32 = {n: "*i32" for n in ("sem_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
     ptrs = {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
-            "cs_ptr": "*fp32", "stamp_ptr": "*i64"}
-    # PRELOAD (one tile a split: one stage) 2 launches with 8 warps (K and V held across the
+            "cs_ptr": "*fp32"}
+    # PRELOAD (one tile a split: one stage) launches with 8 warps (K and V held across the
     # PDL wait spill with 4)
-    options = (dict(num_warps=8 if extra["PRELOAD"] == 2 else 4, num_stages=1)
-               if extra.get("PRELOAD") else None)
+    options = dict(num_warps=8, num_stages=1) if preload else None
     c = _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"), options=options)
-    if extra.get("PRELOAD") or extra.get("MERGE_ONE_PASS"):
+    if preload or (decode and not rope):  # ... and the fused merge's unrolled loads
         assert _resource_usage(c.asm["cubin"])[1] == 0, "spills"
 
 
@@ -142,98 +136,11 @@ def test_input_prep_and_rope_kv_compile():
              {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}, floats=("eps",))
 
 
-@pytest.mark.parametrize("variant", [
-    dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=True, DEPTH=1, USE_DOT=False, PRE_L2=0),
-    dict(BLOCK_N=4, BLOCK_K=1024, USE_PDL=False, DEPTH=2, USE_DOT=False, PRE_L2=0),
-    dict(BLOCK_N=64, BLOCK_K=128, USE_PDL=True, DEPTH=1, USE_DOT=True, PRE_L2=256),
-])
-def test_mlp_block_compiles(variant):
-    """The grid barrier's spin loop on scalar atomics, the phase helpers, PDL wait/release;
-    the tensor-core form streams its weight tiles through cp.async stages."""
-    from kernels.mlp_block import _mlp_block_kernel
-
-    compiled = _compile(_mlp_block_kernel, dict(variant, IEEE=False, UPCAST=False),
-                        {"bar_ptr": "*i32"}, floats=("eps",), aligned_ints=("H", "A", "I"))
-    ptx = compiled.asm["ptx"]
-    if variant.get("USE_DOT"):  # model sizes are multiples of 16, as the JIT specialises them
-        assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0, "tiles not pipelined"
-
-
 @pytest.mark.parametrize("pairs", [False, True])
 def test_silu_and_mul_compiles(pairs):
     from kernels.activation import _silu_and_mul_kernel
 
     _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
-
-
-LAYER_SHAPES = {"qwen3-0.6b": (16, 8, 1024, 3072), "llama-3.1-8b": (32, 8, 4096, 14336)}
-
-
-def compile_decode_layer(shape: str, batched: bool, cfg: dict, phase: int | None = None,
-                         profile: bool = False):
-    """The one-launch layer compiled for sm_90 at a ``LAYER_SHAPES`` shape (head_dim 128) as
-    the engine launches it (barriers, PDL, L2 prefetches; the 8B's weights stream with
-    ``ahead`` row blocks) under ``cfg`` (``DEFAULT_CONFIG`` overrides), or only ``phase``
-    (0-4) as the interpreter runs it. Also used by notes/2026-12-05-decode-layer-registers.py."""
-    from kernels import decode_layer as dl
-
-    hq, hk, h, inter = LAYER_SHAPES[shape]
-    cfg = dict(dl.DEFAULT_CONFIG, **cfg)
-    group_p = triton.next_power_of_2(hq // hk)
-    big = shape.startswith("llama")  # weights over the L2 budget: no whole-phase prefetch
-    one = phase is None
-    dot = bool(cfg["att_dot"])
-    blocks = {}
-    for name, k, rows in (("QKV", h, 1), ("O", hq * 128, 1), ("GU", h, 2), ("D", inter, 1)):
-        bn, bk = dl._blocks(k, rows, cfg)
-        if batched:  # 16-row tensor-core tiles
-            bn, bk = dl.BATCH_BLOCK_N // rows, dl.BATCH_BLOCK_K
-        blocks[f"BN_{name}"], blocks[f"BK_{name}"] = bn, bk
-    const = dict(HQ=hq, HK=hk, HEAD_DIM=128, KV_BLOCK_SIZE=16, GROUP=hq // hk, GROUP_P=group_p,
-                 SPLITS=16, SPLITS_P=16, ATT_DOT=dot, ATT_M=max(16, group_p) if dot else group_p,
-                 ATT_BLOCK_N=cfg["att_keys"] if dot else
-                 max(8, cfg["att_rows"] // (2 if batched else 1) // group_p),
-                 Q_NORM=not big, K_NORM=not big, HAS_RES=True, GU_ROW_MUL=2, SS_P=256, **blocks,
-                 **{f"RUN_{c}": one or i == phase for i, c in enumerate("ABCDE")},
-                 SYNC=one, PREFETCH=(2 if big else 31) if one else 0, PREFETCH_NEXT=one, ESZ=2,
-                 USE_PDL=one, KV_SPAN=256, LINE_ELEMS=64, ROW_LINES=2, POLL_LOAD=one,
-                 SS_BLOCK=512 if batched else 4096,
-                 **{f"AHEAD_{n}": cfg["ahead"] if one and big else 0 for n in ("QKV", "O", "GU", "D")},
-                 BATCHED=batched, BLOCK_M=dl.MAX_BATCH, UPCAST=False, IEEE=False, PROFILE=profile)
-    ptrs = {n: "*i32" for n in ("bt_ptr", "seq_ptr", "bar_ptr", "err_ptr")}
-    ptrs.update({n: "*fp32" for n in ("part_ptr", "lse_ptr", "ss_ptr", "cs_ptr")},
-                pos_ptr="*i64", slot_ptr="*i64", prof_ptr="*i64")
-    return _compile(dl._decode_layer_kernel, const, ptrs, floats=("eps", "qk_eps", "scale_log2"),
-                    aligned_ints=("H", "N_QKV", "INTER"),
-                    options=dict(num_warps=cfg["num_warps"], num_stages=1))
-
-
-@pytest.mark.parametrize("shape,phase,batched,profile,dot", [
-    (s, ph, b, False, dot) for s in ("qwen3-0.6b", "llama-3.1-8b")
-    for ph, b, dot in ((None, False, False), (1, False, False), (None, True, False),
-                       (None, False, True), (None, True, True))]
-    + [("qwen3-0.6b", None, False, True, False)])
-def test_decode_layer_compiles_and_fits_one_program_an_sm(shape, phase, batched, profile, dot):
-    """The one-launch layer as the engine launches it on an H200 (barriers, PDL, L2
-    prefetch), and one interpreter-style phase: it must keep one program an SM resident
-    (the grid barrier needs every program resident) without spilling registers. ``dot``:
-    the attention's tensor-core tiles (``att_dot=1``, 64 keys)."""
-    from kernels import decode_layer as dl
-
-    compiled = compile_decode_layer(shape, batched, dict(att_dot=int(dot)), phase, profile)
-    ptx = compiled.asm["ptx"]
-    one_launch = phase is None  # barriers polled with acquire loads, L2 prefetches, PDL
-    for needle in ("ld.acquire.gpu", "cp.async.bulk.prefetch.L2", "griddepcontrol.wait",
-                   "griddepcontrol.launch_dependents"):
-        assert (needle in ptx) == one_launch, needle
-    assert ("prefetch.global.L2" in ptx) == one_launch  # K/V rows
-    assert ("%globaltimer" in ptx) == profile
-    assert ("mma.sync" in ptx or "wgmma" in ptx) == (batched or dot)  # tensor-core GEMVs / tiles
-    regs, spills = _resource_usage(compiled.asm["cubin"])
-    assert spills == 0 and regs * 32 * dl.NUM_WARPS <= 65536, (regs, spills)
-    if phase is None and not batched:  # the GPU watchdog test needs 2 programs an SM not to fit
-        assert regs * 32 * dl.NUM_WARPS > 32768, regs
-    assert compiled.metadata.shared <= 227 * 1024
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:

@@ -144,40 +144,41 @@ def test_tile_gemm_m_classes():
     assert [tile_gemm.smallest_rows(c) for c in tile_gemm.M_CLASSES] == [2, 17, 33, 65, 129]
 
 
-def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path, monkeypatch):
+def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path):
     import json
+
+    from kernels.ops import build_kernel_settings
+    from metadata.config import KernelConfig
 
     cfg = _cfg(64, 32, 64, 2)
     path = tmp_path / "t.json"
     small = _cfg(16, 32, 64, 4)
     path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None,
                                             "m16|1024x2048": small}}))
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
-    assert tile_gemm.select_config(40, 1024, 2048) == cfg     # class 64
-    assert tile_gemm.select_config(100, 1024, 2048) is None   # null entry: cuBLAS won
-    assert tile_gemm.select_config(40, 2048, 1024) is None    # no entry for the shape
-    assert tile_gemm.select_config(8, 1024, 2048) == small    # class 16: 2-16 rows
-    assert tile_gemm.select_config(1, 1024, 2048) is None     # batch 1: never (the GEMV's)
-    monkeypatch.setenv(tile_gemm.SWITCH_ENV, "0")
-    assert tile_gemm.select_config(40, 1024, 2048) is None
-    monkeypatch.setenv(tile_gemm.SWITCH_ENV, "maybe")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
-        tile_gemm.select_config(40, 1024, 2048)
+    table = build_kernel_settings(KernelConfig(tile_gemm_tuning=str(path))).tile_table
+    assert tile_gemm.select_config(40, 1024, 2048, table=table) == cfg     # class 64
+    assert tile_gemm.select_config(100, 1024, 2048, table=table) is None   # null: cuBLAS won
+    assert tile_gemm.select_config(40, 2048, 1024, table=table) is None    # no entry for the shape
+    assert tile_gemm.select_config(8, 1024, 2048, table=table) == small    # class 16: 2-16 rows
+    assert tile_gemm.select_config(1, 1024, 2048, table=table) is None     # batch 1: the GEMV's
+    off = build_kernel_settings(KernelConfig(tile_gemm=False)).tile_table  # cuBLAS everywhere
+    assert off == {} and tile_gemm.select_config(40, 1024, 2048, table=off) is None
 
 
-def test_tile_gemm_bad_tuning_file(tmp_path, monkeypatch):
+def test_tile_gemm_bad_tuning_file(tmp_path):
     import json
+
+    from kernels.ops import build_kernel_settings
+    from metadata.config import KernelConfig
 
     path = tmp_path / "bad.json"
     path.write_text("{}")
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
-    with pytest.raises(ValueError, match="not a tile-GEMM tuning file"):
-        tile_gemm.select_config(40, 1024, 2048)
+    with pytest.raises(ValueError, match="tile_gemm_tuning=.*not a tile-GEMM tuning file"):
+        build_kernel_settings(KernelConfig(tile_gemm_tuning=str(path)))
     path2 = tmp_path / "bad2.json"  # an entry whose split does not divide K
     path2.write_text(json.dumps({"entries": {"m64|1024x2048": _cfg(64, 32, 128, 3)}}))
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path2))
     with pytest.raises(ValueError, match="multiple of split_k"):
-        tile_gemm.select_config(40, 1024, 2048)
+        build_kernel_settings(KernelConfig(tile_gemm_tuning=str(path2)))
 
 
 def test_tile_gemm_precompile_checks_uses_and_skips_cpu_weights():
@@ -187,7 +188,7 @@ def test_tile_gemm_precompile_checks_uses_and_skips_cpu_weights():
 
 
 def test_tuning_table_keeps_only_clear_wins():
-    from kernels.bench_tile_gemm import WIN_MARGIN, tuning_table
+    from benchmarks.kernels.bench_tile_gemm import WIN_MARGIN, tuning_table
 
     cfg = dict(_cfg(32, 64, 64, 4), us=1.0)
     rows = [

@@ -340,7 +340,7 @@ def test_random_workloads_match_reference(make_engine, ci, async_scheduling):
         total_preempt = engine.scheduler.num_preemptions
     if ci in (0, 2):
         assert total_preempt > 0, "this configuration should preempt"
-    assert not engine.groups and not engine.detok
+    assert not engine.groups and not engine.outputs.detok
 
 
 def test_sync_and_async_agree_token_for_token(make_engine):

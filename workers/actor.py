@@ -5,8 +5,9 @@ let it set device visibility from Ray's assignment, before torch touches the
 device. The sync-check mode arrives with the encoded ``EngineConfig``, in the
 constructor; nothing is read from the environment.
 
-Every rank of the TP group receives the same plan bytes. Rank 0's result is the
-step's result; the other ranks return only the step id and an error, if any.
+Every rank of every pipeline stage receives the same plan bytes. The result of the last
+stage's first rank (rank 0 without pipeline parallelism) is the step's result; the other
+ranks return only the step id and an error, if any.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import msgspec
 
 from metadata.config import EngineConfig
 from metadata.wire import StepResult, decode_result, encode
-from kernels.switches import kernel_env_vars
 from placement.platforms import select_platform
 from workers.compile_watch import CompileWatch
 
@@ -49,6 +49,8 @@ class WorkerActor:
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size or world_size
+        # the rank whose result the driver reads: the last pipeline stage's first
+        self.result_rank = (self.cfg.parallel.pipeline_parallel_size - 1) * self.tp_size
         self.max_model_len = max_model_len
         self.device_kind = device_kind
         from workers.sync_check import SyncCheck
@@ -69,20 +71,20 @@ class WorkerActor:
             "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self.gpu_ids,
             "visibility": dict(self.visibility.set), "notes": list(self.visibility.notes),
-            "kernel_switches": kernel_env_vars(),
+            "kernels": msgspec.to_builtins(self.cfg.kernels),
             **self.platform.describe(),
         }
 
     def stats(self) -> dict:
         model = self.runner.model if self.runner is not None else None
-        symm = self.runner.tp.symm if self.runner is not None else None
-        return {"ubatched_steps": getattr(model, "num_split_steps", 0),
-                "tp_symm_all_reduces": symm.calls if symm is not None else 0,
+        pp = self.runner.pp if self.runner is not None else None
+        return {**(pp.stats() if pp is not None else {}),
+                "num_layers": len(model.layers) if model is not None else 0,"ubatched_steps": getattr(model, "num_split_steps", 0),
                 "kernel_variants_after_start": len(self.compile_watch.variants),
                 "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
                 "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),
                 "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
-                "tp_all_reduce": "symm" if symm is not None else self.platform.collective_library}
+                "tp_all_reduce": self.platform.collective_library}
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""
@@ -95,7 +97,8 @@ class WorkerActor:
 
     # --------------------------------------------------------------- setup
     def load(self, dist_init_method: str | None = None) -> int:
-        """Join the TP group, load the model, size the KV cache; returns the blocks that fit here."""
+        """Join the TP group (and the pipeline), load this stage's layers, size the KV cache;
+        returns the blocks that fit here."""
         import torch
 
         from workers.distributed import TPGroup, init_distributed
@@ -105,14 +108,27 @@ class WorkerActor:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, int(os.environ.get("SYNCLESS_CPU_THREADS", "1"))))
+            torch.set_num_threads(self.cfg.kernels.cpu_threads)
         tp = TPGroup(self.rank, self.world_size)
         if self.world_size > 1:
             tp = init_distributed(self.platform.collective_backend, dist_init_method, self.rank,
-                                  self.world_size, self.tp_size, device=device)
-        self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len)
+                                  self.world_size, self.tp_size)
+        self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len,
+                                 pp=self._pipeline())
         self._probe_blocks = self.runner.init_kv_cache() if self.cfg.cache.num_kv_blocks is None else None
         return self._probe_blocks or self.cfg.cache.num_kv_blocks
+
+    def _pipeline(self):
+        """This rank's stage transfers, or None without pipeline parallelism."""
+        pp = self.cfg.parallel.pipeline_parallel_size
+        if pp == 1:
+            return None
+        from workers.models.arch import load_arch
+        from workers.pipeline import PipelineComm, pipeline_stage
+
+        stage = pipeline_stage(self.rank, self.tp_size, pp, load_arch(self.model_dir).num_layers,
+                               self.cfg.parallel.pipeline_layer_split)
+        return PipelineComm(stage, self.rank, self.tp_size)
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate the agreed (minimum over ranks) number of blocks, capture graphs, start the loop."""
@@ -139,7 +155,7 @@ class WorkerActor:
         # Plans enter the step loop in submission order (an async actor starts its
         # calls in order); the loop may launch the next one before this one's copy ends.
         data = await asyncio.wrap_future(self.loop.submit(plan_bytes))
-        if self.rank == 0:
+        if self.rank == self.result_rank:
             return data
         r = decode_result(data)
         return encode(StepResult(step_id=r.step_id, rank=self.rank, error=r.error))

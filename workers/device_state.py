@@ -21,6 +21,45 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def has_penalties(o: SamplingOptions) -> bool:
+    """Whether a request's sampling reads its output-token counts (repetition, presence or
+    frequency penalty); rows without them never need the counts kept."""
+    return o.repetition_penalty != 1.0 or bool(o.presence_penalty) or bool(o.frequency_penalty)
+
+
+class OptionTensors:
+    """The device copy of the last step's per-row sampling options, with the host flags
+    derived from them. Consecutive decode steps mostly sample the same requests in the
+    same order, and a request's options never change, so the same ``SamplingOptions``
+    objects (compared by identity: the objects the device state holds) reuse the device
+    tensors instead of building and copying them again. The tensors are only ever read."""
+
+    def __init__(self):
+        self.opts: list[SamplingOptions] = []
+        self.floats: tuple[torch.Tensor, ...] | None = None  # rows of [6, R]
+        self.ints: tuple[torch.Tensor, ...] | None = None  # rows of [3, R]
+        self.flags: dict = {}
+
+    def get(self, opts: list[SamplingOptions], dev: torch.device) -> "OptionTensors":
+        if (self.floats is None or len(opts) != len(self.opts)
+                or any(a is not b for a, b in zip(opts, self.opts))):
+            self.floats = to_device(torch.tensor(
+                [[o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty,
+                  o.frequency_penalty] for o in opts], dtype=torch.float32).T.contiguous(), dev).unbind()
+            self.ints = to_device(torch.tensor([[o.top_k, o.seed, o.min_tokens] for o in opts],
+                                               dtype=torch.int64).T.contiguous(), dev).unbind()
+            self.opts = list(opts)
+            self.flags = dict(
+                all_greedy=all(o.temperature == 0 for o in opts),
+                any_top_k_top_p=any(o.top_k > 0 or o.top_p < 1.0 for o in opts),
+                any_min_p=any(o.min_p > 0 for o in opts),
+                max_num_logprobs=max(o.num_logprobs for o in opts),
+                any_penalties=any(has_penalties(o) for o in opts),
+                any_min_tokens=any(o.min_tokens > 0 and o.min_tokens_stop_ids for o in opts),
+            )
+        return self
+
+
 class DeviceState:
     def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, vocab: int, device: torch.device):
         self.device = device
@@ -39,8 +78,6 @@ class DeviceState:
         self.output_counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
         self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
-        from workers.sampling_inputs import OptionTensors  # (imports this module)
-
         self.option_tensors = OptionTensors()  # the sampling options' device tensors, reused
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:

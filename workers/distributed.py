@@ -42,17 +42,13 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
-    symm: Any = None  # workers.symm_all_reduce.SymmAllReduce when SYNCLESS_TP_ALLREDUCE=symm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         import torch.distributed as dist
 
-        overlapped = getattr(_overlap, "turn", None) is not None
-        if self.symm is not None and not overlapped and self.symm.fits(x):
-            return self.symm(x)  # decode-sized: one one-shot kernel over NVLink
-        if not overlapped:
+        if getattr(_overlap, "turn", None) is None:
             dist.all_reduce(x, group=self.group)
         else:
             _finish(dist.all_reduce(x, group=self.group, async_op=True))
@@ -75,36 +71,26 @@ SINGLE = TPGroup()
 
 
 def init_distributed(backend: str, init_method: str, rank: int, world_size: int, tp_size: int,
-                     timeout_s: float = 300.0, device=None) -> TPGroup:
+                     timeout_s: float = 300.0) -> TPGroup:
     """Join the process group of all workers and return this rank's TP group.
 
     Ranks are ``stage * tp_size + tp_rank`` (placement/placement_groups.py). With one
     stage the TP group is the default group; with several, each stage gets its own
     subgroup (every rank creates every subgroup, in the same order, as torch requires).
-    With ``device`` (already the current device), ``SYNCLESS_TP_ALLREDUCE=symm`` gives the
-    group a symmetric-memory all-reduce for small tensors (workers/symm_all_reduce.py).
     """
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     if tp_size == world_size:
-        return _with_symm(TPGroup(rank, world_size), backend, device)
+        return TPGroup(rank, world_size)
     mine = None
     for stage in range(world_size // tp_size):
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
         g = dist.new_group(ranks)
         if rank in ranks:
             mine = g
-    return _with_symm(TPGroup(rank % tp_size, tp_size, mine), backend, device)
-
-
-def _with_symm(tp: TPGroup, backend: str, device) -> TPGroup:
-    if device is not None:
-        from workers.symm_all_reduce import maybe_create
-
-        tp.symm = maybe_create(backend, tp.group, device)
-    return tp
+    return TPGroup(rank % tp_size, tp_size, mine)
 
 
 def destroy_distributed() -> None:

@@ -9,6 +9,8 @@ import torch
 from metadata.attention_metadata import AttentionMetadata
 from metadata.config import EngineConfig
 from metadata.wire import SampledRow, StepPlan, StepResult, TokenLogprobs
+from kernels.ops import build_kernel_settings, precompile_tile_gemm
+from kernels.settings import install_kernel_settings
 from workers import kv_cache
 from workers.cuda_graphs import DecodeGraphs
 from workers.device_state import DeviceState
@@ -37,6 +39,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, device)
         self.max_model_len = max_model_len
         self.block_size = cfg.cache.block_size
+        # the kernel settings, read once here: every launch of this worker follows them
+        install_kernel_settings(build_kernel_settings(cfg.kernels))
         self.model, self.arch = load_model(
             model_dir, tp, self.dtype, device, max_model_len + 1, cfg.model.load_format
         )
@@ -144,20 +148,17 @@ class ModelRunner:
         self._precompile_tile_gemm()
         if self.cfg.enforce_eager:
             self._warm_eager_decode()
-        self._check_grid_barriers()
 
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
         eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
         compile them while serving (graph captures already did the decode ones)."""
-        from kernels import tile_gemm
-
         draft = self.spec.draft_model if self.spec is not None else None
         uses = [u for m in (self.model, draft) if m is not None
                 for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])]
         sched = self.cfg.scheduler
         with torch.no_grad():  # a draft model's projections too: its steps run eager
-            self.tile_gemm_warm_launches = tile_gemm.precompile(
+            self.tile_gemm_warm_launches = precompile_tile_gemm(
                 uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
                 max_logit_rows=sched.max_num_seqs)
 
@@ -174,19 +175,6 @@ class ModelRunner:
             self.eager_warm_cases += warm_eager_decode(
                 self.spec.draft_model, self.spec.proposer.kv_caches, n, self.spec.max_position,
                 self.block_size, self.device)
-
-    def _check_grid_barriers(self) -> None:
-        """A one-launch kernel whose grid barrier timed out during capture or warm-up
-        (``kernels.grid_sync``: its programs could not all be resident) computed garbage:
-        refuse to serve rather than answer with it (a synchronising read, before serving)."""
-        from kernels import grid_sync
-
-        n = grid_sync.barrier_timeouts(self.device)
-        if n:
-            raise RuntimeError(
-                f"{n} grid-barrier timeout(s) during start-up on {self.device}: the one-launch "
-                "decoder layer cannot keep all its programs resident here; unset "
-                "SYNCLESS_DECODE_LAYER (or try SYNCLESS_DECODE_LAYER_CONFIG=poll_load=0)")
 
     def _scratch_request_steps(self) -> None:
         from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
@@ -422,11 +410,12 @@ class PendingStep:
                 self.pool.give(self.host_packed, self.event)
                 # they may belong to a later step now: a second result() must fail, not read them
                 self.pool = self.host_packed = self.event = None
-        out.worker_time_s = time.perf_counter() - self.t0
-        out.host_launch_s = self.launch_s
+        st = out.stats
+        st.worker_time_s = time.perf_counter() - self.t0
+        st.host_launch_s = self.launch_s
         if self.timeline is not None:  # all three events have completed: no wait here
             start, end, prev_end = self.timeline
-            out.device_step_s = start.elapsed_time(end) / 1e3
+            st.device_step_s = start.elapsed_time(end) / 1e3
             if prev_end is not None:
-                out.device_idle_before_s = prev_end.elapsed_time(start) / 1e3
+                st.device_idle_before_s = prev_end.elapsed_time(start) / 1e3
         return out

@@ -76,7 +76,8 @@ class SyncCheck:
 
             warnings.showwarning = hook
             warnings.filterwarnings("always", message=f".*{_SYNC_MARKER}.*")
-            torch.cuda.set_sync_debug_mode("warn")
+            if torch.cuda.is_available():  # a CPU-only torch has no sync-debug mode (nothing to sync)
+                torch.cuda.set_sync_debug_mode("warn")
             SyncCheck._installed = True
 
     @contextlib.contextmanager

@@ -160,18 +160,30 @@ class UbatchedModel:
     def __getattr__(self, name):
         return getattr(self.__dict__["model"], name)
 
-    def __call__(self, input_ids, positions, meta: AttentionMetadata, kv_caches):
+    def __call__(self, input_ids, positions, meta: AttentionMetadata, kv_caches, intermediate=None):
+        """``intermediate``: a pipeline stage's ``(hidden, residual)`` input, split like the
+        tokens; a stage before the last returns such a pair, concatenated back."""
         if not should_split(meta.num_actual_tokens, self.threshold):
-            return self.model(input_ids, positions, meta, kv_caches)
+            return self._forward(input_ids, positions, meta, kv_caches, intermediate)
         block_size = kv_caches[0][0].shape[1] if kv_caches else None
         s, metas = split_metadata(meta, block_size)
-        parts = [(input_ids[:s], positions[:s], metas[0]), (input_ids[s:], positions[s:], metas[1])]
+        halves = [None, None] if intermediate is None else [
+            tuple(t[:s] for t in intermediate), tuple(t[s:] for t in intermediate)]
+        parts = [(input_ids[:s], positions[:s], metas[0], halves[0]),
+                 (input_ids[s:], positions[s:], metas[1], halves[1])]
         self.num_split_steps += 1
         if self.tp.size == 1:
-            outs = [self.model(ids, pos, m, kv_caches) for ids, pos, m in parts]
+            outs = [self._forward(ids, pos, m, kv_caches, mid) for ids, pos, m, mid in parts]
         else:
             outs = self._overlapped(parts, kv_caches)
+        if isinstance(outs[0], tuple):  # (hidden, residual) for the next stage
+            return tuple(torch.cat(pair, dim=0) for pair in zip(*outs))
         return torch.cat(outs, dim=0)
+
+    def _forward(self, ids, pos, meta, kv_caches, intermediate):
+        if intermediate is None:  # the first stage, or no pipeline
+            return self.model(ids, pos, meta, kv_caches)
+        return self.model(ids, pos, meta, kv_caches, intermediate)
 
     def _overlapped(self, parts, kv_caches) -> list[torch.Tensor]:
         if self._helper is None:
@@ -183,8 +195,8 @@ class UbatchedModel:
             turns.wait_turn(i)
             set_overlap_turn(_Turn(turns, i))
             try:
-                ids, pos, m = parts[i]
-                outs[i] = self.model(ids, pos, m, kv_caches)
+                ids, pos, m, mid = parts[i]
+                outs[i] = self._forward(ids, pos, m, kv_caches, mid)
             except BaseException as exc:  # re-raised by the caller below
                 errors[i] = exc
             finally:

@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.models.rope import inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -42,7 +41,38 @@ class ModelArch:
         return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedRope(ValueError):
+    pass
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """Refuse a rope type ``workers.models.rope`` cannot build (pure: no torch, so the driver
+    reads an architecture without importing the model code)."""
+    rope_type = rope_type_of(scaling)
+    if rope_type in ("linear", "llama3"):
+        float(scaling["factor"])
+    if rope_type == "llama3":
+        float(scaling["original_max_position_embeddings"])
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedRope(
+            f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+            "'dynamic' scaling would need exact CPU sequence lengths at every step"
+        )
+
+
 def load_arch(model_dir: str | Path) -> ModelArch:
+    """A checkpoint directory's ``config.json``, or a ``.gguf`` file's metadata."""
+    if str(model_dir).lower().endswith(".gguf"):
+        from workers.models.gguf_arch import load_gguf_arch
+
+        return load_gguf_arch(model_dir)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -65,7 +95,7 @@ def load_arch(model_dir: str | Path) -> ModelArch:
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = cfg.get("rope_scaling") or (rope if rope else None)
     head_dim = cfg.get("head_dim") or hidden // heads
-    inverse_frequencies(head_dim, theta, scaling)  # refuses unsupported rope types now
+    check_rope_scaling(scaling)  # refuses unsupported rope types now
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     qwen2 = arch == "Qwen2ForCausalLM"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kernels import ops, pdl
-from kernels.norm_handoff import Normed, PreNormed, linear_prenormed
+from kernels.norm_handoff import Normed, PreNormed
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch
@@ -96,17 +96,15 @@ class MLP(nn.Module):
         super().__init__()
         part = shard_rows(arch.intermediate_size, tp)
         # gate|up as (gate j, up j) row pairs: the batch-1 GEMV then streams one contiguous
-        # row set (H200: 8B 62.1 vs 63.7 us stacked and 65.7 unfused; 0.6B 6.7 vs 7.5). The
-        # opt-in one-launch MLP block reads the stacked layout.
-        self.interleaved = not ops.fused_mlp_enabled()
-        self.act = "silu_and_mul_pairs" if self.interleaved else "silu_and_mul"
+        # row set (H200: 8B 62.1 vs 63.7 us stacked and 65.7 unfused; 0.6B 6.7 vs 7.5)
+        self.act = "silu_and_mul_pairs"
         self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype,
-                                               interleave=self.interleaved)
+                                               interleave=True)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp, dtype)
         self.inter = part[1]
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), pairs=self.interleaved))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), pairs=True))
 
 
 class DecoderLayer(nn.Module):
@@ -116,36 +114,28 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, tp, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        # o_proj -> norm -> gate|up -> down may run as one block (no all-reduce between)
+        # o_proj -> norm -> gate|up -> down as one block (no all-reduce between): the norm
+        # handoffs of ``ops.mlp_block``
         self.whole_mlp_block = tp.size == 1 and not arch.mlp_bias
 
     def forward(self, h, residual, positions, meta, kv, cos_sin, next_layer=None):
         """Pre-norm block. Each RMSNorm (with the residual add) is fused into the projection
         that follows it, and SiLU*mul into gate|up; at decode sizes on CUDA that makes six
         launches a layer: norm+QKV, rope+KV write, attention, o_proj, norm+gate|up+act, down
-        (five for decode batches of up to 8 tokens: rope+KV write run inside attention);
-        with ``SYNCLESS_FUSED_MLP=1`` at batch 1 (tp 1) the last three are one (``ops.mlp_block``).
+        (five for decode batches of up to 8 tokens: rope+KV write run inside attention).
         At batch 1 (tp 1, CUDA) the producing GEMV may do a norm's elementwise part
         (``kernels.norm_handoff``): ``h`` may then arrive as a ``PreNormed`` with its residual
         already added, and with ``next_layer`` the output may leave as one. At mid-sized
         batches the down projection's split sum may do the next layer's whole norm: ``h``
         then arrives as a ``Normed``."""
         attn, mlp = self.self_attn, self.mlp
-        if self.one_launch_applies(h, meta):
-            done = ops.decode_layer(h, residual, self.layer_weights(), positions, cos_sin, *kv,
-                                    meta.slot_mapping, meta.block_table, meta.seq_lens,
-                                    meta.max_seq_len_upper_bound, attn.scale,
-                                    next_layer.self_attn.qkv_proj.weight
-                                    if next_layer is not None else None)
-            if done is not None:
-                return done
         if isinstance(h, PreNormed):
-            qkv = linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            qkv = ops.linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
         elif isinstance(h, Normed):  # the previous down's split sum did this norm
             qkv = attn.qkv_proj(h.x)
         else:
             qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
-        if self.whole_mlp_block:  # one launch at batch 1 on CUDA (ops.mlp_block)
+        if self.whole_mlp_block:  # tp 1: the norm handoffs (ops.mlp_block)
             ln = self.post_attention_layernorm
             nxt = None
             if next_layer is not None:
@@ -159,29 +149,6 @@ class DecoderLayer(nn.Module):
         act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
                                                       act=mlp.act)
         return mlp.down_proj(act), residual
-
-
-    def one_launch_applies(self, h, meta: AttentionMetadata) -> bool:
-        """Whether ``SYNCLESS_DECODE_LAYER`` runs this layer as one launch: a decode step of
-        one query token a request, at most ``ops.DECODE_LAYER_MAX_TOKENS`` of them, tensor
-        parallelism 1, no QKV or MLP bias."""
-        return (self.whole_mlp_block and self.self_attn.qkv_proj.bias is None
-                and not isinstance(h, (PreNormed, Normed)) and meta.max_query_len == 1
-                and h.shape[0] == meta.num_reqs <= ops.DECODE_LAYER_MAX_TOKENS
-                and ops.decode_layer_enabled())
-
-    def layer_weights(self):
-        """This layer's tensors as ``kernels.decode_layer.LayerWeights``."""
-        from kernels.decode_layer import LayerWeights
-
-        attn, mlp = self.self_attn, self.mlp
-        qn, kn = attn.q_norm, attn.k_norm
-        return LayerWeights(
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            self.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            mlp.interleaved, qn.weight if qn is not None else None,
-            kn.weight if kn is not None else None, qn.eps if qn is not None else 1e-6)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             uses += [(attn.qkv_proj.weight, "plain"), (attn.o_proj.weight, "plain"),
-                     (mlp.gate_up_proj.weight, "act" if mlp.interleaved else "plain"),
+                     (mlp.gate_up_proj.weight, "act"),
                      (mlp.down_proj.weight, "plain")]
             if layer.whole_mlp_block:
                 uses += [(attn.o_proj.weight, "add_norm"), (mlp.down_proj.weight, "add_norm")]

@@ -1,8 +1,10 @@
-"""Load a Hugging Face safetensors checkpoint (sharded or not) into a model."""
+"""Load a checkpoint into a model: a Hugging Face safetensors directory (sharded or not) or a
+GGUF file (``workers.models.gguf_loader``), by the path's suffix."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -10,6 +12,7 @@ from safetensors import safe_open
 
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch, ModelLoadError, load_arch
+from workers.models.gguf_arch import is_gguf
 from workers.models.layers import MergedColumnLinear
 from workers.models.llama import LlamaForCausalLM
 from workers.models.rope import cos_sin_cache
@@ -60,11 +63,21 @@ def _expected_slots(model: torch.nn.Module, arch: ModelArch) -> set[tuple[str, i
 
 
 def load_model(
-    model_dir: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int,
+    model_path: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int,
     load_format: str = "safetensors",
 ) -> tuple[LlamaForCausalLM, ModelArch]:
-    arch = load_arch(model_dir)
-    files = checkpoint_files(model_dir) if load_format == "safetensors" else []
+    """A checkpoint directory (safetensors) or a ``.gguf`` file, chosen by the path's suffix;
+    ``load_format='dummy'`` takes only the shapes and initialises random weights."""
+    arch = load_arch(model_path)
+    gguf = None
+    if load_format != "dummy":
+        if is_gguf(model_path):
+            from workers.models.gguf_loader import GGUFCheckpoint
+
+            gguf = GGUFCheckpoint(model_path, arch)
+            tensors = gguf.tensors()
+        else:
+            tensors = _safetensors_tensors(checkpoint_files(model_path))
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions)
     model = model.to_empty(device=device)
@@ -76,35 +89,51 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model)
         return model.eval(), arch
+    _fill(model, arch, tensors, model_path)
+    factors = gguf.rope_factors() if gguf is not None else None
+    if factors is not None:
+        from workers.models.gguf_loader import cos_sin_with_factors
+
+        model.cos_sin = cos_sin_with_factors(arch, max_positions, factors).to(device)
+    model.eval()
+    return model, arch
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" not in name:
+                    yield name, f.get_tensor(name)
+
+
+def _fill(model: LlamaForCausalLM, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]],
+          model_path: str | Path) -> None:
+    """Copy Hugging Face-named tensors into the (fused, sharded) parameters; every expected
+    slot must be filled and no tensor may be left unplaced."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
     pending = _expected_slots(model, arch)
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for ckpt_name in f.keys():
-                if "rotary_emb.inv_freq" in ckpt_name:
-                    continue
-                pname, index = _map_name(ckpt_name)
-                param = params.get(pname)
-                if param is None:
-                    if pname == "lm_head.weight":  # tied checkpoints may still store it
-                        continue
-                    raise ModelLoadError(f"unexpected tensor '{ckpt_name}' in checkpoint {file.name}")
-                tensor = f.get_tensor(ckpt_name).to(param.dtype)
-                with torch.no_grad():
-                    if index is not None:
-                        owner = modules[pname.rsplit(".", 1)[0]]
-                        owner.load_part(param, tensor, index)
-                    else:
-                        _load_plain(param, tensor, ckpt_name)
-                pending.discard((pname, index))
+    for ckpt_name, tensor in tensors:
+        pname, index = _map_name(ckpt_name)
+        param = params.get(pname)
+        if param is None:
+            if pname == "lm_head.weight":  # tied checkpoints may still store it
+                continue
+            raise ModelLoadError(f"unexpected tensor '{ckpt_name}' in checkpoint {model_path}")
+        tensor = tensor.to(param.dtype)
+        with torch.no_grad():
+            if index is not None:
+                owner = modules[pname.rsplit(".", 1)[0]]
+                owner.load_part(param, tensor, index)
+            else:
+                _load_plain(param, tensor, ckpt_name)
+        pending.discard((pname, index))
     if pending:
         missing = sorted(n if i is None else f"{n}[part {i}]" for n, i in pending)
         raise ModelLoadError(
-            f"{model_dir}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
+            f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
         )
-    model.eval()
-    return model, arch
 
 
 def _map_name(name: str) -> tuple[str, int | None]:

@@ -6,16 +6,12 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedRope(ValueError):
-    pass
+from workers.models.arch import SUPPORTED_ROPE_TYPES, UnsupportedRope, rope_type_of
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return inv
     if rope_type == "linear":

@@ -4,10 +4,10 @@ Qwen3-0.6B decode projections at batch 16-256, where cuBLAS streams the weights 
 GEMM for some shapes: the table's baseline there is cuBLAS, so A/B a new 16-row entry end to
 end.)
 
-    python -m kernels.bench_tile_gemm --out /tmp/tile-gemm.json [--ms 32,128] [--shapes 06b_o]
+    python -m benchmarks.kernels.bench_tile_gemm --out /tmp/tile-gemm.json [--ms 32,128] [--shapes 06b_o]
         [--tuning-out kernels/tile_gemm_tuning.json]
 
-Timings as in ``kernels.bench``: CUDA-graph replay of back-to-back calls over weight copies
+Timings as in ``benchmarks.kernels.timing``: CUDA-graph replay of back-to-back calls over weight copies
 larger than L2 (so every call reads its weights from HBM). The logits shape is compared
 with ``F.linear(...).float()`` (the path the model takes there today). Every config's output
 is checked against cuBLAS's before it is timed.
@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from kernels.bench import GEMM_SHAPES, graph_time_us, rotation_copies
+from benchmarks.kernels.timing import GEMM_SHAPES, graph_time_us, rotation_copies
 
 # A config replaces cuBLAS only when it is this much faster (run-to-run noise of one shape).
 WIN_MARGIN = 0.95
@@ -153,7 +153,7 @@ def tuning_table(rows: list[dict], device: str | None = None) -> dict:
             why[key] = (f"{r['shape']}: cuBLAS {base:.2f} us, tile {best['us']:.2f} us"
                         if best is not None else f"{r['shape']}: no config ran")
     return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": "python -m kernels.bench_tile_gemm --tuning-out", "entries": entries,
+            "command": "python -m benchmarks.kernels.bench_tile_gemm --tuning-out", "entries": entries,
             "measured": why}
 
 

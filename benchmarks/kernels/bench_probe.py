@@ -1,6 +1,6 @@
 """Batch-1 layout and overlap probes (H200 decision data, not a tuner).
 
-    python -m kernels.bench --only probe --out /tmp/probe.json
+    python -m benchmarks.kernels.bench --only probe --out /tmp/probe.json
 
 * **gate|up layout**: the fused RMSNorm + gate|up + SiLU*mul GEMV with the stacked
   weight (gate rows, then up rows: two row sets a program) against the row-interleaved
@@ -12,15 +12,14 @@
   the GEMV's programs (launched early) can bulk-prefetch their weight rows into L2
   during it (``prefetch_l2`` in a tuning entry). Timed per pair, against each alone.
 
-Timings as in ``kernels.bench`` (CUDA-graph replay, weights rotated past L2).
+Timings: ``benchmarks.kernels.timing`` (CUDA-graph replay, weights rotated past L2).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.bench import _attention_caches, graph_time_us, rotation_copies
-from kernels.bench_gemv import _with_env, _with_pdl
+from benchmarks.kernels.timing import attention_caches, graph_time_us, rotation_copies, with_pdl
 
 GATE_UP_SHAPES = {"8b_gate_up": (28672, 4096), "06b_gate_up": (6144, 1024)}
 # (block_n, block_k, num_warps, num_stages, prefetch); block_n counts weight rows
@@ -67,7 +66,7 @@ def bench_gate_up_layout() -> list[dict]:
             for c in PROBE_CANDIDATES:
                 cfg = _cfg(c)
                 try:
-                    us = {m: _with_pdl(m == "pdl", lambda: graph_time_us(
+                    us = {m: with_pdl(m == "pdl", lambda: graph_time_us(
                         [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]))
                           for m in ("off", "pdl")}
                 except Exception as e:  # resources
@@ -100,7 +99,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for name, hq, hkv, n, k in ATTN_O_SHAPES:
-        _, caches = _attention_caches(1, ctx, hkv, bound, d, bs, dev, dt)
+        _, caches = attention_caches(1, ctx, hkv, bound, d, bs, dev, dt)
         copies = rotation_copies(n * k * 2)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         q = torch.randn(1, hq, d, device=dev, dtype=dt)
@@ -132,8 +131,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
                 if label == "attn" and pre:
                     continue
                 try:
-                    us = _with_env("SYNCLESS_L2_PREFETCH", "0", lambda: _with_pdl(
-                        mode != "off", lambda: graph_time_us(make(pre))))
+                    us = with_pdl(mode != "off", lambda: graph_time_us(make(pre)))
                 except Exception as e:
                     row["cases"][f"{label}/{mode}"] = {"error": repr(e)[:160]}
                     continue
@@ -159,7 +157,7 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
     ``rope_kv`` launch followed by attention, per batch size (PDL off, one new token a
     request at position ``ctx``): the crossover behind ``ops.ROPE_IN_ATTENTION_MAX_TOKENS``.
 
-        python -m kernels.bench --only rope-attention --out /tmp/rope-attn.json
+        python -m benchmarks.kernels.bench --only rope-attention --out /tmp/rope-attn.json
     """
     from kernels.paged_attention import paged_attention_triton
     from kernels.rope_inline import DecodeRope
@@ -169,7 +167,7 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
     rows = []
     for name, hq, hkv, qk_norm in (("8b", 32, 8, False), ("06b", 16, 8, True)):
         for b in batches:
-            _, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
+            _, caches = attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
             slots = [(c[2][:, ctx // bs].long() * bs + ctx % bs) for c in caches]
             qkv = torch.randn(b, (hq + 2 * hkv) * d, device=dev, dtype=dt)
             q = qkv[:, : hq * d].view(b, hq, d)
@@ -192,7 +190,7 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
             row = {"shape": name, "batch": b, "context": ctx, "bound": bound}
             for label, fn in (("two_launches", two), ("rope_in_attention", one)):
                 try:
-                    row[label + "_us"] = _with_pdl(False, lambda fn=fn: timer(
+                    row[label + "_us"] = with_pdl(False, lambda fn=fn: timer(
                         [lambda c=c, sl=sl: fn(c, sl) for c, sl in zip(caches, slots)]))
                 except Exception as e:  # resources
                     row[label + "_error"] = repr(e)[:160]

@@ -1,22 +1,28 @@
 """Batch-1 GEMV sweep: the persistent GEMV (``kernels.gemv``) against the tuned skinny GEMM
 and the unfused path (RMSNorm + cuBLAS + SiLU*mul), PDL off and on.
 
-    python -m kernels.bench --only gemv --out /tmp/gemv.json --tuning-out /tmp/tuning.json
+    python -m benchmarks.kernels.bench --only gemv --out /tmp/gemv.json --tuning-out /tmp/tuning.json
 
-Timings as in ``kernels.bench`` (CUDA-graph replay of back-to-back calls over weight
+Timings: ``benchmarks.kernels.timing`` (CUDA-graph replay of back-to-back calls over weight
 copies larger than L2). ``--tuning-out`` writes the packaged tuning table with every
-batch-1 entry replaced by the fastest of the three (PDL off), for
-``SYNCLESS_SKINNY_TUNING`` or to commit as ``kernels/skinny_tuning.json``.
+batch-1 entry replaced by the fastest of the three (PDL off), for the ``skinny_tuning``
+option or to commit as ``kernels/skinny_tuning.json``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-from kernels.bench import GEMM_SHAPES, KIND, _gemm_call_kwargs, graph_time_us, rotation_copies
+from benchmarks.kernels.timing import (
+    GEMM_SHAPES,
+    KIND,
+    gemm_call_kwargs,
+    graph_time_us,
+    rotation_copies,
+    with_pdl,
+)
 
 # (block_n, block_k, num_warps, ctas_per_sm, pre_l2 bytes). One CTA an SM leaves room for
 # the next kernel's CTAs to launch early under PDL and load their first tiles.
@@ -32,23 +38,6 @@ SKINNY_DOT_CANDIDATES = [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 5, Fal
 GEMV_KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "pre_l2")
 
 
-def _with_env(name: str, value: str, fn):
-    """``fn()`` with environment variable ``name`` set to ``value`` (restored after)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _with_pdl(on: bool, fn):
-    return _with_env("SYNCLESS_PDL", "1" if on else "0", fn)
-
-
 def bench_gemv() -> list[dict]:
     from kernels import ops
     from kernels.gemv import gemv_triton
@@ -61,7 +50,7 @@ def bench_gemv() -> list[dict]:
         copies = rotation_copies(nbytes)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)
-        kw = _gemm_call_kwargs(variant, 1, k, dt, dev)
+        kw = gemm_call_kwargs(variant, 1, k, dt, dev)
         saved = ops.SKINNY_MAX_M
         ops.SKINNY_MAX_M = 0
         try:
@@ -75,7 +64,7 @@ def bench_gemv() -> list[dict]:
         skinny_cfg = skinny_cfg or fallback_config(1)
 
         def skinny(pdl_on):
-            return _with_pdl(pdl_on, lambda: graph_time_us(
+            return with_pdl(pdl_on, lambda: graph_time_us(
                 [lambda w=w: skinny_linear_triton(x, w, config=skinny_cfg, **kw) for w in ws]))
 
         row = {"shape": name, "n": n, "k": k, "variant": variant, "weight_bytes": nbytes,
@@ -85,7 +74,7 @@ def bench_gemv() -> list[dict]:
             cfg = dict(zip(("use_dot", "block_n", "block_k", "num_warps", "num_stages",
                             "prefetch"), cand))
             try:
-                us = {mode: _with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
+                us = {mode: with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
                     [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]))
                       for mode in ("off", "pdl")}
             except Exception as e:  # resources
@@ -96,7 +85,7 @@ def bench_gemv() -> list[dict]:
             cfg = dict(zip(GEMV_KEYS, cand))  # (the GEMV reads only the stacked gate|up)
             modes = ("pdl",) if cfg["pre_l2"] else ("off", "pdl")
             try:
-                us = {mode: _with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
+                us = {mode: with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
                     [lambda w=w: gemv_triton(x, w, config=cfg, **kw) for w in ws]))
                       for mode in modes}
             except Exception as e:  # resources

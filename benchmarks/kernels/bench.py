@@ -1,11 +1,10 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|mlp-block|decode-layer|attention|attention-sweep[-big]|probe|rope-attention]
-    python -m kernels.bench --tune kernels/skinny_tuning.json
+    python -m benchmarks.kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|attention|attention-sweep[-big]|probe|rope-attention]
+    python -m benchmarks.kernels.bench --tune kernels/skinny_tuning.json
 
-Every timing is a CUDA-graph replay of many back-to-back calls (launch gaps as
-inside the engine's decode graphs), rotating over enough copies of the weights
-/ KV cache to exceed L2, median of 5 replays. The GEMM baseline is what the
+Timings: ``benchmarks.kernels.timing`` (CUDA-graph replays over operand copies larger
+than L2). The GEMM baseline is what the
 model runs without the skinny path: RMSNorm kernel + cuBLAS + SiLU*mul kernel.
 """
 
@@ -13,59 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-L2_BYTES = 60 << 20
+from benchmarks.kernels.timing import (
+    GEMM_SHAPES,
+    KIND,
+    attention_caches,
+    gemm_call_kwargs,
+    graph_time_us,
+    rotation_copies,
+)
 
-
-def rotation_copies(nbytes: int, cap: int = 32) -> int:
-    """How many copies of an ``nbytes`` operand a timing loop rotates through so that
-    together they exceed L2 four times over (every call reads from HBM), at most ``cap``."""
-    return max(1, min(cap, -(-4 * L2_BYTES // nbytes)))
-
-
-def graph_time_us(fns, target_ms: float = 2.0) -> float:
-    """Median per-call time of a graph of calls cycling through ``fns``."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for f in fns:
-        f()
-    end.record()
-    end.synchronize()
-    est_ms = max(start.elapsed_time(end) / len(fns), 1e-3)
-    reps = max(len(fns), min(2000, int(target_ms / est_ms)))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(g, stream=side):
-            for i in range(reps):
-                fns[i % len(fns)]()
-    torch.cuda.current_stream().wait_stream(side)
-    times = []
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del g
-    return statistics.median(times)
-
-
-GEMM_SHAPES = {  # name -> (N, K, variant), Llama-3.1-8B and Qwen3-0.6B decode projections
-    "8b_qkv": (6144, 4096, "norm"), "8b_o": (4096, 4096, "plain"),
-    "8b_gate_up": (28672, 4096, "norm_act_pairs"), "8b_down": (4096, 14336, "plain"),
-    "8b_lm_head": (128256, 4096, "logits"),
-    "06b_qkv": (4096, 1024, "norm"), "06b_o": (1024, 2048, "plain"),
-    "06b_gate_up": (6144, 1024, "norm_act_pairs"), "06b_down": (1024, 3072, "plain"),
-    "06b_lm_head": (151936, 1024, "logits"),
-}
 TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
     1: [(False, 8, 512, 4, 2, False), (False, 4, 1024, 4, 2, False), (False, 8, 1024, 4, 2, False),
         (False, 16, 512, 8, 2, False), (False, 8, 256, 2, 3, False), (False, 8, 512, 4, 2, True),
@@ -73,23 +31,6 @@ TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_sta
     16: [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 4, False), (True, 16, 256, 4, 4, False),
          (True, 32, 128, 4, 5, False)],
 }
-# gate|up is measured in the layout the model loads (row pairs: workers/models/llama.py)
-KIND = {"plain": "plain", "norm": "norm", "norm_act": "norm_act", "norm_act_pairs": "norm_act_pairs",
-        "logits": "plain_f32"}
-
-
-def _gemm_call_kwargs(variant, m, k, dtype, dev):
-    kw = {}
-    if variant in ("norm", "norm_act", "norm_act_pairs"):
-        kw["norm_weight"] = torch.ones(k, device=dev, dtype=dtype)
-        kw["residual"] = torch.randn(m, k, device=dev, dtype=dtype)
-    if variant in ("norm_act", "norm_act_pairs"):
-        kw["act"] = "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
-    if variant == "logits":
-        kw["out_dtype"] = torch.float32
-    return kw
-
-
 def bench_gemm(ms: list[int]) -> list[dict]:
     from kernels import ops
     from kernels.skinny_gemm import skinny_linear_triton
@@ -105,7 +46,7 @@ def bench_gemm(ms: list[int]) -> list[dict]:
             if m > 16:  # M classes 1 and 2..16; larger batches stay on cuBLAS
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
-            kw = _gemm_call_kwargs(variant, m, k, dt, dev)
+            kw = gemm_call_kwargs(variant, m, k, dt, dev)
             saved = ops.SKINNY_MAX_M
             ops.SKINNY_MAX_M = 0  # the unfused path: norm kernel + cuBLAS + act kernel
             try:
@@ -152,18 +93,6 @@ ATTN_CONFIGS = [None, dict(block_n=64, num_warps=2, num_stages=3), dict(block_n=
                 dict(block_n=64, num_warps=4, num_stages=4)]
 
 
-def _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
-    """Paged K/V caches and block tables for ``b`` rows of ``bound`` tokens, enough copies
-    to rotate through more than L2; returns (KV bytes one call reads, the copies)."""
-    per = -(-bound // bs)
-    kv_bytes = b * ctx * hkv * d * 2 * 2
-    copies = rotation_copies(kv_bytes, cap=64)
-    return kv_bytes, [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                       torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                       torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))
-                      for _ in range(copies)]
-
-
 def _engine_splits(b: int, hq: int, hkv: int, d: int, bound: int, dev) -> int:
     """The split count the engine's one-query-token launch takes for this shape on ``dev``."""
     import triton
@@ -180,7 +109,7 @@ def bench_attention() -> list[dict]:
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for b, ctx, hq, hkv, bound in ATTN_CASES:
-        kv_bytes, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
+        kv_bytes, caches = attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
@@ -230,7 +159,7 @@ def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8,
     dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
     rows = []
     for b, ctx, hq, hkv, bound in cases or SMALL_ATTN_CASES:
-        _, caches = _attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
+        _, caches = attention_caches(b, ctx, hkv, bound, d, bs, dev, dt)
         q = torch.randn(b, hq, d, device=dev, dtype=dt)
         seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
@@ -293,14 +222,14 @@ def tune(path: str) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "mlp-block", "decode-layer", "attention",
+    p.add_argument("--only", choices=("gemm", "gemv", "attention",
                                       "attention-sweep", "attention-sweep-big", "probe",
                                       "rope-attention"),
                    default=None)
     p.add_argument("--tuning-out", metavar="JSON", default=None,
-                   help="with --only gemv / mlp-block: write the tuning table with the batch-1 winners")
+                   help="with --only gemv: write the tuning table with the batch-1 winners")
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--tune", metavar="JSON", default=None,
                    help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
@@ -316,31 +245,21 @@ def main(argv=None):
     if a.only in (None, "attention"):
         res["attention"] = bench_attention()
     if a.only == "gemv":
-        from kernels.bench_gemv import bench_gemv, write_tuning
+        from benchmarks.kernels.bench_gemv import bench_gemv, write_tuning
 
         res["gemv"] = bench_gemv()
         if a.tuning_out:
             write_tuning(res["gemv"], a.tuning_out)
-    if a.only == "mlp-block":
-        from kernels.bench_mlp_block import bench_mlp_block, write_tuning as write_mlp_tuning
-
-        res["mlp_block"] = bench_mlp_block()
-        if a.tuning_out:
-            write_mlp_tuning(res["mlp_block"], a.tuning_out)
-    if a.only == "decode-layer":
-        from kernels.bench_decode_layer import bench_decode_layer
-
-        res["decode_layer"] = bench_decode_layer()
     if a.only == "attention-sweep":
         res["attention_sweep"] = bench_attention_sweep()
     if a.only == "attention-sweep-big":
         res["attention_sweep"] = bench_attention_sweep(BIG_ATTN_CASES, BIG_SWEEP_TILES, (1, 2))
     if a.only == "probe":
-        from kernels.bench_probe import bench_probe
+        from benchmarks.kernels.bench_probe import bench_probe
 
         res["probe"] = bench_probe()
     if a.only == "rope-attention":
-        from kernels.bench_probe import bench_rope_attention
+        from benchmarks.kernels.bench_probe import bench_rope_attention
 
         res["rope_attention"] = bench_rope_attention()
     if a.out:

@@ -1,0 +1,1 @@
+"""Kernel microbenchmarks and tuning-table writers (one GPU): ``python -m benchmarks.kernels.bench``."""

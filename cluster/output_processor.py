@@ -1,0 +1,92 @@
+"""The engine's output side: detokenize what a step added, find stop strings, build deltas.
+
+It runs after ``Scheduler.update_from_result`` has applied the step's result (tokens
+appended, EOS / stop-token / length finishes, blocks committed or freed) and, under
+async scheduling, after the next plan has been sent: nothing here is on the path
+from a result to the next plan. A stop string it finds finishes the request through
+``Scheduler.finish_at_stop_string``; one more step may already be in flight for it,
+whose tokens are dropped when they arrive.
+"""
+
+from __future__ import annotations
+
+from cluster.detokenizer import IncrementalDetokenizer, find_stop
+from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from cluster.request import Request
+from cluster.scheduler import Scheduler, StepUpdate
+
+
+class OutputProcessor:
+    """Per-sequence detokenizers and the text side of finishing (stop strings, streaming)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        # single-token decodes, shared by every sequence (per skip_special_tokens): in steady
+        # decoding one of the two windows a token is decoded in is one token long
+        self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}
+
+    def add(self, req: Request) -> None:
+        skip = req.params.skip_special_tokens
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip,
+                                                            self._token_text[bool(skip)])
+
+    def release(self, req: Request) -> None:
+        self.detok.pop(req.request_id, None)
+
+    def process(self, update: StepUpdate, scheduler: Scheduler) -> list[StreamDelta]:
+        """One delta per sequence that gained tokens. Tokens past a stop string are dropped
+        from the request (``update.num_new_tokens`` is reduced by them)."""
+        deltas = []
+        for seq in update.sequences:
+            req = seq.req
+            params = req.params
+            detok = self.detok[req.request_id]
+            tokens, lps = seq.token_ids, seq.logprobs
+            reason = stop_reason = None
+            last = len(tokens) - 1
+            stops = params.stop
+            for i, tok in enumerate(tokens):
+                if i == last:
+                    reason, stop_reason = seq.finish_reason, seq.stop_reason
+                if reason == "stop" and not params.include_stop_str_in_output:
+                    new = detok.flush()  # a stop token (EOS or stop_token_ids) adds no text (as vLLM)
+                else:
+                    new = detok.add(tok, final=reason is not None)
+                if stops and seq.start + i + 1 >= params.min_tokens:
+                    hit = find_stop(detok.text, len(new), stops)
+                    if hit is not None:
+                        pos, s = hit
+                        detok.text = detok.text[: pos + len(s) if params.include_stop_str_in_output else pos]
+                        reason, stop_reason = "stop", s
+                        update.num_new_tokens -= scheduler.finish_at_stop_string(req, seq.start + i + 1, s)
+                        if i < last:
+                            tokens = tokens[: i + 1]
+                            lps = lps[: i + 1] if lps else lps
+                        break
+            # streamed text holds back what could still turn out to start a stop string
+            hold = 0 if reason is not None or not stops else max(len(s) - 1 for s in stops)
+            upto = max(req.emitted_chars, len(detok.text) - hold)
+            text = detok.text[req.emitted_chars : upto]
+            req.emitted_chars = upto
+            deltas.append(StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason,
+                                      stop_reason))
+        return deltas
+
+    def request_output(self, request_id: str, reqs: list[Request]) -> RequestOutput:
+        """The whole output of a request group so far."""
+        first = reqs[0]
+        return RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=r.index, text=self.detok[r.request_id].text, token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                    logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                )
+                for r in reqs
+            ],
+            finished=all(r.finished for r in reqs),
+            metrics=RequestMetrics(first.arrival, first.first_token_time, first.last_token_time,
+                                   sum(r.num_preemptions for r in reqs)),
+        )
