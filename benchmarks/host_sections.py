@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks import common, decode_roofline
 
@@ -135,7 +136,7 @@ def _cell(bench, timers: SectionTimers, batch: int, ctx: int) -> dict[str, Any]:
 def table(cells: list[dict[str, Any]]) -> str:
     labels = [label for _, _, label in SECTIONS]
     done = [c for c in cells if "skipped" not in c]
-    head = f"{'section (us a step)':28s}" + "".join(f"{'b%d/%d' % (c['batch_size'], c['context_len']):>12s}"
+    head = f"{'section (us a step)':28s}" + "".join(f"{'b{}/{}'.format(c['batch_size'], c['context_len']):>12s}"
                                                     for c in done)
     rows = [head]
     for label in ["step", "busy"] + labels:
@@ -214,7 +215,7 @@ def driver_cells(tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, st
 
 
 def driver_table(cells: list[dict[str, Any]]) -> str:
-    rows = [f"{'driver (us a decode step)':28s}" + "".join(f"{'b%d' % c['batch_size']:>12s}" for c in cells)]
+    rows = [f"{'driver (us a decode step)':28s}" + "".join(f"{'b' + str(c['batch_size']):>12s}" for c in cells)]
     for key, label in (("schedule_us", "schedule"), ("update_us", "update_from_result"),
                        ("to_next_plan_us", "result -> next plan"), ("outputs_us", "outputs (after the plan)"),
                        ("total_us", "total")):

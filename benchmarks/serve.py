@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="90,99")
     g.add_argument("--disable-warmup", action="store_true", help="skip the untimed first test request")
+    g = p.add_argument_group("launch (optional)")
+    g.add_argument("--launch-server", action="store_true",
+                   help="start `python -m cluster.serve` for the model with the engine flags below "
+                        "(--data-parallel-size, --tensor-parallel-size, ...) on free ports, benchmark it, stop it")
+    g.add_argument("--server-log", default=None, help="--launch-server: the server's log file (default: a temp file)")
+    common.add_engine_args(p)
     common.add_output_args(p, "serve")
     return p.parse_args(argv)
 
@@ -203,6 +209,23 @@ def plot(res: dict[str, Any], selected: list[str], path: Path) -> None:
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    opts = common.engine_options(args)
+    if opts and not args.launch_server:
+        raise SystemExit(f"engine flags ({', '.join(sorted(opts))}) configure a server this benchmark "
+                         "launches: add --launch-server, or pass them to your own `python -m cluster.serve`")
+    if not args.launch_server:
+        return await _amain(args)
+    from benchmarks.serve_client import launch_server
+
+    model_dir, load_format = common.model_and_format(args)
+    with launch_server(model_dir, load_format, opts, args.server_log, args.ready_timeout) as (http, grpc):
+        args.host, args.base_url = "127.0.0.1", None
+        args.port = http if args.backend == "http" else grpc
+        res = await _amain(args, opts)
+    return res
+
+
+async def _amain(args: argparse.Namespace, launched: dict[str, Any] | None = None) -> dict[str, Any]:
     out_path, png = common.output_paths(args, "serve")
     selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     bad = [m for m in selected if m not in METRICS]
@@ -241,6 +264,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "temperature": args.temperature,
         "prompt_format": args.prompt_format, "percentiles": percentiles,
+        "launched_server_options": launched,
     }
     common.write_json(out_path, result)
     if png:

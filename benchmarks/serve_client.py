@@ -7,6 +7,7 @@ the whole request (E2E latency), plus the token counts the server reported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -214,3 +215,58 @@ class GrpcClient:
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}"
         return out
+
+
+@contextlib.contextmanager
+def launch_server(model_dir: str, load_format: str, engine_options: dict[str, Any], log_path: str | None,
+                  ready_timeout_s: float):
+    """``python -m cluster.serve`` with ``engine_options`` as its flags, on free loopback ports;
+    yields (http port, grpc port) once it serves, then stops it (SIGINT, then SIGKILL). It joins
+    the Ray cluster of ``$RAY_ADDRESS`` (a Ray job's), else starts a local Ray instance."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    http, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "cluster.serve", "--model", model_dir, "--load-format", load_format,
+           "--http-port", str(http), "--grpc-port", str(grpc_port)]
+    for k, v in engine_options.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            cmd.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            cmd += [flag, v if isinstance(v, str) else json.dumps(v)]
+    log = open(log_path or tempfile.mkstemp(prefix="serve-", suffix=".log")[1], "w+")  # noqa: SIM115
+    print(f"launching: {' '.join(cmd)} (log: {log.name})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            log.seek(0)
+            if "SERVING http=" in log.read():
+                break
+            if proc.poll() is not None:
+                log.seek(0)
+                raise SystemExit(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server did not serve within {ready_timeout_s:.0f} s (log: {log.name})")
+            time.sleep(0.5)
+        yield http, grpc_port
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()

@@ -151,7 +151,7 @@ def real_text_main(args) -> dict:
     print(f"{'batch':>5} {'out tok':>8} {'plain/s':>9} {'ngram/s':>9} {'accept':>7} {'speedup':>8} {'same':>5}")
     for r in results:
         print(f"{r['batch']:>5} {r['output_tokens']:>8} {r['plain_tokens_per_s']:9.1f} {r['ngram_tokens_per_s']:9.1f} "
-              f"{r['acceptance_rate'] or 0:7.3f} {r['speedup']:8.3f} {str(r['outputs_identical']):>5}")
+              f"{r['acceptance_rate'] or 0:7.3f} {r['speedup']:8.3f} {r['outputs_identical']!s:>5}")
     return out
 
 

@@ -12,10 +12,12 @@ import gc
 import logging
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cluster.executor import EngineDeadError, RayExecutor
 from cluster.input_processor import InputProcessor, InvalidRequestError
+from cluster.model_source import resolve_model
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput, StreamDelta
 from cluster.request import Request
@@ -23,7 +25,6 @@ from cluster.scheduler import ScheduledStep, Scheduler, StepUpdate
 from metadata.config import ConfigError, EngineConfig
 from metadata.sampling_params import SamplingParams
 from metadata.wire import StepStats, encode
-from cluster.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class EngineCore:
             t_sched = time.perf_counter()
             try:
                 refs = self.executor.submit(plan)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure to send kills the engine, reported
                 return f"cannot submit a step: {exc}"
             st["steps"] += 1
             st["driver_schedule_s"] = st.get("driver_schedule_s", 0.0) + t_sched - t_plan

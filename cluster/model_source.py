@@ -60,7 +60,7 @@ def load_tokenizer(model_path: str, tokenizer: str | None):
             p = Path(source)
             return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         return AutoTokenizer.from_pretrained(source)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure becomes one clear message
         raise ModelLoadError(f"cannot load a tokenizer from {source}: {exc}") from None
 
 

@@ -22,6 +22,9 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.detok: dict[str, IncrementalDetokenizer] = {}
+        # characters of text a sequence holds back while streaming: what could still turn out
+        # to start one of its stop strings
+        self._hold: dict[str, int] = {}
         # single-token decodes, shared by every sequence (per skip_special_tokens): in steady
         # decoding one of the two windows a token is decoded in is one token long
         self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}
@@ -30,9 +33,11 @@ class OutputProcessor:
         skip = req.params.skip_special_tokens
         self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip,
                                                             self._token_text[bool(skip)])
+        self._hold[req.request_id] = max((len(s) - 1 for s in req.params.stop or ()), default=0)
 
     def release(self, req: Request) -> None:
         self.detok.pop(req.request_id, None)
+        self._hold.pop(req.request_id, None)
 
     def process(self, update: StepUpdate, scheduler: Scheduler) -> list[StreamDelta]:
         """One delta per sequence that gained tokens. Tokens past a stop string are dropped
@@ -64,8 +69,7 @@ class OutputProcessor:
                             tokens = tokens[: i + 1]
                             lps = lps[: i + 1] if lps else lps
                         break
-            # streamed text holds back what could still turn out to start a stop string
-            hold = 0 if reason is not None or not stops else max(len(s) - 1 for s in stops)
+            hold = 0 if reason is not None else self._hold[req.request_id]
             upto = max(req.emitted_chars, len(detok.text) - hold)
             text = detok.text[req.emitted_chars : upto]
             req.emitted_chars = upto

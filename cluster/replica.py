@@ -150,6 +150,13 @@ class ReplicaActor:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug: end the process, so the front end fails or moves its
+            logger.exception("the step loop crashed")  # requests and starts a new replica
+            os._exit(1)
+
+    def _loop(self) -> None:
         core = self.core
         backoff = BACKOFF_INITIAL_S
         retry_at = 0.0

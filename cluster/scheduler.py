@@ -70,6 +70,10 @@ class StepUpdate:
 
 
 class Scheduler:
+    """Decides each step's plan (``schedule``) and owns every request's state after a step
+    (``update_from_result``); the engine's only other write is ``finish`` (abort, errors)
+    and ``finish_at_stop_string``."""
+
     def __init__(self, cfg: EngineConfig, num_blocks: int, max_model_len: int):
         self.cfg = cfg
         self.max_model_len = max_model_len
@@ -219,9 +223,9 @@ class Scheduler:
             # outgrow the budget, so it is chunked: otherwise it could never run again
             return 0
         n = min(remaining, budget)
-        if req.num_computed_tokens + n >= req.num_tokens_upper:  # this row would sample
-            if req.num_outputs_upper >= req.max_tokens or req.num_tokens_upper >= self.max_model_len:
-                return 0  # its last token is already confirmed or in flight
+        samples = req.num_computed_tokens + n >= req.num_tokens_upper
+        if samples and (req.num_outputs_upper >= req.max_tokens or req.num_tokens_upper >= self.max_model_len):
+            return 0  # its last token is already confirmed or in flight
         return n
 
     def _decodes(self, req: Request, n: int) -> bool:
@@ -300,6 +304,7 @@ class Scheduler:
         drafts past a stop, are dropped)."""
         params, outs = req.params, req.output_token_ids
         start = len(outs)
+        room = self.max_model_len - len(req.prompt_token_ids)  # outputs that fit the context
         lps: list[dict[int, float]] | None = [] if req.logprobs is not None and row.logprobs else None
         reason = stop_reason = None
         n = 0
@@ -319,7 +324,7 @@ class Scheduler:
                     reason = "stop"
                 elif tok in params.stop_token_ids:
                     reason, stop_reason = "stop", tok
-            if reason is None and (n_out >= req.max_tokens or req.num_known_tokens >= self.max_model_len):
+            if reason is None and (n_out >= req.max_tokens or n_out >= room):
                 reason = "length"
             if reason is not None:
                 self.finish(req, reason, stop_reason)
@@ -357,11 +362,14 @@ class Scheduler:
         freed since are ignored (their KV is gone with the placement). Then the blocks of
         requests this result finished are freed (after their commit)."""
         if self.blocks.caching:
+            bs = self.blocks.block_size
             for row, req in zip(step.plan.rows, step.row_requests):
                 if req.kv_handle != row.handle:
                     continue
                 req.num_confirmed_kv += kv_written.get(row.handle, row.num_scheduled_tokens)
-                self.blocks.commit(req, min(req.num_confirmed_kv, req.num_known_tokens))
+                confirmed = min(req.num_confirmed_kv, req.num_known_tokens)
+                if confirmed // bs > req.num_committed_blocks:  # a block was completed
+                    self.blocks.commit(req, confirmed)
         self._flush_deferred()
 
     def prefix_cache_stats(self) -> dict:

@@ -2,8 +2,8 @@
 
 The scheduler counts every draft as a future token (``num_placeholders``) and
 as KV it will hold (``num_computed_tokens``): the optimistic outcome, an upper
-bound. When the step's result arrives the engine subtracts the rejected drafts
-again; their KV slots stay with the request and are overwritten by its next
+bound. When the step's result arrives ``Scheduler.update_from_result`` subtracts the
+rejected drafts again; their KV slots stay with the request and are overwritten by its next
 tokens (block tables are positional), so nothing leaks.
 """
 

@@ -16,7 +16,7 @@ from kernels.pdl import wait_and_release
 DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
 MAX_SPLITS = 64
 # Split sizing and decode tiles, from a graph-replay sweep on an H200
-# (``python -m kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
+# (``python -m benchmarks.kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
 # a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
 # tile's latency, so short bounds split down to one 128-token tile per split, long ones to
 # 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).

@@ -128,7 +128,7 @@ def _gemv_kernel(
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
-# Measured defaults (H200, kernels.bench --only gemv); per-shape entries of
+# Measured defaults (H200, benchmarks.kernels.bench --only gemv); per-shape entries of
 # kernels/skinny_tuning.json with "kernel": "gemv" override them.
 DEFAULT_CONFIG = dict(block_n=4, block_k=1024, num_warps=4, ctas_per_sm=4)
 

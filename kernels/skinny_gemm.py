@@ -262,7 +262,7 @@ DEFAULTS: dict[tuple[str, int], dict | None] = {
     ("norm", 1): dict(_F, block_n=8, block_k=512, num_warps=4, num_stages=2),
     ("norm_act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
     ("act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
-    # the interleaved gate|up (kernels.bench --only probe, 2026-12-04): no register
+    # the interleaved gate|up (benchmarks.kernels.bench --only probe, 2026-12-04): no register
     # double-buffering with the norm fused (8B 74 vs 62 us)
     ("norm_act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2),
     ("act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2),

@@ -132,6 +132,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_log_stats: bool = False
     measure_device_timeline: bool = False
     """Record CUDA events around each step and report device busy/idle time (benchmarks)."""
+    launch_wait_probe_ms: float = 0.0
+    """Diagnostics (CUDA): enqueue a GPU busy-wait of this many ms before every step's launch.
+    A launch that never waits for the device still returns in a few ms; the workers' launch
+    times are in their ``stats()["launch_ms"]`` (``benchmarks.launch_wait``)."""
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -182,6 +186,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.model.max_model_len is not None:
             _range("max_model_len", self.model.max_model_len, 1, 1 << 24)
         _range("seed", self.model.seed, 0, (1 << 63) - 1)
+        if not 0.0 <= self.launch_wait_probe_ms <= 10_000.0:
+            raise ConfigError(f"launch_wait_probe_ms must be in [0, 10000], got {self.launch_wait_probe_ms}")
         _range("tensor_parallel_size", self.parallel.tensor_parallel_size, 1, 1024)
         _range("pipeline_parallel_size", self.parallel.pipeline_parallel_size, 1, 1024)
         _range("data_parallel_size", self.parallel.data_parallel_size, 1, 1024)

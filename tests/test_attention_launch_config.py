@@ -177,7 +177,7 @@ def test_eager_one_token_cases_cover_every_shape(hkv, group_p, sms):
 
     max_seqs, max_len = 40, 2600
 
-    def variant_of(reqs, bound):  # e.g. SYNCLESS_PDL_MAX_TOKENS=2; ops' rope limits, smaller
+    def variant_of(reqs, bound):  # e.g. pdl_max_tokens=2; ops' rope limits, smaller
         return reqs <= 2, reqs <= 8 and reqs * bound <= 3000
 
     def key(reqs, bound):

@@ -99,7 +99,7 @@ def test_literal_options_list_the_choices():
      (dict(max_num_batched_tokens=0), "max_num_batched_tokens"), (dict(num_kv_blocks=0), "num_kv_blocks"),
      (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes"), (dict(max_model_len=0), "max_model_len"),
      (dict(seed=-1), "seed"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-     (dict(pipeline_parallel_size=2), "pipeline_parallel_size"), (dict(worker_start_timeout_s=0.0), "worker_start_timeout_s"),
+     (dict(pipeline_parallel_size=0), "pipeline_parallel_size"), (dict(worker_start_timeout_s=0.0), "worker_start_timeout_s"),
      (dict(enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=128), "max_num_batched_tokens")],
     ids=lambda x: str(x),
 )
@@ -121,6 +121,54 @@ def test_llm_refuses_before_starting_anything():
         LLM(model="/does/not/exist", nonsense=True)
     with pytest.raises(ConfigError, match="'tp' was removed: use tensor_parallel_size"):
         LLM(model="/does/not/exist", tp=2)
+
+
+# ------------------------------------------------------------------ kernel options
+def test_kernel_options_are_flat_validated_and_shipped_with_the_config(tmp_path):
+    cfg = EngineConfig.from_options(pdl="off", pdl_max_tokens=4, tile_gemm=False,
+                                    rope_in_attention=False, norm_handoff=False, cpu_threads=3)
+    k = cfg.kernels
+    assert (k.pdl, k.pdl_max_tokens, k.tile_gemm, k.rope_in_attention, k.norm_handoff,
+            k.cpu_threads) == ("off", 4, False, False, False, 3)
+    # the actors get the config as msgpack bytes: the section travels with it
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=EngineConfig).kernels == k
+    assert EngineConfig().kernels == EngineConfig.from_options().kernels  # defaults: auto, on, on
+    table = tmp_path / "t.json"
+    table.write_text('{"entries": {}}')
+    assert EngineConfig.from_options(skinny_tuning=str(table)).kernels.skinny_tuning == str(table)
+    for kw, msg in ((dict(pdl="1"), "option 'pdl'.*allowed: 'auto', 'on', 'off'"),
+                    (dict(pdl_max_tokens=-1), "pdl_max_tokens"), (dict(cpu_threads=0), "cpu_threads"),
+                    (dict(tile_gemm_tuning=str(tmp_path / "no.json")), "tile_gemm_tuning=.*no.json"),
+                    (dict(tile_gemm=False, tile_gemm_tuning=str(table)), "tile_gemm is false")):
+        with pytest.raises(ConfigError, match=msg):
+            EngineConfig.from_options(**kw)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("SYNCLESS_PDL", "no longer read: set the engine option pdl"),
+    ("SYNCLESS_TILE_GEMM_TUNING", "option tile_gemm_tuning"),
+    ("SYNCLESS_CPU_THREADS", "option cpu_threads"),
+    ("SYNCLESS_DECODE_LAYER", "removed with the one-launch decoder layer"),
+    ("SYNCLESS_TP_ALLREDUCE", "removed with the symmetric-memory TP all-reduce"),
+    ("SYNCLESS_ATTN_MERGE", "removed with the two-pass split merge")])
+def test_a_former_kernel_switch_in_the_environment_fails_config_building(monkeypatch, name, says):
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError, match=f"{name} .*{says}"):
+        EngineConfig.from_options()
+    monkeypatch.delenv(name)
+    monkeypatch.setenv("SYNCLESS_API_KEY", "k")  # not a kernel switch: still allowed
+    EngineConfig.from_options()
+
+
+def test_no_kernel_module_reads_a_syncless_variable():
+    """The kernels follow the installed settings only (the config's one environment check
+    is ``metadata.config.reject_kernel_env``)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readers = [str(p.relative_to(root)) for pkg in ("kernels", "workers")
+               for p in (root / pkg).rglob("*.py") if "SYNCLESS_" in p.read_text()]
+    assert readers == []
 
 
 # --------------------------------------------------------------------------- wire

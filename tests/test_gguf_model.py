@@ -48,10 +48,12 @@ def check_default_model_matches_transformers(max_tokens: int, dtype: str, device
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         chats = llm.chat(CHATS, params)  # with the progress bar
+        one = llm.chat(CHATS[0], params, use_tqdm=False)  # a single conversation
     finally:
         llm.shutdown()
     got = [o.outputs[0].token_ids for o in outs]
     assert [o.outputs[0].token_ids for o in chats] == got  # LLM.chat applies the same template
+    assert len(one) == 1 and one[0].outputs[0].token_ids == got[0]
     expected = hf_gguf_greedy(default_gguf(), prompts, max_tokens, getattr(torch, dtype), device)
     assert got == expected
     return [o.outputs[0].text for o in outs]

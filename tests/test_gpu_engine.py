@@ -108,26 +108,21 @@ def _prompts():
 
 
 @cuda
-@pytest.mark.parametrize("eager,dtype,max_seqs,switch", [
-    (True, "bfloat16", 16, None), (False, "bfloat16", 16, None), (False, "float32", 16, None),
-    (False, "bfloat16", 1, None),  # every decode step at batch 1: the persistent GEMV entries
-    (False, "bfloat16", 1, "SYNCLESS_FUSED_MLP"),  # the same with the one-launch MLP block
-    (False, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... with the one-launch layer
-    (True, "bfloat16", 1, "SYNCLESS_DECODE_LAYER"),  # ... eager: PDL chains of it
-    (False, "bfloat16", 16, "SYNCLESS_DECODE_LAYER"),  # its batched form (padded graphs)
+@pytest.mark.parametrize("eager,dtype,max_seqs,kernels", [
+    (True, "bfloat16", 16, {}), (False, "bfloat16", 16, {}), (False, "float32", 16, {}),
+    (False, "bfloat16", 1, {}),  # every decode step at batch 1: the persistent GEMV entries
+    # the same with the kernel options off their defaults (shipped to the worker in its config)
+    (False, "bfloat16", 1, dict(pdl="off", norm_handoff=False, rope_in_attention=False)),
+    (True, "bfloat16", 16, dict(pdl="on", tile_gemm=False)),  # ... PDL in every eager pass
 ], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1",
-        "bf16-cuda-graphs-batch1-fused-mlp", "bf16-cuda-graphs-batch1-decode-layer",
-        "bf16-eager-batch1-decode-layer", "bf16-cuda-graphs-decode-layer"])
-def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs, switch,
-                                         monkeypatch):
+        "bf16-cuda-graphs-batch1-kernel-options-off", "bf16-eager-pdl-on-cublas"])
+def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs, kernels):
     from cluster import LLM, SamplingParams
 
-    if switch:  # forwarded to the worker actors (kernels.switches)
-        monkeypatch.setenv(switch, "1")
     prompts = _prompts()
     expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
     llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=max_seqs)
+              kv_cache_memory_bytes=256 << 20, max_num_seqs=max_seqs, **kernels)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))

@@ -6,7 +6,7 @@ Every call runs under ``torch.cuda.set_sync_debug_mode("error")``."""
 import pytest
 import torch
 
-from tests.test_kernels_gpu import no_sync
+from tests.test_kernels_gpu import no_sync, use_kernel_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,17 +31,16 @@ def _case(k_in, hidden, n_out, seed):
 ])
 @pytest.mark.parametrize("graph", [False, True])
 def test_handoff_matches_reference_and_fused_path(k_in, hidden, n_out, act, graph, monkeypatch):
-    from kernels import norm_handoff as nh
     from kernels import ops, reference
 
-    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    use_kernel_settings(monkeypatch, pdl="on")
     x, w1, res, gamma, w2 = _case(k_in, hidden, n_out, seed=hidden + n_out)
     eps = 1e-5
 
     def handoff():
-        handed = nh.linear_handoff(x, w1, res, gamma, eps, w2, act)
+        handed = ops.linear_handoff(x, w1, res, gamma, eps, w2, act)
         assert handed is not None, "the 8B batch-1 shapes take the handoff"
-        return nh.linear_prenormed(handed[0], w2, act=act), handed[1]
+        return ops.linear_prenormed(handed[0], w2, act=act), handed[1]
 
     def fused():
         o, _ = ops.linear(x, w1)

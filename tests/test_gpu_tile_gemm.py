@@ -94,8 +94,11 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
     """In-process, 24 rows at the test checkpoint's shapes: ``ops.linear`` and
     ``ops.mlp_block`` take every tile kernel the table names (the down projection handing
     the next layer a ``Normed`` input), with the cuBLAS path's results within bf16
-    tolerance; ``SYNCLESS_TILE_GEMM=0`` takes none."""
+    tolerance; ``tile_gemm=False`` takes none."""
     from kernels import ops, tile_gemm
+    from kernels.ops import build_kernel_settings
+    from kernels.settings import overridden
+    from metadata.config import KernelConfig
     from kernels.norm_handoff import Normed
     from kernels.rms_norm import rms_norm_triton
 
@@ -130,13 +133,14 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
         logits, _ = ops.linear(h.x, w_lm, out_dtype=torch.float32)
         return qkv, h.x, r2, logits
 
+    table = build_kernel_settings(
+        KernelConfig(tile_gemm_tuning=_tile_table(tmp_path / "t.json"))).tile_table
     with torch.no_grad():
-        monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")
-        base = run()
+        with overridden(tile_table={}):  # tile_gemm=False
+            base = run()
         assert calls == {"plain": 0, "add_norm": 0}
-        monkeypatch.setenv("SYNCLESS_TILE_GEMM", "1")
-        monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json"))
-        got = run()
+        with overridden(tile_table=table):
+            got = run()
     # qkv, gate|up, logits: the GEMM; o_proj + norm and down + next norm: add_norm
     assert calls == {"plain": 3, "add_norm": 2}, calls
     for a, b in zip(got, base):
@@ -149,15 +153,14 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
 def test_precompile_launches_each_selected_variant(tmp_path, monkeypatch):
     from kernels import tile_gemm
 
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json", classes=(32, 128)))
+    table = tile_gemm.load_table(_tile_table(tmp_path / "t.json", classes=(32, 128)))
     w = lambda n, k: torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     uses = [(w(384, 256), "plain"), (w(1024, 256), "act"), (w(256, 512), "add_norm"),
             (w(96, 256), "logits"), (w(100, 256), "plain"),  # no entry
             (w(384, 256), "plain")]  # a second layer's twin: launched once
-    assert tile_gemm.precompile(uses) == 4 * 2
-    assert tile_gemm.precompile(uses, max_rows=20, max_logit_rows=16) == 3  # class 32 only
-    monkeypatch.setenv("SYNCLESS_TILE_GEMM", "0")
-    assert tile_gemm.precompile(uses) == 0
+    assert tile_gemm.precompile(uses, table=table) == 4 * 2
+    assert tile_gemm.precompile(uses, max_rows=20, max_logit_rows=16, table=table) == 3  # class 32
+    assert tile_gemm.precompile(uses, table={}) == 0  # tile_gemm=False
 
 
 @cuda
@@ -171,14 +174,13 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     import random
 
     from cluster import LLM, SamplingParams
-    from kernels import tile_gemm
 
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, _tile_table(tmp_path / "t.json", classes=(mc,)))
+    table = _tile_table(tmp_path / "t.json", classes=(mc,))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 96) for _ in range(rng.randrange(4, 120))] for _ in range(num)]
     expected, hf_logits = _hf_greedy(tile_ckpt, prompts, 24)
     llm = LLM(model=str(tile_ckpt), dtype="bfloat16", enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=mc)
+              kv_cache_memory_bytes=256 << 20, max_num_seqs=mc, tile_gemm_tuning=table)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

@@ -27,3 +27,23 @@ def test_host_sections_times_the_step_and_restores_the_functions(tmp_path):
         assert "graph replay" not in s  # no CUDA graphs on the CPU
     table = host_sections.table(res["cells"])
     assert "build_step_inputs" in table and "b3/16" in table
+
+
+def test_driver_sections_time_schedule_update_and_outputs(tmp_path):
+    """``--driver``: the driver's side of a decode step (real scheduler, output processor and
+    tokenizer, no workers), split at the point where the next plan leaves."""
+    from benchmarks import host_sections
+    from tests.checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path, 64)
+    out = tmp_path / "drv.json"
+    res = host_sections.main(["--driver", "--tokenizer", str(tmp_path), "--batch-sizes", "2,4",
+                              "--context-lens", "8", "--iters", "5", "--output", str(out)])
+    cells = res["cells"]
+    assert json.loads(out.read_text())["cells"] == json.loads(json.dumps(cells))
+    assert [c["batch_size"] for c in cells] == [2, 4]
+    for c in cells:
+        assert c["decode_steps"] == 4  # 5 tokens: the prefill samples the first
+        assert c["schedule_us"] > 0 and c["update_us"] > 0 and c["outputs_us"] > 0
+        assert c["to_next_plan_us"] == pytest.approx(c["schedule_us"] + c["update_us"])
+    assert "update_from_result" in host_sections.driver_table(cells)

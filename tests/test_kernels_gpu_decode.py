@@ -7,7 +7,13 @@ preparation against its torch reference. Every call runs under
 import pytest
 import torch
 
-from tests.test_kernels_gpu import no_sync, reference_fp64, rel_err, skinny_inputs
+from tests.test_kernels_gpu import (
+    no_sync,
+    reference_fp64,
+    rel_err,
+    skinny_inputs,
+    use_kernel_settings,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,7 +65,7 @@ def test_skinny_linear_peeled_chunks_under_pdl(n, k, variant, m, preload, monkey
     reference, K = 1000 and 1024 with one chunk too (nothing past K is read)."""
     from kernels.skinny_gemm import fallback_config, skinny_linear_triton
 
-    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    use_kernel_settings(monkeypatch, pdl="on")
     x, w, kw = skinny_inputs(m, n, k, variant)
     # The peeled chunks read the weights before the PDL wait, which kernels.pdl allows
     # because no kernel writes weights. Here the kernel just before the launch is the one
@@ -129,7 +135,7 @@ def test_persistent_gemv_pdl_chain_in_cuda_graph(monkeypatch):
     weight load must not break); replays match the fp64 chain."""
     from kernels.gemv import gemv_triton
 
-    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    use_kernel_settings(monkeypatch, pdl="on")
     n = 2048
     ws = [(torch.randn(n, n, device="cuda") / n ** 0.5).to(torch.bfloat16) for _ in range(4)]
     x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
@@ -151,88 +157,6 @@ def test_persistent_gemv_pdl_chain_in_cuda_graph(monkeypatch):
         for w in ws:
             h = (h @ w.double().T).to(torch.bfloat16).double()
         assert rel_err(out, h) < 2e-2
-
-
-def _mlp_inputs(h, a, inter, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    bf = torch.bfloat16
-    return (r(1, a).to(bf), (r(h, a) / a ** 0.5).to(bf), r(1, h).to(bf),
-            (1 + 0.1 * r(h)).to(bf), (r(2 * inter, h) / h ** 0.5).to(bf),
-            (r(h, inter) / inter ** 0.5).to(bf))
-
-
-def _mlp_fp64(attn, wo, res, nw, eps, wgu, wd):
-    o = reference_fp64(attn, wo, {})[0]
-    act, new_res = reference_fp64(o, wgu, {"residual": res.double(), "norm_weight": nw,
-                                           "eps": eps, "act": "silu_and_mul"})
-    return reference_fp64(act, wd, {})[0], new_res
-
-
-@pytest.mark.parametrize("cfg", [None, dict(block_n=8, block_k=512, num_warps=4, ctas_per_sm=3),
-                                 dict(block_n=2, block_k=2048, num_warps=8, ctas_per_sm=2),
-                                 dict(block_n=8, block_k=1024, num_warps=8, ctas_per_sm=2, depth=2),
-                                 dict(block_n=64, block_k=128, num_warps=4, ctas_per_sm=2,
-                                      use_dot=True, num_stages=4, pre_l2=1024)])
-@pytest.mark.parametrize("h,a,inter", [(4096, 4096, 14336), (1024, 2048, 3072), (1000, 1536, 999)])
-def test_mlp_block_matches_fp64(h, a, inter, cfg):
-    """All programs resident, two grid barriers, ragged rows/chunks; twice (re-armed counter)."""
-    from kernels.mlp_block import mlp_block_triton
-
-    from kernels.mlp_block import _BARRIERS
-
-    for seed in range(2):  # fresh inputs: a stale counter would pass barriers early
-        args = _mlp_inputs(h, a, inter, seed=seed)
-        exp, exp_res = _mlp_fp64(args[0], args[1], args[2], args[3], 1e-5, args[4], args[5])
-        with no_sync():
-            out, new_res = mlp_block_triton(*args[:4], 1e-5, *args[4:], config=cfg)
-        assert rel_err(out, exp) < 1e-2
-        assert rel_err(new_res, exp_res) < 4e-3
-        torch.cuda.synchronize()
-        assert _BARRIERS[("cuda", args[0].device.index)].tolist() == [0, 0, 0]  # re-armed
-
-
-@pytest.mark.parametrize("pdl_on", ["0", "1"])
-def test_mlp_block_chain_in_cuda_graph(monkeypatch, pdl_on):
-    """Three blocks chained (each output feeds the next), captured with and without PDL;
-    every replay with fresh inputs equals the fp64 chain."""
-    from kernels import ops
-
-    monkeypatch.setenv("SYNCLESS_PDL", pdl_on)
-    monkeypatch.setenv("SYNCLESS_FUSED_MLP", "1")  # opt-in (slower than unfused on the H200)
-    import kernels.mlp_block as mb
-
-    calls = []
-    real = mb.mlp_block_triton
-    monkeypatch.setattr(mb, "mlp_block_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    h = a = 2048
-    layers = [_mlp_inputs(h, a, 4096, seed=i)[1:] for i in range(3)]
-    x = torch.randn(1, a, device="cuda", dtype=torch.bfloat16)
-    res0 = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-
-    def chain():
-        hh, res = x, res0
-        for wo, _, nw, wgu, wd in layers:
-            hh, res = ops.mlp_block(hh, wo, res, nw, 1e-5, wgu, wd)
-        return hh, res
-
-    chain()
-    assert len(calls) == 3  # the fused block ran, not the unfused fallback
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, out_res = chain()
-    assert len(calls) == 6
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        res0.copy_(torch.randn_like(res0))
-        g.replay()
-        torch.cuda.synchronize()
-        hh, res = x, res0
-        for wo, _, nw, wgu, wd in layers:
-            hh, res = _mlp_fp64(hh.to(torch.bfloat16), wo, res.to(torch.bfloat16), nw, 1e-5,
-                                wgu, wd)
-        assert rel_err(out, hh) < 3e-2
-        assert rel_err(out_res, res) < 3e-2
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -265,7 +189,7 @@ def test_decode_attention_with_rope_graph_chain(monkeypatch):
     from kernels.rope_inline import DecodeRope
     from tests.test_kernels_attention_rope import expected, make_case
 
-    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    use_kernel_settings(monkeypatch, pdl="on")
     c = make_case([37, 300, 1], 32, 8, 128, torch.bfloat16, True, device="cuda")
     kc0, vc0 = c["k_cache"].clone(), c["v_cache"].clone()
     qkv0 = torch.cat([c["q"].flatten(1), c["k"].flatten(1), c["v"].flatten(1)], 1)

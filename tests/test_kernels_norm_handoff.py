@@ -9,10 +9,10 @@ from kernels import reference as ref
 from tests.interpreted import INTERPRETED, delegate_all
 
 if INTERPRETED:
-    from kernels import norm_handoff as nh
+    from kernels import ops
     from kernels import skinny_gemm as sg
 else:
-    nh = sg = None  # only the child touches triton
+    ops = sg = None  # only the child touches triton
 
 
 def _chain(m, k_in, hidden, n_out, dtype, seed, act=None, bias=False):
@@ -37,7 +37,7 @@ def test_handoff_equals_the_unfused_chain(act, dtype, block_n):
     x, w1, res, gamma, w2, b2 = _chain(m, k_in, hidden, n_out, dtype, seed=21, act=act,
                                        bias=act is None)
     cfg1 = dict(use_dot=False, block_n=block_n, block_k=32, num_warps=2, num_stages=1)
-    pn, new_res = nh.linear_handoff_triton(x, w1, res, gamma, eps, cfg1)
+    pn, new_res = sg.linear_handoff_triton(x, w1, res, gamma, eps, cfg1)
     assert pn.ss.shape == (m, -(-hidden // block_n))
     cfg2 = dict(use_dot=False, block_n=8, block_k=32, num_warps=2, num_stages=1)
     y, _ = sg.skinny_linear_triton(pn.sg, w2, b2, act=act, eps=pn.eps, config=cfg2,
@@ -63,7 +63,7 @@ def test_handoff_consumer_matches_the_fused_prologue():
     m, k_in, hidden, n_out, eps = 1, 64, 64, 32, 1e-6
     x, w1, res, gamma, w2, _ = _chain(m, k_in, hidden, n_out, torch.bfloat16, seed=5)
     cfg = dict(use_dot=False, block_n=8, block_k=32, num_warps=2, num_stages=1)
-    pn, new_res = nh.linear_handoff_triton(x, w1, res, gamma, eps, cfg)
+    pn, new_res = sg.linear_handoff_triton(x, w1, res, gamma, eps, cfg)
     o, _ = sg.skinny_linear_triton(x, w1, config=cfg)
     y_fused, res_fused = sg.skinny_linear_triton(o, w2, residual=res, norm_weight=gamma,
                                                  eps=eps, config=cfg)
@@ -80,7 +80,7 @@ def test_handoff_applies_only_on_cuda():
     """Off CUDA (and under the interpreter) the producer declines: the model keeps the
     fused-prologue path, which is the reference on the CPU."""
     x, w1, res, gamma, w2, _ = _chain(1, 32, 32, 32, torch.bfloat16, seed=3)
-    assert nh.linear_handoff(x, w1, res, gamma, 1e-6, w2) is None
+    assert ops.linear_handoff(x, w1, res, gamma, 1e-6, w2) is None
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -220,7 +220,12 @@ def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monke
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"entries": {"m16|64x128": _cfg(16, 32, 32, 2)} if entry else {}}))
-    monkeypatch.setenv(tile_gemm.TUNING_ENV, str(path))
+    from dataclasses import replace
+
+    from kernels import settings
+
+    monkeypatch.setattr(settings, "_installed",
+                        replace(settings.current(), tile_table=tile_gemm.load_table(str(path))))
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     took = []
     for mod, name, tag in ((skinny_gemm, "skinny_linear_triton", "skinny"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels import ops, pdl
+from tests.test_kernels_gpu import use_kernel_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,17 +55,17 @@ def _chain(x, ws, st):
 
 # rope in attention: one launch, which with PDL prefetches its first K/V tile into L2 before
 # its wait (1), or the rope + KV-write launch and then attention (0)
-@pytest.mark.parametrize("rope_in_attention", ["1", "0"])
+@pytest.mark.parametrize("rope_in_attention", [True, False])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeypatch):
-    monkeypatch.setenv("SYNCLESS_ROPE_IN_ATTENTION", rope_in_attention)
+    use_kernel_settings(monkeypatch, rope_in_attention=rope_in_attention)
     probe = torch.empty(1, device="cuda")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9+")
     assert pdl.HAVE_GDC, "this triton has no gdc_wait: PDL would be silently off"
     g = torch.Generator(device="cuda").manual_seed(0)
     layers, bound = 4, 512
-    # "1" must take the fused launch: within its token and key caps
+    # True must take the fused launch: within its token and key caps
     assert batch <= ops.ROPE_IN_ATTENTION_MAX_TOKENS
     assert batch * bound <= ops.ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
     blocks_per = bound // BS + 1
@@ -84,13 +85,13 @@ def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeyp
            for _ in range(layers)]
     x = torch.randn(batch, H, generator=g, device="cuda").to(torch.bfloat16)
 
-    monkeypatch.setenv("SYNCLESS_PDL", "0")
+    use_kernel_settings(monkeypatch, pdl="off")
     assert not pdl.enabled(probe)
     st["kv"] = [(k.clone(), v.clone()) for k, v in kv0]
     want = _chain(x, ws, st).clone()
     want_k = st["kv"][-1][0].clone()
 
-    monkeypatch.setenv("SYNCLESS_PDL", "1")
+    use_kernel_settings(monkeypatch, pdl="on")
     assert pdl.enabled(probe)
     st["kv"] = [(k.clone(), v.clone()) for k, v in kv0]
     xs = torch.zeros_like(x)

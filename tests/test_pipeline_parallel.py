@@ -36,14 +36,21 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """A Ray cluster of three simulated nodes (the driver on the head). A session-wide local
-    Ray instance started by other tests is shut down first and restored afterwards."""
+    """A Ray cluster of three simulated nodes (the driver on the head), with the dashboard that
+    serves Ray's state API (on a free port). A session-wide local Ray instance started by
+    other tests is shut down first and restored afterwards."""
+    import socket
+
     from ray.cluster_utils import Cluster
 
     was_local = ray.is_initialized()
     if was_local:
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": True, "dashboard_port": port})
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2)
@@ -68,6 +75,8 @@ def one_worker(three_nodes, model):
 
 
 def _run(model, prompts, rounds: int = 1, **options) -> dict:
+    """Greedy tokens of ``rounds`` identical generate calls, with the workers' info, stats and
+    nodes (from the state API) and the prefix cache's stats."""
     llm = LLM(model=str(model), **COMMON, **options)
     try:
         tokens = None
@@ -80,18 +89,18 @@ def _run(model, prompts, rounds: int = 1, **options) -> dict:
         assert eng.dead is None, eng.dead
         ex = eng.executor
         stats = ray.get([w.stats.remote() for w in ex.workers], timeout=60)
-        actor_nodes = _alive_worker_nodes({i["pid"] for i in ex.info})
+        actor_nodes = _alive_worker_nodes(ray.get_runtime_context().gcs_address, {i["pid"] for i in ex.info})
         return {"tokens": tokens, "info": ex.info, "stats": stats, "actor_nodes": actor_nodes,
                 "prefix": eng.scheduler.prefix_cache_stats()}
     finally:
         llm.shutdown()
 
 
-def _alive_worker_nodes(pids: set[int]) -> dict[int, str]:
+def _alive_worker_nodes(address: str, pids: set[int]) -> dict[int, str]:
     """pid -> node id of each alive worker actor, as Ray's state API reports it."""
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
     return {a.pid: a.node_id for a in actors if a.pid in pids and a.class_name.endswith("WorkerActor")}
 
 
@@ -117,13 +126,15 @@ def test_pp2_stages_on_distinct_nodes_equal_one_worker(model, one_worker):
 
 
 def test_pp2_tp2_each_tp_group_on_one_node(model, one_worker):
-    run = _run(model, PROMPTS, pipeline_parallel_size=2, tensor_parallel_size=2)
+    """Steps over 16 tokens also run as two overlapped micro-batches on every rank."""
+    run = _run(model, PROMPTS, pipeline_parallel_size=2, tensor_parallel_size=2, ubatch_token_threshold=16)
     assert run["tokens"] == one_worker
     stages = _by_stage(run, tp=2)
     assert [len(s) for s in stages] == [1, 1], stages  # STRICT_PACK: a TP group shares a node
     assert stages[0] != stages[1], stages
     assert [s["pp_stage"] for s in run["stats"]] == [0, 0, 1, 1]
     assert all(s["tp_all_reduce"] == "gloo" for s in run["stats"])
+    assert all(s["ubatched_steps"] > 0 for s in run["stats"]), run["stats"]
 
 
 def test_uneven_split_async_sync_check_and_prefix_cache(model, one_worker):
@@ -148,10 +159,9 @@ def test_layer_split_must_fit_the_model(three_nodes, model):
 @pytest.mark.parametrize("options,message", [
     (dict(speculative_method="ngram"), "speculative_method='ngram' with pipeline_parallel_size=2 is not supported"),
     (dict(speculative_method="draft_model", speculative_model="/x"), "accepted count, which only the last stage"),
-    (dict(ubatch_token_threshold=16), "ubatch_token_threshold with pipeline_parallel_size=2 is not supported"),
     (dict(pipeline_layer_split=[4]), r"pipeline_layer_split \[4\] has 1 entries; it needs one per pipeline stage"),
     (dict(pipeline_layer_split=[0, 4]), "every stage needs at least one layer"),
-], ids=["ngram", "draft", "ubatch", "split-length", "split-empty-stage"])
+], ids=["ngram", "draft", "split-length", "split-empty-stage"])
 def test_refused_combinations(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_options(pipeline_parallel_size=2, **options)

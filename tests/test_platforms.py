@@ -122,12 +122,12 @@ def test_cpu_actor_in_ray_sets_no_visibility(ray_local):
 
 def test_pdl_never_applies_off_gpu(monkeypatch):
     """Programmatic dependent launch is a Hopper feature: CPU tensors (and so the Triton
-    interpreter) always get the plain launch, whatever SYNCLESS_PDL says."""
+    interpreter) always get the plain launch, whatever the pdl option says."""
     import torch
 
     from kernels import pdl
+    from kernels.settings import overridden
 
-    for value in ("1", "0", "auto"):
-        monkeypatch.setenv("SYNCLESS_PDL", value)
-        with pdl.step_tokens(1):
+    for value in ("on", "off", "auto"):
+        with overridden(pdl=value), pdl.step_tokens(1):
             assert pdl.launch_kwargs(torch.zeros(1)) == {"USE_PDL": False}

@@ -84,7 +84,14 @@ class WorkerActor:
                 "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
                 "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),
                 "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
-                "tp_all_reduce": self.platform.collective_library}
+                "tp_all_reduce": self.platform.collective_library,
+                "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
+                "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0)}
+
+    def clear_launch_times(self) -> None:
+        """Forget the recorded launch times (a benchmark's warm-up is not its steady state)."""
+        if self.runner is not None:
+            self.runner.launch_ms.clear()
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""

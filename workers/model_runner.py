@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -59,6 +60,9 @@ class ModelRunner:
         # with speculative decoding the plan's lengths assume every draft is accepted
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
+        self.piecewise = None  # workers.piecewise_graphs.PiecewiseGraphs, after capture
+        self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
+        self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         self._last_end_ev = None
         self._pinned = PinnedPool()
 
@@ -148,6 +152,7 @@ class ModelRunner:
         self._precompile_tile_gemm()
         if self.cfg.enforce_eager:
             self._warm_eager_decode()
+        self.arm_launch_probe()
 
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
@@ -214,6 +219,22 @@ class ModelRunner:
                 self.bounds_are_exact, query_lens=(1, k + 2), logits=False,
             )
             self.spec.proposer.graphs.capture()
+        self._capture_piecewise()
+
+    def _capture_piecewise(self) -> None:
+        """Piecewise graphs (``workers.piecewise_graphs``) for the steps the decode graphs do
+        not cover: prefill, mixed and uneven speculative steps, of the model and the draft."""
+        from workers.piecewise_graphs import PiecewiseGraphs
+
+        sched = self.cfg.scheduler
+        max_tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
+        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device)
+        self.piecewise.capture()
+        if self.spec is not None and self.spec.draft_model is not None:
+            # the draft's window adds each sampling row's newest token to the step's tokens
+            self.spec.proposer.piecewise = PiecewiseGraphs(
+                self.spec.draft_model, max_tokens + sched.max_num_seqs, self.device)
+            self.spec.proposer.piecewise.capture()
 
     # ------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
@@ -221,10 +242,28 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> "PendingStep":
         """Apply the plan and enqueue the step's device work; returns without waiting."""
+        if self._probe_cycles and plan.rows:  # diagnostics: the device is busy for a while
+            torch.cuda._sleep(self._probe_cycles)
         t0 = time.perf_counter()
         pending = self._enqueue(plan, t0)
         pending.launch_s = time.perf_counter() - t0
+        if plan.rows:
+            self.launch_ms.append(pending.launch_s * 1e3)
         return pending
+
+    def arm_launch_probe(self) -> None:
+        """``launch_wait_probe_ms``: calibrate ``torch.cuda._sleep``'s cycles per ms once,
+        before serving (a deliberate wait)."""
+        ms = self.cfg.launch_wait_probe_ms
+        if not ms or self.device.type != "cuda":
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        self._probe_cycles = int(ms * 20_000_000 / start.elapsed_time(end))
 
     @torch.inference_mode()
     def _enqueue(self, plan: StepPlan, t0: float) -> "PendingStep":
@@ -245,7 +284,9 @@ class ModelRunner:
             logits = self.graphs.run(inp, key)
             raw_argmax = self.graphs.last_greedy  # q = 1 graphs only: one logits row a sampling row
         else:
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+            pw = self.piecewise
+            forward = pw.forward if pw is not None and pw.fits(inp.input_ids.shape[0]) else self.model
+            hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
         seq_lens = inp.meta.seq_lens
         st.num_computed[inp.rows] = seq_lens
@@ -314,6 +355,7 @@ class ModelRunner:
         from workers.ubatch import UbatchedModel
 
         self.model = UbatchedModel(self.model, threshold, self.tp)
+        self.piecewise = None  # the split halves are the point: those steps run eagerly
 
 
 class PinnedPool:

@@ -87,6 +87,7 @@ class DraftModelProposer:
         self.model, self.kv_caches, self.k = model, kv_caches, k
         self.max_position = max_position  # lookahead positions are clamped into the rotary table
         self.graphs = None  # DecodeGraphs of the draft (hidden states), set after capture
+        self.piecewise = None  # PiecewiseGraphs of the draft, set after capture
         self.block_size = block_size
         self.bounds_are_exact = bounds_are_exact
 
@@ -146,6 +147,8 @@ class DraftModelProposer:
         key = self.graphs.pick_shape(n, q_lens, bound) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(inputs, key)
+        if self.piecewise is not None and self.piecewise.fits(inputs.input_ids.shape[0]):
+            return self.piecewise.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _pick(self, logits, ds, pos, st: DeviceState, s_rows, i: int) -> torch.Tensor:

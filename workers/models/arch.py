@@ -1,44 +1,15 @@
-"""Parse a Hugging Face ``config.json`` into the shape this engine needs."""
+"""Parse a Hugging Face ``config.json`` (or, by suffix, a ``.gguf`` file) into the shape this
+engine needs."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from workers.models.gguf_arch import is_gguf, load_gguf_arch
+from workers.models.model_arch import ModelArch, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class ModelLoadError(ValueError):
-    """The checkpoint cannot be served; the message says why and what is supported."""
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    torch_dtype: str | None
-
-    def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
-        kv_heads = max(1, self.num_kv_heads // tp_size)
-        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -69,9 +40,7 @@ def check_rope_scaling(scaling: dict | None) -> None:
 
 def load_arch(model_dir: str | Path) -> ModelArch:
     """A checkpoint directory's ``config.json``, or a ``.gguf`` file's metadata."""
-    if str(model_dir).lower().endswith(".gguf"):
-        from workers.models.gguf_arch import load_gguf_arch
-
+    if is_gguf(model_dir):
         return load_gguf_arch(model_dir)
     path = Path(model_dir) / "config.json"
     if not path.is_file():

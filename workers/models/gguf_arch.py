@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.models.arch import ModelArch, ModelLoadError
+from workers.models.model_arch import ModelArch, ModelLoadError
 
 # general.architecture -> the Hugging Face class the same weights would have
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -36,7 +36,7 @@ def open_gguf(path: str | Path):
         raise ModelLoadError(f"{path}: no such GGUF file")
     try:
         return gguf.GGUFReader(str(p))
-    except Exception as exc:  # bad magic, truncated file, unknown value type ...
+    except Exception as exc:  # noqa: BLE001 - bad magic, truncated file, unknown value type ...
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
 
 

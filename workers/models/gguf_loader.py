@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.models.arch import ModelArch
-from workers.models.gguf_arch import field, open_gguf
+from workers.models.gguf_arch import field, load_gguf_arch, open_gguf
+from workers.models.model_arch import ModelArch, ModelLoadError
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,9 +64,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFCheckpoint:
     """One GGUF file opened (memory-mapped) once for its weights and rope factors."""
 
-    def __init__(self, path: str | Path, arch: ModelArch):
-        self.path, self.arch = path, arch
-        self.reader = open_gguf(path)
+    def __init__(self, path: str | Path):
+        self.path = path
+        self.reader = open_gguf(path)  # parsing the metadata takes seconds: once per process
+        self.arch: ModelArch = load_gguf_arch(path, self.reader)
         self.llama = field(self.reader, "general.architecture") == "llama"
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -106,8 +107,6 @@ def cos_sin_with_factors(arch: ModelArch, max_pos: int, factors: torch.Tensor) -
 
     inv = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
     if factors.numel() != inv.numel():
-        from workers.models.arch import ModelLoadError
-
         raise ModelLoadError(f"rope_freqs has {factors.numel()} entries, expected {inv.numel()}")
     inv = inv / factors.to(torch.float64)
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)

@@ -128,26 +128,34 @@ class DecoderLayer(nn.Module):
         already added, and with ``next_layer`` the output may leave as one. At mid-sized
         batches the down projection's split sum may do the next layer's whole norm: ``h``
         then arrives as a ``Normed``."""
-        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = self.pre_attention(h, residual)
+        o = self.self_attn.attend_core(qkv, positions, meta, kv, cos_sin)
+        return self.post_attention(o, residual, next_layer)
+
+    def pre_attention(self, h, residual):
+        """Input norm (with the residual add) + QKV projection -> ``(qkv, residual)``."""
+        attn = self.self_attn
         if isinstance(h, PreNormed):
-            qkv = ops.linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        elif isinstance(h, Normed):  # the previous down's split sum did this norm
-            qkv = attn.qkv_proj(h.x)
-        else:
-            qkv, residual = attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
+            return ops.linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias), residual
+        if isinstance(h, Normed):  # the previous down's split sum did this norm
+            return attn.qkv_proj(h.x), residual
+        return attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
+
+    def post_attention(self, o, residual, next_layer=None):
+        """From the attention output ``o [T, Hq * D]``: o_proj, residual add + norm, MLP ->
+        ``(h, residual)`` (``h`` possibly handed off to ``next_layer``'s norm)."""
+        attn, mlp = self.self_attn, self.mlp
         if self.whole_mlp_block:  # tp 1: the norm handoffs (ops.mlp_block)
             ln = self.post_attention_layernorm
             nxt = None
             if next_layer is not None:
                 nln = next_layer.input_layernorm
                 nxt = (nln.weight, nln.eps, next_layer.self_attn.qkv_proj.weight)
-            return ops.mlp_block(attn.attend_core(qkv, positions, meta, kv, cos_sin),
-                                 attn.o_proj.weight, residual, ln.weight, ln.eps,
+            return ops.mlp_block(o, attn.o_proj.weight, residual, ln.weight, ln.eps,
                                  mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act,
                                  handoff_to=nxt)
-        h = attn.attend(qkv, positions, meta, kv, cos_sin)
-        act, residual = mlp.gate_up_proj.norm_forward(h, residual, self.post_attention_layernorm,
-                                                      act=mlp.act)
+        act, residual = mlp.gate_up_proj.norm_forward(attn.o_proj(o), residual,
+                                                      self.post_attention_layernorm, act=mlp.act)
         return mlp.down_proj(act), residual
 
 

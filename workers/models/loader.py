@@ -68,15 +68,15 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelArch]:
     """A checkpoint directory (safetensors) or a ``.gguf`` file, chosen by the path's suffix;
     ``load_format='dummy'`` takes only the shapes and initialises random weights."""
-    arch = load_arch(model_path)
     gguf = None
-    if load_format != "dummy":
-        if is_gguf(model_path):
-            from workers.models.gguf_loader import GGUFCheckpoint
+    if is_gguf(model_path) and load_format != "dummy":
+        from workers.models.gguf_loader import GGUFCheckpoint
 
-            gguf = GGUFCheckpoint(model_path, arch)
-            tensors = gguf.tensors()
-        else:
+        gguf = GGUFCheckpoint(model_path)
+        arch, tensors = gguf.arch, gguf.tensors()
+    else:
+        arch = load_arch(model_path)
+        if load_format != "dummy":
             tensors = _safetensors_tensors(checkpoint_files(model_path))
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions)
@@ -102,7 +102,7 @@ def load_model(
 def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if "rotary_emb.inv_freq" not in name:
                     yield name, f.get_tensor(name)
 

@@ -1,0 +1,98 @@
+"""Does a launch wait for the device? The busy-wait check, for every scheduling mode.
+
+Each worker enqueues a GPU busy-wait of ``--wait-ms`` (``torch.cuda._sleep``) just before
+every step's launch (``launch_wait_probe_ms``) and records how long the launch call took
+on the host. A launch that never waits for the device returns in a few ms whatever the
+GPU is doing; one that waits (a host read of device data, a pageable copy, allocator
+growth, or a launch queue filled by thousands of small kernels) takes about the wait.
+
+Modes: plain async scheduling, async with n-gram drafts, async with a draft model,
+and async under KV pressure (preemption). Each runs requests arriving mid-run (more
+prompts than ``max_num_seqs``) and then prompts that hit the prefix cache.
+
+    python -m benchmarks.launch_wait --shape qwen3-0.6b --wait-ms 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+from benchmarks.shapes import resolve_model
+
+MODES = ("async", "async+ngram", "async+draft", "async+preempt")
+
+
+def mode_options(mode: str, model: str) -> dict:
+    if mode == "async+ngram":
+        return {"speculative_method": "ngram", "num_speculative_tokens": 3}
+    if mode == "async+draft":
+        return {"speculative_method": "draft_model", "speculative_model": model, "num_speculative_tokens": 3}
+    if mode == "async+preempt":
+        return {"num_kv_blocks": 160}  # 48 requests of ~230 tokens in blocks of 16 do not fit
+    return {}
+
+
+def run_mode(mode: str, model: str, fmt: str, wait_ms: float, num_prompts: int = 48,
+             prompt_len: int = 200, max_num_seqs: int = 32, vocab: int = 1000) -> dict:
+    """Launch times (ms) of one mode's steady state: after a warm-up request."""
+    import ray
+
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(model=model, load_format=fmt, async_scheduling=True, max_num_seqs=max_num_seqs,
+              max_model_len=2048, sync_check="error", launch_wait_probe_ms=wait_ms,
+              **mode_options(mode, model))
+    try:
+        rnd = random.Random(0)
+        prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i,
+                                 ignore_eos=True) for i in range(num_prompts)]
+        llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
+        workers = llm.engine.executor.workers
+        ray.get([w.clear_launch_times.remote() for w in workers])
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        hits = [{"prompt_token_ids": p[:160] + [5, 6, 7]} for p in prompts[: num_prompts // 2]]
+        llm.generate(hits, params[: num_prompts // 2], use_tqdm=False)
+        stats = ray.get([w.stats.remote() for w in workers])
+        launches = [ms for s in stats for ms in s["launch_ms"]]
+        return {"mode": mode, "wait_ms": wait_ms, "launch_ms": launches,
+                "preemptions": llm.engine.scheduler.num_preemptions,
+                "piecewise_replays": sum(s.get("piecewise_replays", 0) for s in stats)}
+    finally:
+        llm.shutdown()
+
+
+def summarize(run: dict) -> dict:
+    ls = run["launch_ms"]
+    return {"mode": run["mode"], "launches": len(ls), "waited": sum(x > run["wait_ms"] / 4 for x in ls),
+            "median_ms": statistics.median(ls) if ls else 0.0, "max_ms": max(ls) if ls else 0.0,
+            "preemptions": run["preemptions"], "piecewise_replays": run["piecewise_replays"]}
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape (default: qwen3-0.6b)")
+    p.add_argument("--model", default=None, help="a local checkpoint instead of --shape")
+    p.add_argument("--wait-ms", type=float, default=100.0, help="busy-wait before each launch (default: 100)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument("--output", default=None, help="write the raw launch times as JSON here")
+    args = p.parse_args(argv)
+    model, fmt = resolve_model(args.model, None if args.model else args.shape)
+    runs = [run_mode(m, model, fmt, args.wait_ms) for m in args.modes.split(",")]
+    rows = [summarize(r) for r in runs]
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"runs": runs, "summary": rows}, f)
+    print(f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | preemptions |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
+              f"| {r['preemptions']} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
