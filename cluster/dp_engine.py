@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from cluster.async_engine import EngineUnavailable
 from cluster.dp_policy import PrefixLoadRouter
 from cluster.outputs import RequestOutput, StreamDelta
@@ -37,6 +39,7 @@ from cluster.replica_wire import (
     PollBatch,
     ReplicaLoad,
     ReplicaRequest,
+    aggregate_loads,
     decode,
     encode,
 )
@@ -116,6 +119,7 @@ class _Replica:
     down_reason: str | None = "starting"
     actor_restarts: int = 0
     streams: dict[str, ReplicaStream] = field(default_factory=dict)
+    pending_adds: list = field(default_factory=list)  # (ReplicaRequest, future) of the next add call
     task: asyncio.Task | None = None
 
 
@@ -290,7 +294,7 @@ class DataParallelEngine:
         """Per replica: index, up, why it is down, restarts and its last load (``/metrics``)."""
         return [{"replica": r.index, "up": r.up, "down_reason": r.down_reason,
                  "actor_restarts": r.actor_restarts, "worker_restarts": r.load.num_restarts,
-                 "in_flight": len(r.streams), "load": _load_dict(r.load)} for r in self.replicas]
+                 "in_flight": len(r.streams), "load": msgspec.to_builtins(r.load)} for r in self.replicas]
 
     # ------------------------------------------------------------------ API
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
@@ -332,7 +336,7 @@ class DataParallelEngine:
             r.streams[s.request_id] = s
             s.sending = True
             try:
-                (res,) = decode(await r.actor.add.remote(encode([s.wire])), list[AddResult])
+                res = await self._add_batched(r, s.wire)
             except ray.exceptions.RayActorError:
                 res = AddResult(request_id=s.request_id, error="replica died", error_kind="unavailable")
             except asyncio.CancelledError:
@@ -348,6 +352,28 @@ class DataParallelEngine:
             if res.error_kind != "unavailable":
                 raise add_error(res)
             tried.add(r.index)
+
+    def _add_batched(self, r: _Replica, wire: ReplicaRequest) -> asyncio.Future:
+        """Adds issued in the same event-loop turn go to the replica in one call."""
+        fut = self.loop.create_future()
+        r.pending_adds.append((wire, fut))
+        if len(r.pending_adds) == 1:
+            asyncio.ensure_future(self._flush_adds(r, r.actor))
+        return fut
+
+    async def _flush_adds(self, r: _Replica, actor) -> None:
+        await asyncio.sleep(0)  # let this turn's other adds join the batch
+        batch, r.pending_adds = r.pending_adds, []
+        try:
+            results = decode(await actor.add.remote(encode([w for w, _ in batch])), list[AddResult])
+        except Exception as exc:  # noqa: BLE001 - each waiting add raises it (RayActorError: moved)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, fut), res in zip(batch, results):
+            if not fut.done():
+                fut.set_result(res)
 
     def _move(self, s: ReplicaStream) -> None:
         """Re-send a request its replica failed before it streamed anything (once)."""
@@ -447,29 +473,12 @@ class DataParallelEngine:
             self._notify()
 
     def _refresh_snapshot(self) -> None:
-        loads = [r.load for r in self.replicas]
-        up = [r for r in self.replicas if r.up]
-        snap: dict[str, Any] = {"time": time.monotonic()}
-        for k in ("running", "waiting", "num_free_blocks", "num_blocks", "num_preemptions", "steps",
-                  "generation_tokens", "prompt_tokens", "groups"):
-            snap[k] = sum(getattr(x, k) for x in loads)
-        snap["kv_usage"] = sum(x.kv_usage for x in loads) / max(1, len(loads))
-        pcs = [x.prefix_cache for x in loads]
-        q, h = sum(p.get("queries", 0) for p in pcs), sum(p.get("hits", 0) for p in pcs)
-        snap["prefix_cache"] = {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0,
-                                "num_cached_blocks": sum(p.get("num_cached_blocks", 0) for p in pcs),
-                                "evictions": sum(p.get("evictions", 0) for p in pcs)}
+        snap = aggregate_loads([r.load for r in self.replicas])
         snap["dead"] = self.dead
-        snap["replicas_up"] = len(up)
+        snap["replicas_up"] = sum(r.up for r in self.replicas)
         self.snapshot = snap
         if self.metrics is not None:
             self.metrics.update_engine(snap)
-
-
-def _load_dict(load: ReplicaLoad) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(load)
 
 
 async def _await(ref) -> None:

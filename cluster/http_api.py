@@ -163,7 +163,10 @@ class OpenAIServer:
             return resp
         except APIError as err:
             status = err.status
-            return _error_response(err)
+            resp = _error_response(err)
+            if getattr(err, "close_connection", False):
+                resp.force_close()
+            return resp
         except web.HTTPException as exc:
             status = exc.status
             if exc.status < 400:
@@ -241,8 +244,11 @@ class OpenAIServer:
         """The body decoded into ``typ`` (400 for a body that is unreadable, mis-encoded or invalid)."""
         try:
             body = await request.read()
-        except RequestPayloadError as exc:
-            raise APIError(400, f"cannot read the request body: {clip(str(exc).strip(), 200)}") from None
+        except RequestPayloadError as exc:  # e.g. a body marked gzip that is not gzip
+            detail = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+            err = APIError(400, f"cannot read the request body: {clip(detail, 200)}")
+            err.close_connection = True  # the rest of the body is unreadable: this connection ends
+            raise err from None
         except web.HTTPRequestEntityTooLarge:
             raise APIError(413, f"the request body is larger than {request.client_max_size} bytes") from None
         if len(body) > _THREAD_DECODE_BYTES:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from metadata.sampling_params import SamplingParams, SamplingParamsError
+from metadata.sampling_params import MAX_INT32, SamplingParams, SamplingParamsError
 
 _ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -232,8 +232,8 @@ def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingP
                                 f"got {req.top_logprobs}", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"{name} must be an integer >= 1, got {max_tokens}", name)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_INT32:
+        raise APIError(400, f"{name} must be an integer in [1, {MAX_INT32}], got {max_tokens}", name)
     return to_sampling_params(req, max_tokens=max_tokens,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 

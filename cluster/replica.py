@@ -288,6 +288,6 @@ def replica_actor_options() -> dict[str, Any]:
     restarted by Ray (the front end's supervisor restarts it, with backoff)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return {
-        "num_cpus": 0, "max_concurrency": 8, "max_restarts": 0, "scheduling_strategy": "SPREAD",
+        "num_cpus": 0, "max_concurrency": 16, "max_restarts": 0, "scheduling_strategy": "SPREAD",
         "runtime_env": {"env_vars": {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}},
     }

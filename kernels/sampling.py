@@ -36,7 +36,7 @@ def _row_key(seed_ptr, pos_ptr, row):
     """``kernels.reference.noise_row_key`` of one row, in registers: computing it here
     instead of in torch saves some twenty tiny launches a call (a step must stay far below
     the device's launch-queue depth, or its launch waits for the device)."""
-    s = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
+    s = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True)
     lo = (s & 0xFFFFFFFF).to(tl.uint32)
     hi = (s >> 32).to(tl.uint32)
     key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))

@@ -369,7 +369,7 @@ def _check_tuning_file(option: str, path: str) -> None:
         with open(path, encoding="utf-8") as f:
             entries = json.load(f)["entries"]
         if not isinstance(entries, dict):
-            raise ValueError(f"'entries' is a {type(entries).__name__}, not an object")
+            raise TypeError(f"'entries' is a {type(entries).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{option}={path}: not a tuning file ({exc!r})") from None
 

@@ -9,8 +9,9 @@ options that would make it valid.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the config calls in here, never the other way
     from metadata.config import EngineConfig

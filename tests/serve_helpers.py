@@ -182,7 +182,7 @@ def _server_proc(ray_local, serve_model, tmp_path_factory):
     """The main server's process, started (not yet ready): the tiny llama checkpoint, joined to
     the tests' Ray instance, with async scheduling (the offline engine it is compared with
     schedules synchronously). The offline engine loads while it starts."""
-    args = ["--model", str(serve_model), "--api-key", API_KEY, "--async-scheduling"]
+    args = ["--model", str(serve_model), "--api-key", API_KEY, "--async-scheduling", "--log-stats-interval", "1"]
     for k, v in ENGINE_OPTS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
     proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address(),

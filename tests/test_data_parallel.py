@@ -15,6 +15,7 @@ import ray
 
 from cluster import LLM, SamplingParams
 from cluster.async_engine import EngineUnavailable
+from cluster.input_processor import InvalidRequestError
 from tests.checkpoints import hf_greedy
 
 OPTS = {"block_size": 8, "max_model_len": 256, "num_kv_blocks": 64}
@@ -69,6 +70,11 @@ def test_offline_dp3_equals_one_worker(three_nodes, ckpt_dir):
             pids = {i["pid"] for i in llm.data_parallel.info}
             assert len(pids) == size and os.getpid() not in pids
             assert len({p for w in llm.data_parallel.worker_pids() for p in w} - pids) == size
+            # a bad prompt fails the whole call with the single engine's error, and nothing runs
+            with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+                llm.generate([prompts[0], {"prompt_token_ids": [5, 10**6]}], GREEDY, use_tqdm=False)
+            again = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == expected[:2]
         finally:
             llm.shutdown()
     with pytest.raises(Exception, match="data_parallel_size must be in"):
@@ -121,13 +127,40 @@ def test_online_dp2_equals_transformers(dp2, ckpt_dir):
     expected = hf_greedy(ckpt_dir("llama"), PROMPTS, GREEDY.max_tokens)  # = one worker's (test_engine_correctness)
 
     async def all_at_once():
-        streams = [await engine.add_request(f"eq-{i}", {"prompt_token_ids": p}, GREEDY)
-                   for i, p in enumerate(PROMPTS)]
+        # added in one event-loop turn: one add call per replica carries its share of the batch
+        streams = await asyncio.gather(*(engine.add_request(f"eq-{i}", {"prompt_token_ids": p}, GREEDY)
+                                         for i, p in enumerate(PROMPTS)))
         return [s.replica for s in streams], await asyncio.gather(*(_collect(s) for s in streams))
 
     where, got = loop.run(all_at_once())
     assert got == expected
     assert set(where) == {0, 1}, "the batch was spread over both replicas"
+
+
+def test_http_api_over_replicas(dp2):
+    """The OpenAI server runs unchanged over the data-parallel front end."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from cluster.http_api import OpenAIServer
+
+    engine, loop, metrics = dp2
+
+    async def calls():
+        app = OpenAIServer(engine, "dp-test", None, metrics).app()
+        async with TestClient(TestServer(app)) as c:
+            health = (await c.get("/health")).status
+            r = await c.post("/v1/completions", json={"prompt": "w5 w6 w7 w8", "max_tokens": 4,
+                                                      "temperature": 0, "stream": True})
+            chunks = [line for line in (await r.text()).splitlines() if line.startswith("data: {")]
+            kv = await (await c.get("/v1/debug/kv")).json()
+            text = await (await c.get("/metrics")).text()
+            return health, r.status, chunks, kv, text
+
+    health, status, chunks, kv, text = loop.run(calls())
+    assert health == 200 and status == 200 and len(chunks) == 4
+    assert [x["replica"] for x in kv["replicas"]] == [0, 1] and kv["num_free_blocks"] == kv["num_blocks"]
+    for i in (0, 1):
+        assert f'syncless:replica_up{{model_name="dp-test",replica="{i}"}} 1.0' in text
 
 
 def test_repeated_long_prefix_goes_to_the_replica_that_cached_it(dp2):
@@ -191,6 +224,7 @@ def test_worker_killed_mid_stream_other_replica_serves_then_restart(dp2, ckpt_di
         return got0, s0.output, str(err.value)
 
     got0, out0, err = loop.run(scenario())
+    assert engine.healthy and engine.dead is None, "/health stays 200 while one replica serves"
     assert "replica 1" in err and "died" in err and str(victim_pid) in err, err
     assert got0 == expected0 and out0.outputs[0].finish_reason == "length", "replica 0 kept serving"
     # no request is sent: replica 1 restarts its workers by itself

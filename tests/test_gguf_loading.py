@@ -93,10 +93,12 @@ def _write_minimal(path, arch: str, tensor_type: str = "F32"):
 
 def test_unsupported_gguf_refused_with_what_is_supported(tmp_path):
     f = _write_minimal(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError,
+                       match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
         load_arch(f)
     f = _write_minimal(tmp_path / "iq4.gguf", "llama", "IQ4_NL")
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF tensor type\(s\) IQ4_NL; supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(ModelLoadError,
+                       match=r"unsupported GGUF tensor type\(s\) IQ4_NL; supported: F32, F16, BF16, Q8_0"):
         LLM(model=str(f))  # refused on the driver, before any worker starts
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):

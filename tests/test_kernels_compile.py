@@ -116,7 +116,7 @@ def test_sampling_kernels_compile():
     from kernels.argmax import _argmax_partial_kernel, _argmax_reduce_kernel
     from kernels.sampling import _race_partial_kernel, _race_reduce_kernel
 
-    ints = {"idx_ptr": "*i32", "nan_ptr": "*i32", "key_ptr": "*i64", "out_ptr": "*i64"}
+    ints = {"idx_ptr": "*i32", "nan_ptr": "*i32", "seed_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*i64"}
     _compile(_argmax_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_argmax_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_race_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")

@@ -142,6 +142,34 @@ def test_requests_arriving_mid_step_join_the_plan_sent_before_outputs(make_engin
     engine.scheduler.blocks.check_all_free()
 
 
+def test_the_server_loop_takes_only_leading_additions_mid_step(make_engine):
+    """``AsyncEngine._intake`` (the serving loop's ``core.intake``): additions at the head of
+    the command queue join the next plan; the first other command and all after it wait, in
+    order, for the loop."""
+    import asyncio
+
+    from cluster.async_engine import AsyncEngine
+
+    engine = make_engine(async_scheduling=True, block_size=4, num_kv_blocks=64, max_num_batched_tokens=32,
+                         max_num_seqs=8, max_model_len=64)
+    server = AsyncEngine(engine.cfg)
+    server.loop = asyncio.new_event_loop()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=2)
+        cmds = [("add", "a", {"prompt_token_ids": [5, 6]}, greedy, None, server.loop.create_future()),
+                ("abort", "a"),
+                ("add", "b", {"prompt_token_ids": [7, 8]}, greedy, None, server.loop.create_future())]
+        for c in cmds:
+            server._cmds.put(c)
+        server._intake(engine)
+        assert "a" in engine.groups and "b" not in engine.groups
+        assert server._held == [cmds[1]] and server._cmds.get_nowait() is cmds[2]
+        server._intake(engine)  # a held command blocks further intake until the loop ran it
+        assert server._held == [cmds[1]]
+    finally:
+        server.loop.close()
+
+
 # ------------------------------------------------------------- OutputProcessor alone
 def _byte_tokenizer(tmp_path):
     """Byte-level BPE without merges: multi-byte characters span tokens (partial UTF-8)."""

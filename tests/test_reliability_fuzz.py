@@ -114,7 +114,7 @@ def _cases():
                     body["stream"] = False  # OpenAI: stream_options needs stream=true
                 if f.name == "top_logprobs" and path == CHAT:
                     body["logprobs"] = True
-                cases.append(pytest.param(path, f.name, body, id=f"{path.rsplit('/', 1)[1]}-{f.name}-{i}"))
+                cases.append(pytest.param(path, f.name, body, id=f"{'chat' if path == CHAT else 'cmpl'}-{f.name}-{i}"))
     return cases
 
 
@@ -150,11 +150,10 @@ def _healthy(server, client) -> None:
 @pytest.mark.parametrize("path,field,body", _cases())
 def test_every_field(server, client, reference, path, field, body):
     resp = client.post(server.url + path, content=_dumps_deep(body), headers={"Content-Type": "application/json"})
-    expect_field = field
-    if field in ("messages", "chat_template") or _depth(body[field]) > 100:
-        expect_field = None  # errors name the part (messages[0].content, chat_template_kwargs) or the nesting
-    err = _assert_clean_error(resp, expect_field)
-    if expect_field is None and _depth(body[field]) > 100:
+    deep = _is_deep(body[field])
+    expect_field = None if field in ("messages", "chat_template") or deep else field
+    err = _assert_clean_error(resp, expect_field)  # (messages errors name the part: messages[0].content)
+    if deep:
         assert "nested too deeply" in err["message"] or field in err["message"] or err["param"] == field, err
     if field == "model" and resp.status_code == 404:
         assert err["param"] == "model"
@@ -171,6 +170,14 @@ def _dumps_deep(obj) -> bytes:
     if isinstance(obj, list):
         return b"[" + b",".join(_dumps_deep(v) for v in obj) + b"]"
     return json.dumps(obj).encode()
+
+
+def _is_deep(obj) -> bool:
+    if isinstance(obj, dict):
+        return any(_is_deep(v) for v in obj.values())
+    if isinstance(obj, list):
+        return _depth(obj) > 100 or any(_is_deep(v) for v in obj[:3])
+    return False
 
 
 def _depth(obj) -> int:
@@ -237,6 +244,45 @@ def test_tokenize_detokenize_version(server, client):
     _assert_clean_error(client.post(server.url + "/tokenize", json={"prompt": "w5 " * 20_000}), "prompt")
 
 
+def test_50mb_body_is_refused_without_stalling_streams(server, client):
+    """A 50 MB prompt (completions) and a 50 MB message (chat) are refused by their size, before
+    any tokenizing; meanwhile a streaming request keeps getting tokens and /health answers."""
+    import threading
+    import time
+
+    arrivals: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": [5, 9], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with client.stream("POST", server.url + CMPL, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    huge = "w5 " * (50_000_000 // 3)
+    latencies = {}
+    with httpx.Client(timeout=60, headers=client.headers) as other:
+        for path, body in ((CMPL, {"prompt": huge}), (CHAT, {"messages": [{"role": "user", "content": huge}]})):
+            data = json.dumps(body).encode()
+            t0 = time.monotonic()
+            r = other.post(server.url + path, content=data, headers={"Content-Type": "application/json"})
+            latencies[path] = time.monotonic() - t0
+            err = _assert_clean_error(r, "prompt" if path == CMPL else "messages")
+            assert "characters" in err["message"], err
+            t0 = time.monotonic()
+            assert other.get(server.url + "/health").status_code == 200
+            latencies["health"] = max(latencies.get("health", 0.0), time.monotonic() - t0)
+    t.join(120)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) >= 300 and max(gaps) < 1.5, f"the stream stalled for {max(gaps):.2f} s"
+    assert latencies[CMPL] < 10 and latencies[CHAT] < 10 and latencies["health"] < 1.5, latencies
+
+
 # ------------------------------------------------------------------ gRPC
 INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -295,3 +341,5 @@ def test_still_serving_after_the_fuzz(server, client, reference):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference
     server.wait_kv_free()
     assert "internal error" not in server.log(), "a request hit an unexpected error (500)"
+    log = server.log()
+    assert "finished request" in log and "Avg generation throughput" in log, "no request or stats log lines"

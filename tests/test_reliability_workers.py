@@ -32,7 +32,7 @@ def victim(ray_local, serve_model, tmp_path_factory):
     from tests.serve_helpers import ServerProcess, ray_address
 
     args = ["--model", str(serve_model), "--max-model-len", "256", "--num-kv-blocks", "64", "--block-size", "16",
-            "--disable-log-requests"]
+            "--disable-log-requests", "--disable-log-stats", "--log-stats-interval", "0.5"]
     proc = ServerProcess(args, tmp_path_factory.mktemp("victim") / "server.log", ray_addr=ray_address())
     try:
         yield proc.wait_ready()
@@ -84,6 +84,7 @@ def test_worker_killed_while_idle_is_restarted_without_traffic(victim):
     assert _reference(victim) == expected
     log = victim.log()
     assert "engine failed while idle" in log and "workers restarted" in log
+    assert "finished request" not in log and "Avg generation throughput" not in log  # both turned off
 
 
 def test_worker_killed_while_busy_fails_requests_fast_then_heals(victim):

@@ -1,5 +1,6 @@
-"""``python -m cluster.serve`` start-up: flags, config errors, the no-argument demo server,
-engine death (503 / UNAVAILABLE) and SIGTERM shutdown."""
+"""``python -m cluster.serve`` start-up: flags and their help, config errors, the no-argument
+demo server (its local Ray on loopback only, the API key kept from the workers) and SIGTERM
+shutdown. Engine death and recovery: tests/test_reliability_workers.py."""
 
 from __future__ import annotations
 
@@ -39,11 +40,32 @@ def test_help_lists_every_engine_option():
         assert "--" + name.replace("_", "-") in r.stdout, name
 
 
+def test_help_one_default_and_a_description_per_flag():
+    from cluster.serve import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = action.help or ""
+        assert text and not text.startswith("("), f"{action.option_strings}: no description"
+        assert text.count("(default") <= 1, f"{action.option_strings}: {text}"
+    usage = parser.format_usage()
+    assert "MODEL" in usage and "--port" in usage
+    args = parser.parse_args(["/m", "--port", "9", "--http-port", "10"])
+    assert args.model_positional == "/m" and args.http_port == 10
+
+
 @pytest.mark.parametrize("args,message", [
     (["--block-size", "3"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     (["--pipeline-parallel-size", "2"], "pipeline_parallel_size > 1 is not supported"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["/nonexistent/model"], "/nonexistent/model"),
+    (["/a", "--model", "/b"], "the model is given twice"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
+    (["--max-logprobs", "30"], "--max-logprobs must be in [0, 20]"),
+    (["--chat-template", "no-such-file"], "neither a file nor a jinja template"),
 ])
 def test_config_errors_exit_2_with_a_message(args, message):
     r = _run(*args)
@@ -121,44 +143,53 @@ def test_demo_server_serves(demo):
         assert info.device == "cpu" and info.model_name == "SmolLM2-135M-Instruct"
 
 
-def _kill_workers(demo) -> None:
-    pids = demo.debug_state()["worker_pids"]
-    assert pids
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _listening_addresses(pids: list[int]) -> set[str]:
+    """Local addresses of the TCP sockets these processes listen on (from /proc/net/tcp{,6})."""
+    inodes = set()
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    addrs = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                addrs.add(f[1].split(":")[0][-width:])
+    return addrs
 
 
-def test_engine_death_is_503_and_unavailable_then_recovers(demo):
-    """Kill the worker actor: the request that meets the failure gets 503 / UNAVAILABLE and health
-    says so, nothing hangs; the next request restarts the workers and is served."""
-    headers = {"Authorization": "Bearer env-key"}
-    md = [("authorization", "Bearer env-key")]
-    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
-    ok = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=120).json()
-    _kill_workers(demo)
-    r = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=120)
-    assert r.status_code == 503, r.text
-    err = r.json()["error"]
-    assert err["type"] == "service_unavailable" and "Traceback" not in r.text and err["message"]
-    assert httpx.get(demo.url + "/health").status_code == 503
-    with grpc.insecure_channel(demo.grpc_target) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        stub = pb2_grpc.GenerationStub(ch)
-        # this request restarts the workers
-        resps = list(stub.Generate(pb2.GenerateRequest(text="Hello", sampling=pb2.SamplingParams(
-            max_tokens=5, temperature=0)), metadata=md, timeout=180))
-        assert "".join(x.text for x in resps) == ok["choices"][0]["text"]
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
-            health_pb2.HealthCheckResponse.SERVING
-        _kill_workers(demo)
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(pb2.GenerateRequest(text="Hello"), metadata=md, timeout=60))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Traceback" not in e.value.details()
-    r = httpx.post(demo.url + "/v1/completions", json=body, headers=headers, timeout=180)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ok["choices"][0]["text"]
-    assert httpx.get(demo.url + "/health").status_code == 200
+def test_local_ray_is_loopback_only_and_never_sees_the_api_key(demo):
+    """The Ray instance the server started (GCS, raylet, workers) listens on 127.0.0.1 only, and the
+    API key (given in the environment) is not in the worker's environment."""
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    addrs = _listening_addresses(_descendants(demo.proc.pid))
+    assert addrs and addrs <= loopback, f"listening beyond loopback: {addrs - loopback}"
+    (pid,) = demo.debug_state()["worker_pids"]
+    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    assert not any(e.startswith(b"SYNCLESS_API_KEY=") for e in env)
+    assert b"env-key" not in b"\0".join(env)
 
 
 def test_sigterm_exits_cleanly(demo):

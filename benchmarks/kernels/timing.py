@@ -27,7 +27,10 @@ def graph_time_us(fns, target_ms: float = 2.0) -> float:
     for f in fns:
         f()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
     start.record()
     for f in fns:
         f()
@@ -38,10 +41,9 @@ def graph_time_us(fns, target_ms: float = 2.0) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(g, stream=side):
-            for i in range(reps):
-                fns[i % len(fns)]()
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        for i in range(reps):
+            fns[i % len(fns)]()
     torch.cuda.current_stream().wait_stream(side)
     times = []
     for _ in range(5):
@@ -55,16 +57,25 @@ def graph_time_us(fns, target_ms: float = 2.0) -> float:
 
 
 GEMM_SHAPES = {  # name -> (N, K, variant), Llama-3.1-8B and Qwen3-0.6B decode projections
-    "8b_qkv": (6144, 4096, "norm"), "8b_o": (4096, 4096, "plain"),
-    "8b_gate_up": (28672, 4096, "norm_act_pairs"), "8b_down": (4096, 14336, "plain"),
+    "8b_qkv": (6144, 4096, "norm"),
+    "8b_o": (4096, 4096, "plain"),
+    "8b_gate_up": (28672, 4096, "norm_act_pairs"),
+    "8b_down": (4096, 14336, "plain"),
     "8b_lm_head": (128256, 4096, "logits"),
-    "06b_qkv": (4096, 1024, "norm"), "06b_o": (1024, 2048, "plain"),
-    "06b_gate_up": (6144, 1024, "norm_act_pairs"), "06b_down": (1024, 3072, "plain"),
+    "06b_qkv": (4096, 1024, "norm"),
+    "06b_o": (1024, 2048, "plain"),
+    "06b_gate_up": (6144, 1024, "norm_act_pairs"),
+    "06b_down": (1024, 3072, "plain"),
     "06b_lm_head": (151936, 1024, "logits"),
 }
 # gate|up is measured in the layout the model loads (row pairs: workers/models/llama.py)
-KIND = {"plain": "plain", "norm": "norm", "norm_act": "norm_act", "norm_act_pairs": "norm_act_pairs",
-        "logits": "plain_f32"}
+KIND = {
+    "plain": "plain",
+    "norm": "norm",
+    "norm_act": "norm_act",
+    "norm_act_pairs": "norm_act_pairs",
+    "logits": "plain_f32",
+}
 
 
 def gemm_call_kwargs(variant, m, k, dtype, dev):
@@ -73,7 +84,9 @@ def gemm_call_kwargs(variant, m, k, dtype, dev):
         kw["norm_weight"] = torch.ones(k, device=dev, dtype=dtype)
         kw["residual"] = torch.randn(m, k, device=dev, dtype=dtype)
     if variant in ("norm_act", "norm_act_pairs"):
-        kw["act"] = "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
+        kw["act"] = (
+            "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
+        )
     if variant == "logits":
         kw["out_dtype"] = torch.float32
     return kw
@@ -85,10 +98,14 @@ def attention_caches(b, ctx, hkv, bound, d, bs, dev, dt):
     per = -(-bound // bs)
     kv_bytes = b * ctx * hkv * d * 2 * 2
     copies = rotation_copies(kv_bytes, cap=64)
-    return kv_bytes, [(torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                       torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
-                       torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per))
-                      for _ in range(copies)]
+    return kv_bytes, [
+        (
+            torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+            torch.randn(b * per, bs, hkv, d, device=dev, dtype=dt),
+            torch.randperm(b * per, device=dev, dtype=torch.int32).view(b, per),
+        )
+        for _ in range(copies)
+    ]
 
 
 def with_pdl(on: bool, fn):
