@@ -56,7 +56,8 @@ def _run(llm, batch: int, prompt_len: int, out_len: int) -> dict:
     steps = steps[3:-3] if len(steps) > 12 else steps
     dev_ms = 1e3 * sum(t[1] for t in steps) / max(1, len(steps))
     idle_ms = 1e3 * sum(t[2] for t in steps) / max(1, len(steps))
-    return {"device_step_ms": dev_ms, "device_idle_ms": idle_ms,"batch": batch, "output_tokens": n_out, "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
+    return {"device_step_ms": dev_ms, "device_idle_ms": idle_ms, "batch": batch, "output_tokens": n_out,
+            "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
             "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None}
 
@@ -111,26 +112,32 @@ def real_text_main(args) -> dict:
     from cluster import LLM
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    extra = {"device": args.device, "max_num_seqs": max(batches), "max_model_len": args.max_model_len,
-             "async_scheduling": not args.sync}
+    extra = {"device": args.device, "max_model_len": args.max_model_len, "async_scheduling": not args.sync}
     if args.num_kv_blocks:
         extra["num_kv_blocks"] = args.num_kv_blocks
     ngram = {"speculative_method": "ngram_host" if args.sync and args.host_lookup else "ngram",
              "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
              "prompt_lookup_max": args.lookup_max}
-    runs: dict[str, dict[int, dict]] = {}
+    runs: dict[str, dict[int, dict]] = {"plain": {}, "ngram": {}}
     model_name = None
+    # --num-prompts: the same prompts at every batch size, at most b at a time (an engine per
+    # batch size); else b prompts at once, one engine for all batch sizes
+    groups = [[b] for b in batches] if args.num_prompts else [batches]
     for name, spec in (("plain", {}), ("ngram", ngram)):
-        llm = LLM(model=args.model, **extra, **spec)
-        model_name = llm.engine.served_model_name
-        try:
-            runs[name] = {b: _run_chats(llm, conversations(b), args.output_len) for b in batches}
-        finally:
-            llm.shutdown()
+        for group in groups:
+            llm = LLM(model=args.model, **{**extra, "max_num_seqs": max(group)}, **spec)
+            model_name = llm.engine.served_model_name
+            try:
+                for b in group:
+                    runs[name][b] = _run_chats(llm, conversations(args.num_prompts or b), args.output_len)
+                    runs[name][b]["batch"] = b
+            finally:
+                llm.shutdown()
     results = []
     for b in batches:
         plain, spec = runs["plain"][b], runs["ngram"][b]
-        results.append({"batch": b, "k": args.k, "method": ngram["speculative_method"],
+        results.append({"batch": b, "prompts": args.num_prompts or b, "k": args.k,
+                        "method": ngram["speculative_method"],
                         "plain_tokens_per_s": plain["output_tokens_per_s"],
                         "ngram_tokens_per_s": spec["output_tokens_per_s"],
                         "output_tokens": plain["output_tokens"],
@@ -148,9 +155,11 @@ def real_text_main(args) -> dict:
         json.dump(out, f, indent=1)
     print(f"model {model_name}, {ngram['speculative_method']} k={args.k} "
           f"lookup {args.lookup_min}..{args.lookup_max}, {'sync' if args.sync else 'async'} scheduling")
-    print(f"{'batch':>5} {'out tok':>8} {'plain/s':>9} {'ngram/s':>9} {'accept':>7} {'speedup':>8} {'same':>5}")
+    print(f"{'batch':>5} {'prompts':>7} {'out tok':>8} {'plain/s':>9} {'ngram/s':>9} {'accept':>7} "
+          f"{'speedup':>8} {'same':>5}")
     for r in results:
-        print(f"{r['batch']:>5} {r['output_tokens']:>8} {r['plain_tokens_per_s']:9.1f} {r['ngram_tokens_per_s']:9.1f} "
+        print(f"{r['batch']:>5} {r['prompts']:>7} {r['output_tokens']:>8} {r['plain_tokens_per_s']:9.1f} "
+              f"{r['ngram_tokens_per_s']:9.1f} "
               f"{r['acceptance_rate'] or 0:7.3f} {r['speedup']:8.3f} {r['outputs_identical']!s:>5}")
     return out
 
@@ -166,6 +175,9 @@ def main(argv=None) -> dict:
     p.add_argument("--lookup-max", type=int, default=3, help="real-text: prompt_lookup_max")
     p.add_argument("--max-model-len", type=int, default=1024, help="real-text: engine max_model_len")
     p.add_argument("--sync", action="store_true", help="real-text: synchronous scheduling")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="real-text: run this many prompts at every batch size (max_num_seqs = batch); "
+                        "0: as many prompts as the batch size")
     p.add_argument("--host-lookup", action="store_true",
                    help="real-text with --sync: speculative_method='ngram_host' (lookup on the driver)")
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -217,14 +229,17 @@ def main(argv=None) -> dict:
             actual = r["output_tokens_per_s"] / t["output_tokens_per_s"]
             results.append({"batch": b, "config": name, "k": args.k, "target_tokens_per_s": t["output_tokens_per_s"],
                             "spec_tokens_per_s": r["output_tokens_per_s"], "acceptance_rate": r["acceptance_rate"],
-                            "mean_accepted_per_step": mean_acc, "alpha": alpha, "cost_ratio_c": c if name == "spec_draft" else 1.0,
+                            "mean_accepted_per_step": mean_acc, "alpha": alpha,
+                            "cost_ratio_c": c if name == "spec_draft" else 1.0,
                             "device_step_ms": r["device_step_ms"], "device_idle_ms": r["device_idle_ms"],
-                            "target_device_step_ms": t["device_step_ms"], "speedup": actual, "predicted_speedup": pred, "actual_over_predicted": actual / pred})
+                            "target_device_step_ms": t["device_step_ms"], "speedup": actual,
+                            "predicted_speedup": pred, "actual_over_predicted": actual / pred})
     out = {"benchmark": "spec_decode", "config": vars(args), "hardware": hardware_info(), "versions": versions(),
            "runs": {k: list(v.values()) for k, v in runs.items()}, "results": results}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{'batch':>5} {'config':>10} {'plain/s':>9} {'spec/s':>9} {'accept':>7} {'c':>5} {'speedup':>8} {'predicted':>9} {'ratio':>6} {'dev ms':>7} {'idle ms':>7}")
+    print(f"{'batch':>5} {'config':>10} {'plain/s':>9} {'spec/s':>9} {'accept':>7} {'c':>5} {'speedup':>8} "
+          f"{'predicted':>9} {'ratio':>6} {'dev ms':>7} {'idle ms':>7}")
     for r in results:
         print(f"{r['batch']:>5} {r['config']:>10} {r['target_tokens_per_s']:9.1f} {r['spec_tokens_per_s']:9.1f} "
               f"{r['acceptance_rate'] or 0:7.3f} {r['cost_ratio_c']:5.2f} {r['speedup']:8.3f} "

@@ -370,7 +370,7 @@ class AsyncEngine:
                         cmds.append(self._cmds.get_nowait())
             except queue.Empty:
                 pass
-            if not busy:
+            if not busy and (not cmds or core.dead):  # probe only when truly idle; restart before adds
                 self._watch(core)
             finals: list = []
             for cmd in cmds:

@@ -1,6 +1,8 @@
-"""The built-in demo model: a small Llama-architecture checkpoint written once,
-deterministically (seeded generator, fixed shapes), to a cache folder, then
-served through the same safetensors path as any user model."""
+"""The random-weight demo model, for tests only (its answers are noise; the served default
+is SmolLM2-135M-Instruct, ``cluster.model_source``): a small Llama-architecture checkpoint
+with a byte-level tokenizer, written once, deterministically (seeded generator, fixed shapes),
+to a cache folder and loaded through the same safetensors path as any user model. Tests ask
+for it explicitly: ``LLM(model=str(ensure_demo_model()))``."""
 
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED (default: 1024)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are aborted (default: 10)")
+                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are "
+                        "aborted (default: 10)")
     s.add_argument("--ray-num-cpus", type=int, default=None,
                    help=f"CPUs of a locally started Ray instance (default: ${RAY_CPUS_ENV}, else all)")
     s.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
@@ -309,7 +310,8 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
 
     from cluster.prompt_preprocessor import PromptPreprocessor, load_chat_template
 
-    pre = PromptPreprocessor(engine.tokenizer, info["max_model_len"], chat_template=load_chat_template(args.chat_template),
+    pre = PromptPreprocessor(engine.tokenizer, info["max_model_len"],
+                             chat_template=load_chat_template(args.chat_template),
                              trust_request_chat_template=args.trust_request_chat_template)
     stats = None
     if not cfg.disable_log_stats:

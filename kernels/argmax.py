@@ -1,7 +1,7 @@
 """Triton row-wise argmax of logits (greedy decoding), with ``torch.argmax``'s answer.
 
 ``torch.argmax`` over one [1, 128k] float32 row runs as a single-block reduction
-(about 37 us on an H200, more than a whole decode layer's attention). Here the
+(tens of microseconds, more than a whole decode layer's attention). Here the
 vocabulary is split over many programs, each keeping its split's best value and
 lowest index, and a second launch reduces the splits: two short launches.
 

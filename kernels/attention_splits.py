@@ -15,23 +15,21 @@ from kernels.pdl import wait_and_release
 
 DECODE_MAX_Q = 16  # up to this many query tokens per request: one q-block per request
 MAX_SPLITS = 64
-# Split sizing and decode tiles, from a graph-replay sweep on an H200
-# (``python -m benchmarks.kernels.bench --only attention-sweep``, notes/2026-12-04-h200-results.md):
+# Split sizing and decode tiles, from a graph-replay sweep
+# (``python -m benchmarks.kernels.bench --only attention-sweep``; docs/decisions.md):
 # a split's fixed cost (its partial's store, the arrival atomic, the merge) is about one
 # tile's latency, so short bounds split down to one 128-token tile per split, long ones to
-# 256 tokens; and 2 CTAs per SM already saturate HBM (4 made b32 ctx 512 24% slower).
+# 256 tokens; and 2 CTAs per SM already saturate HBM (4 were slower).
 MIN_TOKENS_PER_SPLIT = 256
 MIN_TOKENS_PER_SPLIT_SHORT = 128  # for bounds up to SHORT_BOUND
 SHORT_BOUND = 2048
 CTAS_PER_SM = 2  # split target: enough CTAs in flight to saturate HBM
-# Decode grids of at most this many (request, KV head) programs use 128-key tiles. Stop 16
-# swept 64; at 33-64 programs (b8, 8 KV heads) the 128-key tiles then measured bimodal on
-# the H200 (b8 ctx 4096: 43 or 53 us; ctx 512: 13.3 or 16 us, the slow mode in every run of
-# 2026-12-04e) and the 64-key tiles stable (ctx 512, 5 splits: 13.0-13.3 us); see
-# notes/2026-12-04e-h200-results.md.
+# Decode grids of at most this many (request, KV head) programs use 128-key tiles: at 33-64
+# programs (b8, 8 KV heads) the 128-key tiles ran bimodal (one run fast, the next ~25 %
+# slower) where the 64-key tiles were stable (docs/decisions.md).
 WIDE_TILE_MAX_CTAS = 32
 # Narrow-tile grids of at most this many programs split for LONG_CTAS_PER_SM past SHORT_BOUND
-# (b8 ctx 4096: 9 splits, 42.4-44.3 us in six runs, against 5 splits 47-48 us).
+# (b8 ctx 4096: 9 splits beat 5 by about 10 %).
 NARROW_SPLIT_MAX_CTAS = 64
 LONG_CTAS_PER_SM = 4
 
@@ -39,7 +37,7 @@ LONG_CTAS_PER_SM = 4
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return pdl.sm_count(device)
-    return 132  # interpreter / CPU tensors: model an H200
+    return 132  # interpreter / CPU tensors: model a 132-SM Hopper GPU
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
@@ -79,10 +77,9 @@ def one_token_launch(one_qblock: bool, block_q: int, block_m: int) -> bool:
 
 def one_token_stages(block_n: int, num_splits: int, max_seq_len_upper_bound: int) -> int:
     """Pipelining depth of the one-token decode launch: 1 when the bound gives at most one
-    tile a split (nothing to pipeline, and no second stage's shared memory), else 2. H200,
-    2026-12-04h, one A/B run with every one-token launch at 1 stage: Llama-3.1-8B b1 ctx 512
-    4.160 vs 4.258 ms, Qwen3-0.6B 0.858 vs 0.879 ms; the cells with 2+ tiles a split
-    (b8; ctx 4096) measured slower at 1 stage, up to 29 %."""
+    tile a split (nothing to pipeline, and no second stage's shared memory), else 2: one
+    stage saves ~2 % of a batch-1 step but costs up to 29 % where a split has 2+ tiles
+    (docs/decisions.md)."""
     return 1 if triton.cdiv(max(1, max_seq_len_upper_bound), block_n) <= num_splits else 2
 
 
@@ -116,7 +113,7 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
     tiles. Graph captures keep the exact, tuned shapes:
     their variants are compiled at capture. Without this, an eager mixed step whose longest
     window was 5-16 tokens compiled attention variants mid-serving (each new ``BLOCK_Q`` and
-    split count, H200 2026-12-04g). The cost: such eager windows lose split-KV (a few
+    split count; docs/decisions.md). The cost: such eager windows lose split-KV (a few
     long-context rows run one program a KV head), which only eager mixed, verify and draft
     steps pay."""
     if eager and 1 < max_query_len <= DECODE_MAX_Q:

@@ -5,9 +5,8 @@ the same rounding as ``kernels.skinny_gemm`` (reference:
 ``kernels.reference.skinny_linear_reference``), a different schedule.
 
 Why another kernel for M = 1: a decode step at batch 1 is ~130 GEMVs of 8-235 MB,
-and the one-program-per-row-block kernel loses ~4-7 us on each (measured on the
-H200: 8B qkv 18 us where its bytes take 11) to the ramp of every CTA wave and to
-the ragged last wave. Here the grid is ``P`` programs, at most what is resident at
+and the one-program-per-row-block kernel loses microseconds on each to the ramp of every
+CTA wave and to the ragged last wave. Here the grid is ``P`` programs, at most what is resident at
 once (``ctas_per_sm`` per SM, sized so the row blocks divide evenly over them), and
 each program walks its row blocks ``pid, pid + P, ...`` as one flat loop over
 ``(row block, K chunk)`` with the next weight tile always in flight (register
@@ -128,7 +127,7 @@ def _gemv_kernel(
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
-# Measured defaults (H200, benchmarks.kernels.bench --only gemv); per-shape entries of
+# Defaults from a sweep (``benchmarks.kernels.bench --only gemv``); per-shape entries of
 # kernels/skinny_tuning.json with "kernel": "gemv" override them.
 DEFAULT_CONFIG = dict(block_n=4, block_k=1024, num_warps=4, ctas_per_sm=4)
 

@@ -6,7 +6,7 @@ starts live on the device (``num_computed``). From them every token needs its
 position, input id and KV slot, every request its ``seq_len`` and query start.
 In torch that is about twenty small element-wise and gather launches, each a
 host launch of several microseconds: at batch 1 the decode step's host work, not
-the GPU, set the pace (notes/2026-12-04-h200-results.md). Here one program per
+the GPU, set the pace (docs/decisions.md). Here one program per
 ``BLOCK`` tokens does all of it. The plain-torch twin is
 ``kernels.reference.prepare_inputs_reference`` (the CPU path and this kernel's
 oracle); both require every request to have at least one query token.

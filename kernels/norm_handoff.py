@@ -3,9 +3,9 @@
 A pre-norm decoder at batch 1 runs ``o_proj -> RMSNorm(+ residual) -> gate|up`` and
 ``down -> RMSNorm(+ residual) -> QKV``. The skinny GEMM fuses each norm into the
 *consumer's* prologue: every consumer program re-reads ``x``, the residual and the norm
-weight each K chunk and accumulates ``sum(s^2)`` beside its weight stream. Timing probe on
-an H200 (notes/2026-12-04h-h200-results.md): dropping those prologues made the
-Llama-3.1-8B batch-1 step 122 us (2.9 %) faster; the Qwen3-0.6B step did not move.
+weight each K chunk and accumulates ``sum(s^2)`` beside its weight stream: a probe that
+dropped those prologues bounds the cost at ~3 % of the Llama-3.1-8B batch-1 step
+(docs/decisions.md).
 
 Here the *producer* does the norm's elementwise part in its epilogue, on the columns it
 owns anyway: ``s = y + residual`` (the new residual), ``s * g`` (the output, rounded where

@@ -51,16 +51,13 @@ def paged_attention(
     )
 
 
-# Largest (padded) decode batch whose attention launch also does the rope prologue. H200,
-# 2026-12-04 (notes/2026-12-04c-h200-results.md), kernel time a step, fused vs two launches:
-# Qwen3-0.6B b1 -65 us, b8 -14 us, b32 +225 us, b128 +263 us (the prologue's registers cost
-# occupancy where attention is bandwidth-bound); Llama-3.1-8B b1 -36 us.
+# Largest (padded) decode batch whose attention launch also does the rope prologue: one
+# launch a layer fewer wins at b1-b8, but from b32 the prologue's registers cost occupancy
+# where attention is bandwidth-bound (docs/decisions.md).
 ROPE_IN_ATTENTION_MAX_TOKENS = 8
 # ... and the most keys the launch may stream (tokens x the length bound, CPU ints): the
-# same occupancy cost at long contexts. Every measured win is at most 8 x 1,024 (b8 under
-# the 1,024 bucket, b1 at 4k), every loss above (b32 x 1,024). (Llama-3.1-8B b8 ctx 4096,
-# which the cap sends to two launches, measured the same with the switch off: 6.085 vs
-# 6.089 ms; its regression since stop 16 was the attention tiles, notes/2026-12-04e.)
+# same occupancy cost at long contexts. Every win is at most 8 x 1,024 (b8 under the 1,024
+# bucket, b1 at 4k), every loss above (b32 x 1,024).
 ROPE_IN_ATTENTION_MAX_TOKEN_KEYS = 8 * 1024
 
 
@@ -157,7 +154,7 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
     persistent GEMV of ``kernels.gemv`` where its config says ``"kernel": "gemv"``) with
-    the norm and activation fused, where ``kernels.skinny_gemm.select_config`` (measured defaults,
+    the norm and activation fused, where ``kernels.skinny_gemm.select_config`` (swept defaults,
     overridden per shape by ``kernels/skinny_tuning.json``) says it beats the unfused
     path. Otherwise the same math unfused: the RMSNorm kernel, then cuBLAS (or, at 2-256
     rows where ``kernels/tile_gemm_tuning.json`` has an entry, ``kernels.tile_gemm`` with the

@@ -165,7 +165,7 @@ def _paged_attention_kernel(
     # With ROPE the new key (position ctx_len) is not in the cache yet: the tiles stop
     # before it and the owning split adds it from registers after the loop. (Substituting
     # it into a tile instead puts a register op between the loads and tl.dot, which
-    # breaks the loads' software pipelining: measured 1.4-1.6x slower at batch 8-128.)
+    # breaks the loads' software pipelining; docs/decisions.md.)
     cached_end = tl.minimum(ctx_len, kv_end) if ROPE else kv_end
 
     # PDL: the lengths and the block table were written before this step's first layer
@@ -179,7 +179,8 @@ def _paged_attention_kernel(
             # This split's first K/V tile into L2 while the QKV projection still runs:
             # every cached key (< ctx_len) was written by an earlier step, and this
             # launch writes only the new one, after its loop. (Loading the tile into
-            # registers here instead made the launch 15-20 % slower, PDL off, 2026-12-04.)
+            # registers here instead was slower, even with PDL off: registers live across
+            # the rotation; docs/decisions.md.)
             kv_pos0 = tile_lo * BLOCK_N + offs_n
             ok0 = kv_pos0 < cached_end
             page0 = tl.load(bt_row + kv_pos0 // KV_BLOCK_SIZE, mask=ok0, other=0).to(tl.int64)
@@ -408,9 +409,9 @@ def paged_attention_triton(
         lse, dst, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0  # lse unused
 
     launch = pdl.launch_kwargs(q)
-    # with PDL, a one-tile split's K and V tile load before the wait (on an H100, 5 % off a
-    # Qwen3-0.6B batch-1 step, 1 % off Llama-3.1-8B's; the keys alone were slower); a longer
-    # split's first tile is prefetched into L2 instead
+    # with PDL, a one-tile split's K and V tile load before the wait (5 % off a Qwen3-0.6B
+    # batch-1 step, 1 % off Llama-3.1-8B's; the keys alone were slower: docs/decisions.md);
+    # a longer split's first tile is prefetched into L2 instead
     preload = one_token and rope is not None and num_stages == 1 and launch["USE_PDL"]
     if preload and not (config and "num_warps" in config):
         num_warps = 8  # K and V tiles held across the wait: 4 warps spill (sm_90)

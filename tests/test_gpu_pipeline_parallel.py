@@ -64,3 +64,20 @@ def test_pp2_greedy_matches_one_gpu(ray_local, llama_ckpt, tp):
     first, last = info[0], info[tp]
     assert first["pp_sent_hidden"] == last["pp_received_hidden"] > 0
     assert last["pp_sent_tokens"] == first["pp_received_tokens"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chained_stages_equal_the_whole_model_on_one_gpu(llama_ckpt, dtype):
+    """The stage models' CUDA kernels, in one process: a stage boundary ends the norm handoff
+    that runs between layers at batch 1 (the next stage starts from the plain hidden state and
+    residual), so the logits agree up to rounding rather than bit for bit."""
+    from tests.test_pipeline_parallel_stages import chained_vs_whole
+
+    if not _gpus():
+        pytest.skip("needs a CUDA device")
+    for ref, got in chained_vs_whole(llama_ckpt, [2, 2], torch.device("cuda"), dtype, prompt_len=37):
+        scale = ref.abs().max().item()
+        err = (got - ref).abs().max().item()
+        print(f"{dtype} max |diff| {err:.3g} of max |logit| {scale:.3g}")
+        assert err <= (1e-5 if dtype == torch.float32 else 2 ** -6) * scale, (err, scale)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))

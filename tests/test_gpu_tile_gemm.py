@@ -195,8 +195,7 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     assert all(s["tile_gemm_warm_launches"] == 7 for s in stats), stats
     # No kernel variant mid-serving, graphs or not. With graphs every variant is warm; with
     # enforce_eager, start-up ran one scratch decode pass per eager one-token attention shape
-    # (workers.eager_warm_up; before it, H100 2026-12-05e saw two attention variants compiled
-    # mid-serving here).
+    # (workers.eager_warm_up; without it two attention variants compiled mid-serving here).
     for s in stats:
         firsts = s["kernel_variants_first"]
         assert s["kernel_variants_after_start"] == 0, firsts

@@ -3,8 +3,8 @@
 Triton specialises every int argument not listed in ``do_not_specialize`` on ``== 1`` and
 ``% 16 == 0``, and every tensor on 16-byte alignment. An argument that follows the token
 count (a split-major buffer's stride) thus compiles a second variant the first time an eager
-step of the other parity comes: mid-serving, after start-up warmed the first (an H100 run of
-``test_gpu_tile_gemm.py`` saw two). Here each launch's arguments are recorded instead of
+step of the other parity comes: mid-serving, after start-up warmed the first
+(``test_gpu_tile_gemm.py`` on the device saw two). Here each launch's arguments are recorded instead of
 run, and launches with the same constexprs must agree on every specialisation.
 """
 

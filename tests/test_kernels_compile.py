@@ -3,8 +3,8 @@
 ``triton.compile`` runs the whole pipeline (front end, LLVM, the bundled ``ptxas``) without
 a device, so a kernel that the interpreter accepts but the compiler refuses (a plain
 Python global, a loop variable that changes type, bad inline PTX) fails here, in CI,
-instead of on the GPU machine. The constexpr sets are the ones the engine launches on an
-H200: PDL on, the L2 prefetches on, the fused split merge, the wide decode tiles."""
+instead of on the GPU machine. The constexpr sets are the ones the engine launches on a
+Hopper GPU: PDL on, the L2 prefetches on, the fused split merge, the wide decode tiles."""
 
 import os
 

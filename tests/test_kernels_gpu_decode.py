@@ -71,7 +71,7 @@ def test_skinny_linear_peeled_chunks_under_pdl(n, k, variant, m, preload, monkey
     # because no kernel writes weights. Here the kernel just before the launch is the one
     # that wrote them ("plain": w is created last), and before the wait nothing makes its
     # writes visible. Without this synchronize the plain case (1000x1000, M 8, one peeled
-    # chunk) failed once on the H200 and passed on a rerun (2026-12-05): a race of this
+    # chunk) failed once and passed on a rerun: a race of this
     # test's set-up, not of the engine, whose weights are written at load time.
     torch.cuda.synchronize()
     cfg = dict(fallback_config(m), preload=preload)

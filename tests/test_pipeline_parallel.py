@@ -13,6 +13,7 @@ import ray
 
 from cluster import LLM, SamplingParams
 from metadata.config import ConfigError, EngineConfig
+from tests.checkpoints import hf_greedy
 from workers.pipeline import stage_layers
 
 MAX_NEW = 8
@@ -147,6 +148,16 @@ def test_uneven_split_async_sync_check_and_prefix_cache(model, one_worker):
     assert [s["pp_layers"] for s in run["stats"]] == [[0, 3], [3, 4]]
     assert [s["num_layers"] for s in run["stats"]] == [3, 1]
     assert run["prefix"]["hits"] > 0, run["prefix"]
+
+
+def test_tied_embeddings_last_stage_holds_its_own_head(three_nodes, ckpt_dir):
+    """Qwen2 with tied embeddings, qkv bias, an odd vocabulary: stage 1 does not embed, so it
+    loads the embedding into its own LM head; greedy tokens equal transformers'."""
+    model = ckpt_dir("qwen2", layers=4, kv_heads=1, vocab_size=255, tie_word_embeddings=True)
+    prompts = [[t % 255 for t in p[:12]] for p in PROMPTS[1:4]]
+    run = _run(model, prompts, pipeline_parallel_size=2, pipeline_layer_split=[1, 3])
+    assert run["tokens"] == hf_greedy(model, prompts, MAX_NEW)
+    assert [s["num_layers"] for s in run["stats"]] == [1, 3]
 
 
 def test_layer_split_must_fit_the_model(three_nodes, model):

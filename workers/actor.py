@@ -79,7 +79,8 @@ class WorkerActor:
         model = self.runner.model if self.runner is not None else None
         pp = self.runner.pp if self.runner is not None else None
         return {**(pp.stats() if pp is not None else {}),
-                "num_layers": len(model.layers) if model is not None else 0,"ubatched_steps": getattr(model, "num_split_steps", 0),
+                "num_layers": len(model.layers) if model is not None else 0,
+                "ubatched_steps": getattr(model, "num_split_steps", 0),
                 "kernel_variants_after_start": len(self.compile_watch.variants),
                 "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
                 "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),

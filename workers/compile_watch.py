@@ -5,9 +5,9 @@ it with a new specialisation: other constexprs, or a pointer or integer argument
 16-byte divisibility differs. Compiling takes 0.5-2 s on the GPU host, inside whatever
 step launched it. Start-up (graph capture, ``ModelRunner.warm_up``) should leave nothing
 to compile, so after it every new variant is logged as a warning naming the kernel and
-its specialisation, and counted (``WorkerActor.stats``): a regression such as the
-parity-dependent pointer alignment of notes/2026-12-04g-h200-results.md shows up as a
-log line instead of a slow first minute of serving.
+its specialisation, and counted (``WorkerActor.stats``): a regression such as a
+batch-parity-dependent pointer alignment (docs/decisions.md) shows up as a log line
+instead of a slow first minute of serving.
 """
 
 from __future__ import annotations

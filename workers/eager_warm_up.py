@@ -4,7 +4,7 @@ Without CUDA graphs every decode step runs eagerly, and its attention launch tak
 few shapes that depend on the batch size and the length bound
 (``kernels.attention_splits.launch_config(eager=True)``). Each shape is a Triton variant
 compiled the first time a step needs it: 1-2 s stalls in the first minutes of serving
-(H100, 2026-12-05e). ``warm_eager_decode`` runs one scratch decode pass for each shape
+(docs/decisions.md). ``warm_eager_decode`` runs one scratch decode pass for each shape
 before serving starts instead.
 """
 

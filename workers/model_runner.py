@@ -17,9 +17,10 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.device_state import DeviceState
 from workers.distributed import TPGroup
 from workers.models.loader import load_model
+from workers.pipeline import WHOLE_MODEL, PipelineComm, scratch_model
 from workers.sampler import sample
 from workers.sampling_inputs import build_sampling_batch
-from workers.step_inputs import build_step_inputs
+from workers.step_inputs import build_step_inputs, sampling_rows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,20 +32,28 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the persistent request state of one rank."""
+    """Owns the model, the KV cache and the persistent request state of one rank.
 
-    def __init__(self, cfg: EngineConfig, model_dir: str, device: torch.device, tp: TPGroup, max_model_len: int):
+    ``pp``: this rank's pipeline stage and its transfers (None: the whole model here). A
+    stage holds only its layers and their KV; the last stage samples and sends the tokens
+    to stage 0, which embeds them in the next step (``workers.pipeline``)."""
+
+    def __init__(self, cfg: EngineConfig, model_dir: str, device: torch.device, tp: TPGroup, max_model_len: int,
+                 pp: PipelineComm | None = None):
         self.cfg = cfg
         self.device = device
         self.tp = tp
+        self.pp = pp
+        self.stage = pp.stage if pp is not None else WHOLE_MODEL
         self.dtype = resolve_dtype(cfg, device)
         self.max_model_len = max_model_len
         self.block_size = cfg.cache.block_size
         # the kernel settings, read once here: every launch of this worker follows them
         install_kernel_settings(build_kernel_settings(cfg.kernels))
         self.model, self.arch = load_model(
-            model_dir, tp, self.dtype, device, max_model_len + 1, cfg.model.load_format
+            model_dir, tp, self.dtype, device, max_model_len + 1, cfg.model.load_format, self.stage
         )
+        self.num_layers = len(self.model.layers)  # this stage's
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.max_blocks_per_req = (max_model_len + self.block_size) // self.block_size
         self.state = DeviceState(
@@ -68,7 +77,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
-        per_block = kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
+        per_block = (kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
+                     * self.num_layers // self.arch.num_layers)
         draft = self.spec.draft_model if self.spec is not None else None
         if draft is not None:
             self.spec.proposer = None  # drop a previous draft cache before allocating the new one  # the draft's cache has the same blocks: size both together
@@ -79,7 +89,7 @@ class ModelRunner:
             budget = self._profile_free_bytes()
         n = num_blocks or kv_cache.num_blocks_for_budget(self.cfg, per_block, budget)
         self.kv_caches = kv_cache.allocate(
-            self.arch.num_layers, n, self.block_size, self.num_kv_heads, self.arch.head_dim,
+            self.num_layers, n, self.block_size, self.num_kv_heads, self.arch.head_dim,
             self.dtype, self.device,
         )
         if draft is not None:
@@ -95,7 +105,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        dummy = kv_cache.allocate(self.arch.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+        dummy = kv_cache.allocate(self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim,
+                                  self.dtype, self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(
@@ -109,10 +120,18 @@ class ModelRunner:
             positions=pos, num_reqs=1, num_actual_tokens=n, max_query_len=n,
             max_seq_len_upper_bound=n, bounds_are_exact=True, eager=True,
         )
+        sched, spec = self.cfg.scheduler, self.cfg.speculative
+        # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
+        rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if self.spec is not None else 0))
         with torch.inference_mode():
-            h = self.model(ids, pos, meta, dummy)
-            logits = self.model.compute_logits(h[-min(n, self.cfg.scheduler.max_num_seqs):])
-            self._draw_once(logits)  # the sampler's temporaries count towards the peak
+            model = scratch_model(self.model, self.pp, self.dtype)
+            h = model(ids, pos, meta, dummy)
+            logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
+            if self.stage.is_last:
+                self._draw_once(logits)  # the sampler's temporaries count towards the peak
+                if self.spec is not None:  # verification: target probs, residual, draft probs
+                    spare = [torch.empty_like(logits) for _ in range(3)]
+                    del spare
         torch.cuda.synchronize()
         del dummy, h, logits
         free, total = torch.cuda.mem_get_info(self.device)
@@ -150,7 +169,7 @@ class ModelRunner:
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         self._scratch_request_steps()
         self._precompile_tile_gemm()
-        if self.cfg.enforce_eager:
+        if self.graphs is None:  # enforce_eager, or a pipeline stage
             self._warm_eager_decode()
         self.arm_launch_probe()
 
@@ -175,7 +194,8 @@ class ModelRunner:
 
         n = self.cfg.scheduler.max_num_seqs
         self.eager_warm_cases = warm_eager_decode(
-            self.model, self.kv_caches, n, self.max_model_len, self.block_size, self.device)
+            scratch_model(self.model, self.pp, self.dtype), self.kv_caches, n, self.max_model_len,
+            self.block_size, self.device)
         if self.spec is not None and self.spec.draft_model is not None:
             self.eager_warm_cases += warm_eager_decode(
                 self.spec.draft_model, self.spec.proposer.kv_caches, n, self.spec.max_position,
@@ -202,8 +222,8 @@ class ModelRunner:
         self._last_end_ev = None  # the first real step's device-idle gap starts with it
 
     def capture_cuda_graphs(self) -> None:
-        if self.device.type != "cuda" or self.cfg.enforce_eager:
-            return
+        if self.device.type != "cuda" or self.cfg.enforce_eager or self.pp is not None:
+            return  # a pipeline stage runs eagerly: its graphs would need the transfers inside
         k = self.cfg.speculative.num_speculative_tokens if self.spec is not None else 0
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.max_model_len,
@@ -286,7 +306,13 @@ class ModelRunner:
         else:
             pw = self.piecewise
             forward = pw.forward if pw is not None and pw.fits(inp.input_ids.shape[0]) else self.model
-            hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+            if self.pp is not None:  # a pipeline stage (no graphs): transfers around its layers
+                hidden = self.pp.forward(self.model, inp, self.kv_caches, self.dtype)
+                if not self.stage.is_last:
+                    self.pp.pass_on(hidden, inp, st)  # stage 0 also takes the sampled tokens
+                    return PendingStep(plan.step_id, self.tp.rank, t0)
+            else:
+                hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
         seq_lens = inp.meta.seq_lens
         st.num_computed[inp.rows] = seq_lens
@@ -294,11 +320,7 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
             return PendingStep(plan.step_id, self.tp.rank, t0)
-        if inp.sample_rows_cpu == list(range(len(inp.rows_cpu))):  # every row samples (decode)
-            s_rows, s_pos = inp.rows, seq_lens.long()
-        else:
-            s_rows = inp.rows[inp.sample_rows]
-            s_pos = seq_lens.long()[inp.sample_rows]  # the position the (bonus) token takes
+        s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
         so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch, raw_argmax)
         if inp.max_drafts:
@@ -309,6 +331,8 @@ class ModelRunner:
             tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
         self._commit_tokens(st, s_rows, first_pos, tokens, n_acc,
                             count=batch.penalties is not None)
+        if self.pp is not None:  # stage 0 embeds them next step: device to device, no host
+            self.pp.send_tokens(tokens[:, 0])
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
             known = first_pos + (n_acc if n_acc is not None else 0) + 1
             self.spec.propose(st, inp, s_rows, known, batch)

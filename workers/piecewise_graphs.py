@@ -9,7 +9,7 @@ final norm. Those ``num_layers + 1`` segments are captured once per token bucket
 replayed around eager attention launches.
 
 Why it matters: an eager forward enqueues thousands of small kernels, more than the
-device's launch queue holds (about 1,000 entries on an H100/H200), so a step launched
+device's launch queue holds (about 1,000 entries on a Hopper GPU), so a step launched
 behind a busy device *waits for it* in the launch call. Piecewise, a step costs about
 ``num_layers + 1`` graph launches plus a few attention launches a layer.
 

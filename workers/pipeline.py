@@ -128,10 +128,39 @@ class PipelineComm:
         self.received_tokens += 1
         return buf
 
+    def forward(self, model, inp, kv_caches, dtype: torch.dtype):
+        """This stage's layers over the step (``inp``: ``workers.step_inputs.StepInputs``); a
+        later stage first receives the previous stage's ``(hidden, residual)``."""
+        if self.stage.is_first:
+            return model(inp.input_ids, inp.positions, inp.meta, kv_caches)
+        mid = self.recv_hidden(inp.meta.num_actual_tokens, model.arch.hidden_size, dtype,
+                               inp.input_ids.device)
+        return model(inp.input_ids, inp.positions, inp.meta, kv_caches, mid)
+
+    def pass_on(self, out: tuple[torch.Tensor, torch.Tensor], inp, st) -> None:
+        """A stage before the last ends its step: ``out`` goes to the next stage and the rows
+        advance by the step's tokens. When the step samples, stage 0 then receives the sampled
+        tokens into its token table ``st`` (``workers.device_state.DeviceState``), on the
+        device, where the next step's input preparation reads them."""
+        from workers.step_inputs import sampling_rows
+
+        self.send_hidden(*out)
+        seq_lens = inp.meta.seq_lens
+        st.num_computed[inp.rows] = seq_lens
+        if inp.handles and self.stage.is_first:
+            rows, pos = sampling_rows(inp, seq_lens)
+            st.token_ids[rows, pos] = self.recv_tokens(len(inp.handles), seq_lens.device)
+
     def stats(self) -> dict:
         return {"pp_stage": self.stage.index, "pp_layers": [self.stage.start, self.stage.end],
                 "pp_sent_hidden": self.sent_hidden, "pp_received_hidden": self.received_hidden,
                 "pp_sent_tokens": self.sent_tokens, "pp_received_tokens": self.received_tokens}
+
+
+def scratch_model(model, pp: PipelineComm | None, dtype: torch.dtype):
+    """The model for start-up scratch passes: itself, or on a pipeline stage (which runs them
+    alone) a ``ScratchStage``."""
+    return model if pp is None else ScratchStage(model, model.arch.hidden_size, dtype)
 
 
 class ScratchStage:

@@ -187,3 +187,11 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
         s = len(sample_idx)
         inp.spec_idx, inp.draft_token_idx, inp.num_drafts_d = back[3].view(s, k_max), back[4].view(s, k_max), back[5]
     return inp
+
+
+def sampling_rows(inp: StepInputs, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device rows of the step's sampling requests and the position each one's (bonus) token
+    takes (``seq_lens``: the step's device lengths)."""
+    if inp.sample_rows_cpu == list(range(len(inp.rows_cpu))):  # every row samples (decode)
+        return inp.rows, seq_lens.long()
+    return inp.rows[inp.sample_rows], seq_lens.long()[inp.sample_rows]

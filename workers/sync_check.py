@@ -8,6 +8,13 @@ the armed thread (the one executing a step) the warning becomes ``SyncError``
 ("error") or a logged report ("warn") naming the call site; other threads are
 untouched. The mode comes from the engine config through the actor's
 constructor, never from the environment, so it cannot miss an import.
+
+Sync-debug mode does not see the caching allocator: when an allocation does not fit,
+the allocator frees its cached blocks (``cudaFree`` waits for the whole device) and
+retries. The armed check compares the allocator's retry count before and after the
+step and treats a retry like any other implicit sync; growth of the pool
+(``cudaMalloc``, a new segment) is reported, not refused: a step of a new size may
+grow it once.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class SyncCheck:
             raise ValueError(f"sync_check must be 'off', 'warn' or 'error', got {mode!r}")
         self.mode = mode
         self.reports: list[str] = []
+        self.allocator_growths = 0  # steps that added a segment to the CUDA caching allocator
 
     def _install(self) -> None:
         with SyncCheck._install_lock:
@@ -87,12 +95,37 @@ class SyncCheck:
             yield
             return
         self._install()
+        before = _allocator_counts()
         prev = getattr(_local, "armed", None)
         _local.armed = self
         try:
             yield
         finally:
             _local.armed = prev
+        if before is not None:
+            self._check_allocator(before, _allocator_counts())
+
+    def _check_allocator(self, before: tuple[int, int], after: tuple[int, int]) -> None:
+        if after[0] > before[0]:
+            msg = ("the CUDA caching allocator ran out of cached memory inside a step, freed its "
+                   "cache and retried (cudaFree waits for the device); lower gpu_memory_utilization "
+                   "or max_num_batched_tokens")
+            if self.mode == "error":
+                raise SyncError(msg)
+            self.reports.append(msg)
+            logger.warning(msg)
+        if after[1] > before[1]:
+            self.allocator_growths += 1
+
+
+def _allocator_counts() -> tuple[int, int] | None:
+    """(allocation retries, segments) of the current CUDA device, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_alloc_retries", 0), stats.get("segment.all.current", 0)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Batch-1 layout and overlap probes (H200 decision data, not a tuner).
+"""Batch-1 layout and overlap probes (decision data for docs/decisions.md, not a tuner).
 
     python -m benchmarks.kernels.bench --only probe --out /tmp/probe.json
 

@@ -19,6 +19,7 @@ from workers.models.layers import (
     shard_rows,
 )
 from workers.models.rope import cos_sin_cache
+from workers.pipeline import WHOLE_MODEL, PipelineStage
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -161,30 +162,76 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Checkpoint names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...);
-    the loader maps q/k/v and gate/up onto the fused projections."""
+    the loader maps q/k/v and gate/up onto the fused projections.
 
-    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+    A pipeline ``stage`` holds only its layers (``layers[i]`` is layer ``stage.start + i``),
+    the embedding on the first stage and the final norm and LM head on the last; with tied
+    embeddings a last stage that does not embed loads the embedding into its own LM head."""
+
+    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, max_positions: int,
+                 stage: PipelineStage = WHOLE_MODEL):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.stage = stage
+        self.layer_ids = stage.layer_range(arch.num_layers)
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype)
+                             if stage.is_first else None)
+        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype) for _ in self.layer_ids)
+        self.norm = self.lm_head = None
+        if stage.is_last:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype)
+        self.tie_embeddings()
         self.register_buffer(
             "cos_sin",
             cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32),
             persistent=False,
         )
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[KVCache]):
+    def tie_embeddings(self) -> None:
+        """With tied embeddings, the LM head shares the embedding's weight where the stage
+        holds both (call again after ``to_empty``)."""
+        if self.arch.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def stage_param_name(self, name: str) -> str | None:
+        """A whole-model parameter name as this stage names it (layer indices local), or None
+        for a parameter another pipeline stage holds."""
+        if name.startswith("layers."):
+            index, rest = name[len("layers."):].split(".", 1)
+            if not index.isdigit() or int(index) not in range(self.arch.num_layers):
+                return name  # not a layer of this model: the loader reports it
+            if int(index) not in self.layer_ids:
+                return None
+            return f"layers.{int(index) - self.layer_ids.start}.{rest}"
+        if name.startswith("embed_tokens."):
+            if self.embed_tokens is not None:
+                return name
+            if self.lm_head is not None and self.arch.tie_word_embeddings:
+                return "lm_head." + name[len("embed_tokens."):]
+            return None
+        if name.startswith(("norm.", "lm_head.")) and self.norm is None:
+            return None
+        return name
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[KVCache],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The first stage embeds ``input_ids``; a later one continues from the previous
+        stage's ``intermediate`` ``(hidden, residual)``. The last stage returns the normed
+        hidden states, an earlier one ``(hidden, residual)`` for the next stage."""
         with pdl.step_tokens(input_ids.shape[0]):
-            h = self.embed_tokens(input_ids)
-            residual = None
+            if intermediate is not None:
+                h, residual = intermediate
+            elif self.embed_tokens is None:
+                raise ValueError(f"pipeline stage {self.stage.index} needs the previous stage's "
+                                 "hidden states (intermediate)")
+            else:
+                h, residual = self.embed_tokens(input_ids), None
             nxt = list(self.layers[1:]) + [None]
             for layer, kv, next_layer in zip(self.layers, kv_caches, nxt):
                 h, residual = layer(h, residual, positions, meta, kv, self.cos_sin, next_layer)
+            if self.norm is None:
+                return h, residual
             h, _ = self.norm(h, residual)
         return h
 
@@ -199,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
                      (mlp.down_proj.weight, "plain")]
             if layer.whole_mlp_block:
                 uses += [(attn.o_proj.weight, "add_norm"), (mlp.down_proj.weight, "add_norm")]
-        return uses + [(self.lm_head.weight, "logits")]
+        return uses + ([(self.lm_head.weight, "logits")] if self.lm_head is not None else [])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with pdl.step_tokens(hidden.shape[0]):

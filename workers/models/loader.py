@@ -16,6 +16,7 @@ from workers.models.gguf_arch import is_gguf
 from workers.models.layers import MergedColumnLinear
 from workers.models.llama import LlamaForCausalLM
 from workers.models.rope import cos_sin_cache
+from workers.pipeline import WHOLE_MODEL, PipelineStage
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -64,7 +65,7 @@ def _expected_slots(model: torch.nn.Module, arch: ModelArch) -> set[tuple[str, i
 
 def load_model(
     model_path: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int,
-    load_format: str = "safetensors",
+    load_format: str = "safetensors", stage: PipelineStage = WHOLE_MODEL,
 ) -> tuple[LlamaForCausalLM, ModelArch]:
     """A checkpoint directory (safetensors) or a ``.gguf`` file, chosen by the path's suffix;
     ``load_format='dummy'`` takes only the shapes and initialises random weights."""
@@ -79,10 +80,9 @@ def load_model(
         if load_format != "dummy":
             tensors = _safetensors_tensors(checkpoint_files(model_path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, tp, dtype, max_positions)
+        model = LlamaForCausalLM(arch, tp, dtype, max_positions, stage)
     model = model.to_empty(device=device)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_embeddings()
     model.cos_sin = cos_sin_cache(
         arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
     ).to(device)
@@ -116,6 +116,9 @@ def _fill(model: LlamaForCausalLM, arch: ModelArch, tensors: Iterable[tuple[str,
     pending = _expected_slots(model, arch)
     for ckpt_name, tensor in tensors:
         pname, index = _map_name(ckpt_name)
+        pname = model.stage_param_name(pname)
+        if pname is None:  # a layer (or the embedding, the head) another pipeline stage holds
+            continue
         param = params.get(pname)
         if param is None:
             if pname == "lm_head.weight":  # tied checkpoints may still store it
