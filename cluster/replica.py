@@ -61,6 +61,8 @@ class ReplicaActor:
         cfg = decode(cfg_bytes, EngineConfig)
         self.core = EngineCore(replica_config(cfg))
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list = []  # commands the intake hook met behind an addition: the loop's next
+        self.core.intake = self._intake
         self._cond = threading.Condition()
         self._deltas: list = []
         self._finals: list = []
@@ -169,8 +171,10 @@ class ReplicaActor:
                 wait = max(0.0, retry_at - time.monotonic())
             else:
                 wait = max(0.0, next_probe - time.monotonic())
-            cmds = []
+            cmds, self._held = self._held, []
             try:
+                if cmds:
+                    raise queue.Empty  # held commands first: then the ones that queued behind them
                 cmds.append(self._cmds.get_nowait() if wait is None else self._cmds.get(timeout=wait))
                 while True:
                     cmds.append(self._cmds.get_nowait())
@@ -217,6 +221,21 @@ class ReplicaActor:
             if core.dead:
                 retry_at = time.monotonic() + backoff
             next_probe = time.monotonic() + PROBE_INTERVAL_S
+
+    def _intake(self) -> None:
+        """``core.intake``: inside ``core.step()``, right before it schedules, take the
+        additions at the head of the queue, so requests that arrived during the step join the
+        plan about to be sent; the first other command and all after it wait for the loop."""
+        while not self._held:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._add(cmd[1], cmd[2])
+                cmd[3].set()
+            else:
+                self._held.append(cmd)
 
     def _recover(self, backoff: float) -> tuple[float, float]:
         """One restart attempt; returns (next backoff, when to retry if it failed)."""

@@ -159,7 +159,7 @@ class ModelRunner:
         sampling kernels (one row suffices: they are not specialised on sizes), then a
         scratch request's prefill and decode step through ``execute`` (the eager prefill
         path's input and attention variants, which a fresh machine compiled inside the first
-        request, notes/2026-12-04g-h200-results.md; the decode step replays a captured graph
+        request (docs/decisions.md); the decode step replays a captured graph
         unless graphs are off). Mixed and spec-verify shapes are not run here: if they need
         a new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
         which nothing reads: every position's KV is written before attention reads it.
