@@ -344,7 +344,7 @@ def test_random_workloads_match_reference(make_engine, ci, async_scheduling):
 
 
 def test_sync_and_async_agree_token_for_token(make_engine):
-    outs = {}
+    outs, sync_steps = {}, 0
     for mode in (False, True):
         engine = make_engine(async_scheduling=mode, **CONFIGS[0])
         reqs = random_workload(random.Random(7), 20, 30)

@@ -109,7 +109,7 @@ def bench_gemv() -> list[dict]:
                  + f" | gemv-pdl {best_pdl['pdl_us']:6.2f} ({tb(best_pdl['pdl_us']):.2f}) "
                  + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best_pdl])
                  if best else " | gemv none ran"), flush=True)
-        del ws
+        ws = None  # free the copies before the next shape
         torch.cuda.empty_cache()
     return rows
 

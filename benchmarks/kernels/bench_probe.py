@@ -87,7 +87,7 @@ def bench_gate_up_layout() -> list[dict]:
                              f"pdl {bp['pdl_us']:.2f}")
         print(f"probe {name}: unfused {base:.2f} ({tb(base):.2f} TB/s) | " + " | ".join(parts),
               flush=True)
-        del ws
+        ws = None  # free the copies before the next shape
         torch.cuda.empty_cache()
     return rows
 
@@ -139,7 +139,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
         rows.append(row)
         print(f"probe attn->o {name}: " + ", ".join(
             f"{key} {v['us']:.2f}" for key, v in row["cases"].items() if "us" in v), flush=True)
-        del caches, ws
+        caches = ws = None  # free them before the next shape
         torch.cuda.empty_cache()
     return rows
 
@@ -198,7 +198,7 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
             print(f"rope-attention {name} b={b:3d}: two launches "
                   f"{row.get('two_launches_us', float('nan')):7.2f} us, fused "
                   f"{row.get('rope_in_attention_us', float('nan')):7.2f} us", flush=True)
-            del caches
+            caches = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
