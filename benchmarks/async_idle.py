@@ -24,8 +24,15 @@ from benchmarks.shapes import resolve_model
 def run_cell(model: str, fmt: str, batch: int, async_on: bool, prompt_len: int, out_len: int, extra: dict) -> dict:
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=model, load_format=fmt, async_scheduling=async_on, measure_device_timeline=True,
-              max_num_seqs=batch, max_model_len=prompt_len + out_len + 8, **extra)
+    llm = LLM(
+        model=model,
+        load_format=fmt,
+        async_scheduling=async_on,
+        measure_device_timeline=True,
+        max_num_seqs=batch,
+        max_model_len=prompt_len + out_len + 8,
+        **extra,
+    )
     try:
         prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(prompt_len)]} for i in range(batch)]
         sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -41,11 +48,17 @@ def run_cell(model: str, fmt: str, batch: int, async_on: bool, prompt_len: int, 
         busy = sum(t[1] for t in steady)
         idle = sum(t[2] for t in steady)
         n_steps = eng.stats["steps"] - base["steps"]
-        driver = (eng.stats.get("driver_schedule_s", 0) - base.get("driver_schedule_s", 0)
-                  + eng.stats.get("driver_process_s", 0) - base.get("driver_process_s", 0))
+        driver = (
+            eng.stats.get("driver_schedule_s", 0)
+            - base.get("driver_schedule_s", 0)
+            + eng.stats.get("driver_process_s", 0)
+            - base.get("driver_process_s", 0)
+        )
         rows = eng.stats.get("plan_rows", 0) - base.get("plan_rows", 0)
         return {
-            "batch": batch, "async_scheduling": async_on, "decode_steps": len(steady),
+            "batch": batch,
+            "async_scheduling": async_on,
+            "decode_steps": len(steady),
             "mean_step_ms": 1e3 * busy / max(1, len(steady)),
             "median_idle_ms": 1e3 * statistics.median([t[2] for t in steady]) if steady else None,
             "idle_fraction": idle / busy if busy else None,
@@ -72,18 +85,28 @@ def main(argv=None) -> dict:
     from tqdm.auto import tqdm
 
     cells = [(b, a) for b in map(int, args.batch_sizes.split(",")) for a in (False, True)]
-    results = [run_cell(model, fmt, b, a, args.prompt_len, args.output_len, extra)
-               for b, a in tqdm(cells, desc="cells")]
-    out = {"benchmark": "async_idle", "config": vars(args), "hardware": hardware_info(),
-           "versions": versions(), "results": results}
+    results = [
+        run_cell(model, fmt, b, a, args.prompt_len, args.output_len, extra) for b, a in tqdm(cells, desc="cells")
+    ]
+    out = {
+        "benchmark": "async_idle",
+        "config": vars(args),
+        "hardware": hardware_info(),
+        "versions": versions(),
+        "results": results,
+    }
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{'batch':>5} {'async':>5} {'step ms':>8} {'idle ms':>8} {'idle %':>7} {'drv ms':>7} {'B/req':>6} {'tok/s':>8}")
+    print(
+        f"{'batch':>5} {'async':>5} {'step ms':>8} {'idle ms':>8} {'idle %':>7} {'drv ms':>7} {'B/req':>6} {'tok/s':>8}"
+    )
     for r in results:
         frac = r["idle_fraction"]
-        print(f"{r['batch']:>5} {str(r['async_scheduling']):>5} {r['mean_step_ms']:8.3f} "
-              f"{(r['median_idle_ms'] or 0):8.3f} {100 * frac if frac is not None else float('nan'):7.2f} "
-              f"{r['driver_cpu_ms_per_step']:7.3f} {r['plan_bytes_per_request']:6.1f} {r['output_tokens_per_s']:8.0f}")
+        print(
+            f"{r['batch']:>5} {str(r['async_scheduling']):>5} {r['mean_step_ms']:8.3f} "
+            f"{(r['median_idle_ms'] or 0):8.3f} {100 * frac if frac is not None else float('nan'):7.2f} "
+            f"{r['driver_cpu_ms_per_step']:7.3f} {r['plan_bytes_per_request']:6.1f} {r['output_tokens_per_s']:8.0f}"
+        )
     return out
 
 

@@ -51,7 +51,9 @@ def _git_commit() -> str | None:
 def hardware_info() -> dict[str, Any]:
     """CPU and (if visible) GPU of the process that calls it."""
     info: dict[str, Any] = {
-        "hostname": platform.node(), "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
     }
     try:
@@ -65,8 +67,10 @@ def hardware_info() -> dict[str, Any]:
             n = torch.cuda.device_count()
             info["gpu_count"] = n
             info["gpus"] = [
-                {"name": torch.cuda.get_device_name(i),
-                 "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                {
+                    "name": torch.cuda.get_device_name(i),
+                    "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+                }
                 for i in range(n)
             ]
             info["cuda_version"] = torch.version.cuda
@@ -113,10 +117,18 @@ def remote_hardware_info(num_gpus: float) -> dict[str, Any] | None:
 
 # Common engine options as flags (None = engine default); anything else: --engine-option k=v.
 ENGINE_FLAGS: dict[str, type] = {
-    "dtype": str, "max_model_len": int, "block_size": int, "max_num_seqs": int,
-    "max_num_batched_tokens": int, "tensor_parallel_size": int, "pipeline_parallel_size": int,
-    "data_parallel_size": int, "gpu_memory_utilization": float,
-    "num_kv_blocks": int, "kv_cache_memory_bytes": int, "device": str,
+    "dtype": str,
+    "max_model_len": int,
+    "block_size": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "tensor_parallel_size": int,
+    "pipeline_parallel_size": int,
+    "data_parallel_size": int,
+    "gpu_memory_utilization": float,
+    "num_kv_blocks": int,
+    "kv_cache_memory_bytes": int,
+    "device": str,
 }
 ENGINE_BOOL_FLAGS = ("async_scheduling", "enforce_eager", "enable_chunked_prefill")
 
@@ -127,8 +139,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of a real shape (no download)")
     g.add_argument("--model", help="a local Hugging Face checkpoint folder")
-    g.add_argument("--load-format", choices=("safetensors", "dummy"), default=None,
-                   help="default: dummy with --shape, safetensors with --model")
+    g.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        default=None,
+        help="default: dummy with --shape, safetensors with --model",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -137,8 +153,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
     for name in ENGINE_BOOL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other engine option (value parsed as JSON, else a string); repeatable")
+    g.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other engine option (value parsed as JSON, else a string); repeatable",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,11 +190,22 @@ def model_and_format(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def add_output_args(p: argparse.ArgumentParser, default_name: str) -> None:
-    p.add_argument("--output", "--output-json", dest="output", default=None,
-                   help=f"JSON result path (default: {default_name}-<time>.json in $SYNCLESS_RESULTS_DIR, "
-                        "else ~/syncless-results in a Ray job, else the current directory)")
-    p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
-                   help="also write a PNG of the main curve (default: the JSON path with .png)")
+    p.add_argument(
+        "--output",
+        "--output-json",
+        dest="output",
+        default=None,
+        help=f"JSON result path (default: {default_name}-<time>.json in $SYNCLESS_RESULTS_DIR, "
+        "else ~/syncless-results in a Ray job, else the current directory)",
+    )
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PNG",
+        help="also write a PNG of the main curve (default: the JSON path with .png)",
+    )
 
 
 def in_ray_job() -> bool:
@@ -272,6 +304,8 @@ def measure_matmul_rate(dev) -> dict[str, Any]:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     sec = (time.perf_counter() - t) / iters
-    return {"matmul_flops_per_s": 2 * n**3 / sec,
-            "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
-                             f"mean of {iters} after 3 warm-ups"}
+    return {
+        "matmul_flops_per_s": 2 * n**3 / sec,
+        "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
+        f"mean of {iters} after 3 warm-ups",
+    }

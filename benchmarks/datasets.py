@@ -32,13 +32,20 @@ class SampleRequest:
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=("random", "fixed", "jsonl"),
-                   default="random")
+    g.add_argument(
+        "--dataset", "--dataset-name", dest="dataset", choices=("random", "fixed", "jsonl"), default="random"
+    )
     g.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
-                   help="random: lengths uniform in len*(1-r) .. len*(1+r), r in [0, 1)")
+    g.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in len*(1-r) .. len*(1+r), r in [0, 1)",
+    )
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", default=None, help="fixed: the prompt text repeated (default: token ids)")
@@ -50,8 +57,9 @@ def _lens(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                    seed: int, low_id: int = 0) -> list[SampleRequest]:
+def random_requests(
+    n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, low_id: int = 0
+) -> list[SampleRequest]:
     if not 0 <= range_ratio < 1:
         raise SystemExit(f"--range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
@@ -64,8 +72,9 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
     return reqs
 
 
-def fixed_requests(n: int, input_len: int, output_len: int, vocab_size: int, prompt: str | None,
-                   tokenizer=None) -> list[SampleRequest]:
+def fixed_requests(
+    n: int, input_len: int, output_len: int, vocab_size: int, prompt: str | None, tokenizer=None
+) -> list[SampleRequest]:
     if prompt is not None:
         p_len = len(tokenizer.encode(prompt)) if tokenizer is not None else len(prompt.split())
         return [SampleRequest(prompt, p_len, output_len) for _ in range(n)]
@@ -93,7 +102,7 @@ def jsonl_requests(path: str, n: int | None, output_len: int, tokenizer=None) ->
             p_len = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
             reqs.append(SampleRequest(text, p_len, o_len))
         else:
-            raise SystemExit(f"{path}:{lineno}: needs \"prompt\" (text) or \"prompt_token_ids\"")
+            raise SystemExit(f'{path}:{lineno}: needs "prompt" (text) or "prompt_token_ids"')
         if n is not None and len(reqs) >= n:
             break
     if not reqs:
@@ -105,11 +114,11 @@ def get_requests(args: argparse.Namespace, vocab_size: int, tokenizer=None) -> l
     if args.num_prompts < 1:
         raise SystemExit("--num-prompts must be >= 1")
     if args.dataset == "random":
-        return random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               vocab_size, args.seed)
+        return random_requests(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size, args.seed
+        )
     if args.dataset == "fixed":
-        return fixed_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, args.prompt,
-                              tokenizer)
+        return fixed_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, args.prompt, tokenizer)
     return jsonl_requests(args.dataset_path, args.num_prompts, args.output_len, tokenizer)
 
 

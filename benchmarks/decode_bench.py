@@ -59,16 +59,13 @@ class Bench:
         arch = load_arch(conf["model_dir"])
         self.arch = arch
         # serial steps, then as many pipelined ones, then the profiled ones
-        steps = 2 * (conf["warmup"] + conf["iters"]) + (
-            conf["profile_steps"] if conf.get("profile_cells") else 0
-        )
+        steps = 2 * (conf["warmup"] + conf["iters"]) + (conf["profile_steps"] if conf.get("profile_cells") else 0)
         bs = conf["block_size"]
         max_ctx = max(conf["context_lens"])
         max_len = max_ctx + steps + 2
         if max_len > arch.max_position_embeddings:
             raise SystemExit(
-                f"context {max_ctx} + {steps} steps exceeds max_position_embeddings "
-                f"{arch.max_position_embeddings}"
+                f"context {max_ctx} + {steps} steps exceeds max_position_embeddings {arch.max_position_embeddings}"
             )
         opts = dict(conf["engine_options"])
         opts.update(
@@ -87,30 +84,16 @@ class Bench:
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.cfg, conf["model_dir"], self.device, tp, max_len)
         self.load_s = time.perf_counter() - t0
-        self.blocks_per_req = {
-            c: -(-(c + steps + 1) // bs) for c in conf["context_lens"]
-        }
-        need = max(
-            b * self.blocks_per_req[c]
-            for b in conf["batch_sizes"]
-            for c in conf["context_lens"]
-        )
-        per_block = bytes_per_block(
-            arch, self.runner.num_kv_heads, bs, self.runner.dtype
-        )
+        self.blocks_per_req = {c: -(-(c + steps + 1) // bs) for c in conf["context_lens"]}
+        need = max(b * self.blocks_per_req[c] for b in conf["batch_sizes"] for c in conf["context_lens"])
+        per_block = bytes_per_block(arch, self.runner.num_kv_heads, bs, self.runner.dtype)
         if cuda:
             profile = getattr(self.runner, "_profile_free_bytes", None)
-            budget = (
-                profile()
-                if profile
-                else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
-            )
+            budget = profile() if profile else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
             fit = max(1, budget // per_block)
         else:
             fit = need
-        self.num_blocks = self.runner.init_kv_cache(
-            _min_over_ranks(min(need, fit), tp, self.device)
-        )
+        self.num_blocks = self.runner.init_kv_cache(_min_over_ranks(min(need, fit), tp, self.device))
         self.kv_bytes_per_token = per_block // bs
         self.graphs = "off"
         if conf["cuda_graphs"] == "on":
@@ -119,11 +102,7 @@ class Bench:
                 capture()
                 self.graphs = "captured"
             else:
-                self.graphs = (
-                    "unavailable (runner has no capture_cuda_graphs)"
-                    if cuda
-                    else "n/a on CPU"
-                )
+                self.graphs = "unavailable (runner has no capture_cuda_graphs)" if cuda else "n/a on CPU"
         self.step_id = 0
         self.next_handle = 0
 
@@ -147,8 +126,7 @@ class Bench:
             need = batch * per * self.kv_bytes_per_token * conf["block_size"]
             return {
                 **base,
-                "skipped": f"KV cache needs {need / 2**30:.1f} GiB "
-                f"({batch * per} blocks > {self.num_blocks} that fit)",
+                "skipped": f"KV cache needs {need / 2**30:.1f} GiB ({batch * per} blocks > {self.num_blocks} that fit)",
             }
         rng = random.Random(batch * 100003 + ctx)
         prompt = [rng.randrange(3, self.arch.vocab_size) for _ in range(ctx + 1)]
@@ -167,9 +145,7 @@ class Bench:
         ]
         runner.execute(self._plan(new_requests=news))  # places the rows; no forward
         st = runner.state
-        rows = torch.tensor(
-            [st.row_of[h] for h in handles], device=st.num_computed.device
-        )
+        rows = torch.tensor([st.row_of[h] for h in handles], device=st.num_computed.device)
         st.num_computed[rows] = ctx  # the rows' device state claims ctx tokens of KV
         n = conf["warmup"] + conf["iters"]
         serial = self._serial_steps(handles, ctx, n)[conf["warmup"] :]
@@ -184,18 +160,10 @@ class Bench:
         bw = conf["bandwidth_bytes_per_s"]
         step_s = statistics.median(piped)
         roof_s = (w_bytes + kv_bytes) / bw
-        mm = conf.get(
-            "matmul_flops_per_s"
-        )  # absent: a caller that measured no matmul rate
-        floor_s = (
-            phase_floor_s(w_bytes, kv_bytes, runner.dtype.itemsize, batch, bw, mm)
-            if mm
-            else roof_s
-        )
+        mm = conf.get("matmul_flops_per_s")  # absent: a caller that measured no matmul rate
+        floor_s = phase_floor_s(w_bytes, kv_bytes, runner.dtype.itemsize, batch, bw, mm) if mm else roof_s
         if profile:
-            profile.update(
-                device_split(profile["kernel_us_per_step"], step_s * 1e3, roof_s * 1e3)
-            )
+            profile.update(device_split(profile["kernel_us_per_step"], step_s * 1e3, roof_s * 1e3))
         return {
             **base,
             "step_ms_median": step_s * 1e3,
@@ -233,9 +201,7 @@ class Bench:
 
     def _check(self, res, handles) -> None:
         if res.error or len(res.outputs) != len(handles):
-            raise RuntimeError(
-                f"decode step failed at batch {len(handles)}: {res.error}"
-            )
+            raise RuntimeError(f"decode step failed at batch {len(handles)}: {res.error}")
 
     def _serial_steps(self, handles, start_len: int, n: int) -> list[float]:
         """Each step launched, then waited for: host preparation is not hidden."""
@@ -255,11 +221,7 @@ class Bench:
         runner, times, pending = self.runner, [], None
         last = time.perf_counter()
         for k in range(n + 1):
-            nxt = (
-                runner.launch(self._decode_plan(handles, start_len + k + 1))
-                if k < n
-                else None
-            )
+            nxt = runner.launch(self._decode_plan(handles, start_len + k + 1)) if k < n else None
             if pending is not None:
                 self._check(runner.finish(pending), handles)
                 now = time.perf_counter()
@@ -273,9 +235,7 @@ class Bench:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        acts = [ProfilerActivity.CPU] + (
-            [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-        )
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             for k in range(steps):
                 self.runner.execute(self._decode_plan(handles, start_len + k + 1))
@@ -362,9 +322,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
     bench = Bench(conf, dev, tp)
     cells = []
     grid = [(b, c) for c in conf["context_lens"] for b in conf["batch_sizes"]]
-    for b, c in tqdm(
-        grid, desc="cells (batch, context)", dynamic_ncols=True, disable=quiet
-    ):
+    for b, c in tqdm(grid, desc="cells (batch, context)", dynamic_ncols=True, disable=quiet):
         cell = bench.cell(b, c)
         cells.append(cell)
         if quiet:
@@ -391,9 +349,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
                     )
                 )
                 for r in prof["top"][:25]:
-                    tqdm.write(
-                        f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}"
-                    )
+                    tqdm.write(f"    {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name'][:90]}")
                 if prof.get("exposed_top"):
                     tqdm.write(
                         f"  span {prof['span_us_per_step']:.1f} us per step, idle "
@@ -409,9 +365,7 @@ def measure(conf: dict[str, Any], tp=None, device=None) -> dict[str, Any]:
 
     conf_out = {k: v for k, v in conf.items() if k != "profile_cells"}
     conf_out["skinny_max_m_effective"] = getattr(ops, "SKINNY_MAX_M", None)
-    use_pdl = (
-        current().pdl if bench.device.type == "cuda" else "n/a"
-    )  # auto: batch-1 passes only
+    use_pdl = current().pdl if bench.device.type == "cuda" else "n/a"  # auto: batch-1 passes only
     return {
         "bandwidth": bw,
         "matmul": mm,

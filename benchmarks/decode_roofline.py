@@ -33,8 +33,11 @@ from benchmarks.decode_bench import Bench, measure  # noqa: F401 - Bench: benchm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_roofline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_roofline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_model_args(p)
     p.add_argument("--batch-sizes", default="1,8,32,128,256")
     p.add_argument("--context-lens", default="512,4096")
@@ -45,25 +48,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--bandwidth-mib", type=int, default=None,
-                   help="copy-bandwidth buffer size (default 2048 on GPU, 256 on CPU)")
+    p.add_argument(
+        "--bandwidth-mib", type=int, default=None, help="copy-bandwidth buffer size (default 2048 on GPU, 256 on CPU)"
+    )
     p.add_argument("--bandwidth-iters", type=int, default=10)
-    p.add_argument("--placement", choices=("auto", "local", "ray"), default="auto",
-                   help="auto: a Ray task inside `ray job submit`, else in-process")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over this many devices (one Ray actor per rank; NCCL on "
-                        "GPUs, gloo on CPUs); the roofline is per rank: its weight and KV shards "
-                        "over its own measured copy bandwidth")
+    p.add_argument(
+        "--placement",
+        choices=("auto", "local", "ray"),
+        default="auto",
+        help="auto: a Ray task inside `ray job submit`, else in-process",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many devices (one Ray actor per rank; NCCL on "
+        "GPUs, gloo on CPUs); the roofline is per rank: its weight and KV shards "
+        "over its own measured copy bandwidth",
+    )
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--skinny-max-m", type=int, default=None,
-                   help="decode batches up to this size use the fused Triton skinny GEMM "
-                        "(kernels.ops.SKINNY_MAX_M; 0 = cuBLAS + separate norm/act kernels)")
-    p.add_argument("--profile", action="append", default=[], metavar="BATCH,CONTEXT",
-                   help="also profile this cell's decode steps (torch.profiler): per-step kernel "
-                        "time by kernel name, in the result and printed (repeatable)")
+    p.add_argument(
+        "--skinny-max-m",
+        type=int,
+        default=None,
+        help="decode batches up to this size use the fused Triton skinny GEMM "
+        "(kernels.ops.SKINNY_MAX_M; 0 = cuBLAS + separate norm/act kernels)",
+    )
+    p.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="BATCH,CONTEXT",
+        help="also profile this cell's decode steps (torch.profiler): per-step kernel "
+        "time by kernel name, in the result and printed (repeatable)",
+    )
     p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples every row with its own seed")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples every row with its own seed"
+    )
     common.add_output_args(p, "decode_roofline")
     return p.parse_args(argv)
 
@@ -88,8 +111,10 @@ def plot(result: dict[str, Any], path) -> None:
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode step time (ms)")
     bw = result["bandwidth"]["bandwidth_bytes_per_s"] / 1e9
-    ax.set_title(f"{result['config']['model_name']} on {result['device']} ({bw:.0f} GB/s copy), "
-                 f"graphs: {result['cuda_graphs']}", fontsize=9)
+    ax.set_title(
+        f"{result['config']['model_name']} on {result['device']} ({bw:.0f} GB/s copy), graphs: {result['cuda_graphs']}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     common.save_figure(fig, path)
@@ -117,14 +142,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path, png = common.output_paths(args, "decode_roofline")
     model_dir, load_format = common.model_and_format(args)
     opts = common.engine_options(argparse.Namespace(engine_option=args.engine_option))
-    conf = {"model_dir": model_dir, "load_format": load_format, "model_name": args.shape or model_dir,
-            "batch_sizes": _ints(args.batch_sizes), "context_lens": _ints(args.context_lens),
-            "warmup": args.warmup, "iters": args.iters, "cuda_graphs": args.cuda_graphs, "device": args.device,
-            "dtype": args.dtype, "block_size": args.block_size, "engine_options": opts,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "bandwidth_mib": args.bandwidth_mib,
-            "bandwidth_iters": args.bandwidth_iters, "skinny_max_m": args.skinny_max_m,
-            "profile_cells": [[int(v) for v in c.split(",")] for c in args.profile],
-            "profile_steps": args.profile_steps, "temperature": args.temperature}
+    conf = {
+        "model_dir": model_dir,
+        "load_format": load_format,
+        "model_name": args.shape or model_dir,
+        "batch_sizes": _ints(args.batch_sizes),
+        "context_lens": _ints(args.context_lens),
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "cuda_graphs": args.cuda_graphs,
+        "device": args.device,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "engine_options": opts,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "bandwidth_mib": args.bandwidth_mib,
+        "bandwidth_iters": args.bandwidth_iters,
+        "skinny_max_m": args.skinny_max_m,
+        "profile_cells": [[int(v) for v in c.split(",")] for c in args.profile],
+        "profile_steps": args.profile_steps,
+        "temperature": args.temperature,
+    }
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
     if args.tensor_parallel_size < 1:

@@ -41,8 +41,9 @@ class RankBench:
             torch.set_num_threads(1)
         else:
             torch.cuda.set_device(device)
-        tp = init_distributed(self.platform.collective_backend, init_method, self.rank, self.world_size,
-                              self.world_size)
+        tp = init_distributed(
+            self.platform.collective_backend, init_method, self.rank, self.world_size, self.world_size
+        )
         try:
             return measure(conf, tp=tp, device=device)
         finally:
@@ -57,8 +58,10 @@ def device_kind_for(conf: dict[str, Any], tp_size: int, cluster_gpus: float) -> 
     if cluster_gpus >= tp_size:
         return "cuda"
     if conf["device"] == "cuda":
-        raise SystemExit(f"--device cuda --tensor-parallel-size {tp_size}: the Ray cluster has "
-                         f"{cluster_gpus:g} GPU(s), one per rank is needed")
+        raise SystemExit(
+            f"--device cuda --tensor-parallel-size {tp_size}: the Ray cluster has "
+            f"{cluster_gpus:g} GPU(s), one per rank is needed"
+        )
     return "cpu"
 
 
@@ -86,17 +89,22 @@ def run(conf: dict[str, Any], tp_size: int) -> dict[str, Any]:
     kind = device_kind_for(conf, tp_size, ray.cluster_resources().get("GPU", 0))
     timeout = float(conf.get("start_timeout_s", 300))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **actor_env_vars(kind)}
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), **actor_env_vars(kind)}
     gpu = kind != "cpu"
     placement = place_workers(Layout(tp_size, 1), kind, timeout, name="decode-tp")
     actors = []
     try:
         cls = ray.remote(RankBench)
-        actors = [cls.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
-                              runtime_env={"env_vars": env},
-                              scheduling_strategy=placement.scheduling_strategy(rank), max_restarts=0)
-                  .remote(kind, rank, tp_size) for rank in range(tp_size)]
+        actors = [
+            cls.options(
+                num_cpus=0 if gpu else 1,
+                num_gpus=1 if gpu else 0,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=placement.scheduling_strategy(rank),
+                max_restarts=0,
+            ).remote(kind, rank, tp_size)
+            for rank in range(tp_size)
+        ]
         init = ray.get(actors[0].rendezvous.remote(), timeout=timeout)
         results = _first_failure_or_all(ray, [a.measure.remote(conf, init) for a in actors])
     finally:

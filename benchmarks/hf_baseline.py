@@ -17,13 +17,22 @@ def hf_available() -> str | None:
     except Exception as exc:
         return f"transformers is not importable: {exc}"
     if not hasattr(GenerationMixin, "generate_batch"):
-        return (f"transformers {transformers.__version__} has no generate_batch "
-                "(continuous batching); upgrade transformers for --baseline hf")
+        return (
+            f"transformers {transformers.__version__} has no generate_batch "
+            "(continuous batching); upgrade transformers for --baseline hf"
+        )
     return None
 
 
-def run_hf(model_dir: str, load_format: str, token_prompts: list[list[int]], output_lens: list[int],
-           dtype: str, attn_implementation: str, device: str) -> dict[str, Any]:
+def run_hf(
+    model_dir: str,
+    load_format: str,
+    token_prompts: list[list[int]],
+    output_lens: list[int],
+    dtype: str,
+    attn_implementation: str,
+    device: str,
+) -> dict[str, Any]:
     """Runs where it is called (a Ray task with the GPU, or the local process)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -33,15 +42,17 @@ def run_hf(model_dir: str, load_format: str, token_prompts: list[list[int]], out
         return {"error": why}
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    )
     t0 = time.perf_counter()
     if load_format == "dummy":
         cfg = AutoConfig.from_pretrained(model_dir)
         with torch.device(dev):
             model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype, attn_implementation=attn_implementation)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype,
-                                                     attn_implementation=attn_implementation).to(dev)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=tdtype, attn_implementation=attn_implementation
+        ).to(dev)
     model.eval()
     load_s = time.perf_counter() - t0
     # generate_batch takes one max_new_tokens for all requests: the workload's maximum.
@@ -55,13 +66,15 @@ def run_hf(model_dir: str, load_format: str, token_prompts: list[list[int]], out
         page = 256
         blocks = sum(-(-(len(p) + max_new) // page) for p in token_prompts) + 2
         kw["continuous_batching_config"] = ContinuousBatchingConfig(
-            page_size=page, num_blocks=blocks, max_batch_tokens=max(512, max(len(p) for p in token_prompts)))
+            page_size=page, num_blocks=blocks, max_batch_tokens=max(512, max(len(p) for p in token_prompts))
+        )
     # no inference_mode: generate_batch updates its tensors in a background thread
     with torch.no_grad():
         if cuda:
-            model.generate_batch(inputs=[p[:16] for p in token_prompts[:4]],
-                                 generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
-                                                                    eos_token_id=-1, pad_token_id=0))
+            model.generate_batch(
+                inputs=[p[:16] for p in token_prompts[:4]],
+                generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0),
+            )
             torch.cuda.synchronize()
         warm = warm_cached_manager(model, gen, token_prompts, max_new, kw)
         start = time.perf_counter()
@@ -75,19 +88,21 @@ def run_hf(model_dir: str, load_format: str, token_prompts: list[list[int]], out
     n_out = sum(len(o.generated_tokens) for o in outputs)
     n_in = sum(len(p) for p in token_prompts)
     return {
-        "backend": "transformers.generate_batch", "attn_implementation": attn_implementation,
-        "dtype": str(tdtype).removeprefix("torch."), "device": str(dev), "model_load_s": load_s,
+        "backend": "transformers.generate_batch",
+        "attn_implementation": attn_implementation,
+        "dtype": str(tdtype).removeprefix("torch."),
+        "device": str(dev),
+        "model_load_s": load_s,
         "max_new_tokens": max_new,
         "note": "generate_batch uses one max_new_tokens (the workload's maximum) for every request; "
-                "the timed call includes its manager's start and shutdown, and its CUDA-graph warm-up only "
-                "where warm_up says so; on CPU its KV cache is sized to the workload",
+        "the timed call includes its manager's start and shutdown, and its CUDA-graph warm-up only "
+        "where warm_up says so; on CPU its KV cache is sized to the workload",
         **warm,
         **throughput_fields(elapsed, len(outputs), n_in, n_out),
     }
 
 
-def warm_cached_manager(model, gen, token_prompts: list[list[int]], max_new: int,
-                        kw: dict[str, Any]) -> dict[str, Any]:
+def warm_cached_manager(model, gen, token_prompts: list[list[int]], max_new: int, kw: dict[str, Any]) -> dict[str, Any]:
     """Build generate_batch's manager for this very workload, capture its CUDA graphs and
     leave it cached on the model, so that the timed ``generate_batch`` reuses it: its
     warm-up then stays out of the timed call, as syncless's engine start-up stays out of
@@ -100,13 +115,16 @@ def warm_cached_manager(model, gen, token_prompts: list[list[int]], max_new: int
         from transformers.generation.continuous_batching.utils import WorkloadHints
     except ImportError as exc:
         return {"warm_up": f"in the timed call (no WorkloadHints: {exc})"}
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p in token_prompts),
-                          max_generated_length=max_new, num_requests=len(token_prompts))
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in token_prompts),
+        max_generated_length=max_new,
+        num_requests=len(token_prompts),
+    )
     manager = None
     try:
         manager = model.init_continuous_batching(
-            generation_config=gen, continuous_batching_config=kw.get("continuous_batching_config"),
-            workload_hints=hints)
+            generation_config=gen, continuous_batching_config=kw.get("continuous_batching_config"), workload_hints=hints
+        )
         if not hasattr(manager, "warmup"):
             return {"warm_up": "in the timed call (the manager has no warmup)"}
         t0 = time.perf_counter()

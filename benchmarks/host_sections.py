@@ -39,7 +39,7 @@ SECTIONS = [
     ("workers.model_runner", "build_sampling_batch", "build_sampling_batch"),
     ("workers.model_runner", "sample", "sample"),
     ("workers.model_runner:ModelRunner", "_commit_tokens", "commit tokens"),
-    ("workers.model_runner:PendingStep", "start_copy", "start_copy"),
+    ("workers.pending_step:PendingStep", "start_copy", "start_copy"),
     ("workers.model_runner:ModelRunner", "finish", "finish"),
     ("torch.cuda:Event", "synchronize", "wait"),
     ("benchmarks.decode_roofline:Bench", "_decode_plan", "plan"),
@@ -128,16 +128,22 @@ def _cell(bench, timers: SectionTimers, batch: int, ctx: int) -> dict[str, Any]:
     step_us = cell["step_ms_median"] * 1e3
     sections = box["sections"]
     # the median step, against mean sections: steps are steady once warm
-    return {"batch_size": batch, "context_len": ctx, "step_us": step_us,
-            "busy_us": step_us - sections.get("wait", 0.0),
-            "sections_us": sections, "calls_per_step": box["calls"]}
+    return {
+        "batch_size": batch,
+        "context_len": ctx,
+        "step_us": step_us,
+        "busy_us": step_us - sections.get("wait", 0.0),
+        "sections_us": sections,
+        "calls_per_step": box["calls"],
+    }
 
 
 def table(cells: list[dict[str, Any]]) -> str:
     labels = [label for _, _, label in SECTIONS]
     done = [c for c in cells if "skipped" not in c]
-    head = f"{'section (us a step)':28s}" + "".join(f"{'b{}/{}'.format(c['batch_size'], c['context_len']):>12s}"
-                                                    for c in done)
+    head = f"{'section (us a step)':28s}" + "".join(
+        f"{'b{}/{}'.format(c['batch_size'], c['context_len']):>12s}" for c in done
+    )
     rows = [head]
     for label in ["step", "busy"] + labels:
         vals = []
@@ -149,13 +155,16 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 
 # real text for the driver cells' sampled tokens (any tokenizer encodes it)
-_TEXT = ("The engine schedules requests, ships typed plans to its workers and streams tokens back. "
-         "Each worker keeps exact sequence lengths on the device; the driver knows upper bounds. "
-         "Über-große Stapel, naïve café prices (3.50 €) and 数据 mix ASCII with multi-byte text. ")
+_TEXT = (
+    "The engine schedules requests, ships typed plans to its workers and streams tokens back. "
+    "Each worker keeps exact sequence lengths on the device; the driver knows upper bounds. "
+    "Über-große Stapel, naïve café prices (3.50 €) and 数据 mix ASCII with multi-byte text. "
+)
 
 
-def driver_cells(tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, steps: int,
-                 stop_strings: bool = True) -> list[dict[str, Any]]:
+def driver_cells(
+    tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, steps: int, stop_strings: bool = True
+) -> list[dict[str, Any]]:
     """Median driver time a decode step (us) at each batch size: ``schedule``, ``update``
     (``Scheduler.update_from_result``) and ``outputs`` (``OutputProcessor.process``).
     With ``stop_strings`` every request has two stop strings that never occur."""
@@ -177,26 +186,36 @@ def driver_cells(tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, st
         if len(ids) < b + prompt_len + steps:
             ids = ids * (1 + (b + prompt_len + steps) // len(ids))
         max_len = prompt_len + steps + 1
-        cfg = EngineConfig.from_options(max_num_seqs=b, max_num_batched_tokens=b * prompt_len,
-                                        num_kv_blocks=b * (max_len // 16 + 2), max_model_len=max_len)
+        cfg = EngineConfig.from_options(
+            max_num_seqs=b,
+            max_num_batched_tokens=b * prompt_len,
+            num_kv_blocks=b * (max_len // 16 + 2),
+            max_model_len=max_len,
+        )
         sched = Scheduler(cfg, cfg.cache.num_kv_blocks, max_len)
         outputs = OutputProcessor(tok)
         inputs = InputProcessor(tok, (), len(tok), max_len, b * prompt_len, True, 0)
         future: dict[str, list[int]] = {}
         for i in range(b):
-            sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True,
-                                stop=["\u241e never", "zz\u241f"] if stop_strings else None)
-            for r in inputs.make_requests(f"d{i}", {"prompt_token_ids": ids[i:i + prompt_len]}, sp, 1 << 30):
+            sp = SamplingParams(
+                temperature=0.0,
+                max_tokens=steps,
+                ignore_eos=True,
+                stop=["\u241e never", "zz\u241f"] if stop_strings else None,
+            )
+            for r in inputs.make_requests(f"d{i}", {"prompt_token_ids": ids[i : i + prompt_len]}, sp, 1 << 30):
                 outputs.add(r)
                 sched.add(r)
-                future[r.request_id] = ids[i + prompt_len:i + prompt_len + steps]
+                future[r.request_id] = ids[i + prompt_len : i + prompt_len + steps]
         times: dict[str, list[float]] = {"schedule": [], "update": [], "outputs": []}
         while sched.has_unfinished():
             t0 = time.perf_counter()
             step = sched.schedule()
             t1 = time.perf_counter()
-            rows = [SampledRow(handle=h, token_ids=[future[r.request_id][len(r.output_token_ids)]])
-                    for h, r in step.sampled.items()]
+            rows = [
+                SampledRow(handle=h, token_ids=[future[r.request_id][len(r.output_token_ids)]])
+                for h, r in step.sampled.items()
+            ]
             result = StepResult(step_id=step.plan.step_id, outputs=rows)
             t2 = time.perf_counter()
             update = sched.update_from_result(step, result)
@@ -207,25 +226,41 @@ def driver_cells(tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, st
                 for k, v in (("schedule", t1 - t0), ("update", t3 - t2), ("outputs", t4 - t3)):
                     times[k].append(v)
         med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-        cells.append({"batch_size": b, "prompt_len": prompt_len, "decode_steps": len(times["update"]),
-                      "stop_strings": stop_strings, "schedule_us": med["schedule"], "update_us": med["update"],
-                      "outputs_us": med["outputs"], "to_next_plan_us": med["schedule"] + med["update"],
-                      "total_us": sum(med.values())})
+        cells.append(
+            {
+                "batch_size": b,
+                "prompt_len": prompt_len,
+                "decode_steps": len(times["update"]),
+                "stop_strings": stop_strings,
+                "schedule_us": med["schedule"],
+                "update_us": med["update"],
+                "outputs_us": med["outputs"],
+                "to_next_plan_us": med["schedule"] + med["update"],
+                "total_us": sum(med.values()),
+            }
+        )
     return cells
 
 
 def driver_table(cells: list[dict[str, Any]]) -> str:
     rows = [f"{'driver (us a decode step)':28s}" + "".join(f"{'b' + str(c['batch_size']):>12s}" for c in cells)]
-    for key, label in (("schedule_us", "schedule"), ("update_us", "update_from_result"),
-                       ("to_next_plan_us", "result -> next plan"), ("outputs_us", "outputs (after the plan)"),
-                       ("total_us", "total")):
+    for key, label in (
+        ("schedule_us", "schedule"),
+        ("update_us", "update_from_result"),
+        ("to_next_plan_us", "result -> next plan"),
+        ("outputs_us", "outputs (after the plan)"),
+        ("total_us", "total"),
+    ):
         rows.append(f"{label:28s}" + "".join(f"{c[key]:12.1f}" for c in cells))
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host_sections", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_sections",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_model_args(p)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--context-lens", default="512")
@@ -233,8 +268,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
-    p.add_argument("--driver", action="store_true",
-                   help="time the driver's side of a decode step (schedule, update, outputs) instead")
+    p.add_argument(
+        "--driver",
+        action="store_true",
+        help="time the driver's side of a decode step (schedule, update, outputs) instead",
+    )
     p.add_argument("--tokenizer", help="--driver: the tokenizer directory (default: the model's)")
     p.add_argument("--no-stop-strings", action="store_true", help="--driver: requests without stop strings")
     common.add_output_args(p, "host_sections")
@@ -244,12 +282,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.driver:
         return _driver_main(args)
     model_dir, load_format = common.model_and_format(args)
-    conf = {"model_dir": model_dir, "load_format": load_format, "model_name": args.shape or model_dir,
-            "batch_sizes": decode_roofline._ints(args.batch_sizes),
-            "context_lens": decode_roofline._ints(args.context_lens), "warmup": args.warmup,
-            "iters": args.iters, "cuda_graphs": args.cuda_graphs, "device": args.device, "dtype": "auto",
-            "block_size": 16, "engine_options": {}, "gpu_memory_utilization": 0.9, "profile_steps": 0,
-            "temperature": 0.0}
+    conf = {
+        "model_dir": model_dir,
+        "load_format": load_format,
+        "model_name": args.shape or model_dir,
+        "batch_sizes": decode_roofline._ints(args.batch_sizes),
+        "context_lens": decode_roofline._ints(args.context_lens),
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "cuda_graphs": args.cuda_graphs,
+        "device": args.device,
+        "dtype": "auto",
+        "block_size": 16,
+        "engine_options": {},
+        "gpu_memory_utilization": 0.9,
+        "profile_steps": 0,
+        "temperature": 0.0,
+    }
     cells = run(conf)
     print(table(cells), flush=True)
     out_path, _ = common.output_paths(args, "host_sections")
@@ -260,9 +309,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _driver_main(args) -> dict[str, Any]:
     tokenizer = args.tokenizer or common.model_and_format(args)[0]
-    conf = {"tokenizer": tokenizer, "batch_sizes": decode_roofline._ints(args.batch_sizes),
-            "prompt_len": decode_roofline._ints(args.context_lens)[0], "steps": args.iters,
-            "stop_strings": not args.no_stop_strings}
+    conf = {
+        "tokenizer": tokenizer,
+        "batch_sizes": decode_roofline._ints(args.batch_sizes),
+        "prompt_len": decode_roofline._ints(args.context_lens)[0],
+        "steps": args.iters,
+        "stop_strings": not args.no_stop_strings,
+    }
     cells = driver_cells(tokenizer, conf["batch_sizes"], conf["prompt_len"], conf["steps"], conf["stop_strings"])
     print(driver_table(cells), flush=True)
     out_path, _ = common.output_paths(args, "host_sections")

@@ -55,9 +55,18 @@ def exposed_per_step(kernels: list[tuple[str, float, float]], steps: int, top: i
     """``exposed_time`` per step: the kernels sorted by the span they add, and the idle time."""
     t = exposed_time(kernels)
     steps = max(1, steps)
-    rows = [{"name": n, "exposed_us_per_step": r["exposed_us"] / steps,
-             "duration_us_per_step": r["duration_us"] / steps, "calls_per_step": r["calls"] / steps}
-            for n, r in t["by_name"].items()]
+    rows = [
+        {
+            "name": n,
+            "exposed_us_per_step": r["exposed_us"] / steps,
+            "duration_us_per_step": r["duration_us"] / steps,
+            "calls_per_step": r["calls"] / steps,
+        }
+        for n, r in t["by_name"].items()
+    ]
     rows.sort(key=lambda r: -r["exposed_us_per_step"])
-    return {"span_us_per_step": t["span_us"] / steps, "idle_us_per_step": t["idle_us"] / steps,
-            "exposed_top": rows[:top]}
+    return {
+        "span_us_per_step": t["span_us"] / steps,
+        "idle_us_per_step": t["idle_us"] / steps,
+        "exposed_top": rows[:top],
+    }

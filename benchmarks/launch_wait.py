@@ -35,21 +35,38 @@ def mode_options(mode: str, model: str) -> dict:
     return {}
 
 
-def run_mode(mode: str, model: str, fmt: str, wait_ms: float, num_prompts: int = 48,
-             prompt_len: int = 200, max_num_seqs: int = 32, vocab: int = 1000) -> dict:
+def run_mode(
+    mode: str,
+    model: str,
+    fmt: str,
+    wait_ms: float,
+    num_prompts: int = 48,
+    prompt_len: int = 200,
+    max_num_seqs: int = 32,
+    vocab: int = 1000,
+) -> dict:
     """Launch times (ms) of one mode's steady state: after a warm-up request."""
     import ray
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=model, load_format=fmt, async_scheduling=True, max_num_seqs=max_num_seqs,
-              max_model_len=2048, sync_check="error", launch_wait_probe_ms=wait_ms,
-              **mode_options(mode, model))
+    llm = LLM(
+        model=model,
+        load_format=fmt,
+        async_scheduling=True,
+        max_num_seqs=max_num_seqs,
+        max_model_len=2048,
+        sync_check="error",
+        launch_wait_probe_ms=wait_ms,
+        **mode_options(mode, model),
+    )
     try:
         rnd = random.Random(0)
         prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
-        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i,
-                                 ignore_eos=True) for i in range(num_prompts)]
+        params = [
+            SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i, ignore_eos=True)
+            for i in range(num_prompts)
+        ]
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
         ray.get([w.clear_launch_times.remote() for w in workers])
@@ -58,18 +75,28 @@ def run_mode(mode: str, model: str, fmt: str, wait_ms: float, num_prompts: int =
         llm.generate(hits, params[: num_prompts // 2], use_tqdm=False)
         stats = ray.get([w.stats.remote() for w in workers])
         launches = [ms for s in stats for ms in s["launch_ms"]]
-        return {"mode": mode, "wait_ms": wait_ms, "launch_ms": launches,
-                "preemptions": llm.engine.scheduler.num_preemptions,
-                "piecewise_replays": sum(s.get("piecewise_replays", 0) for s in stats)}
+        return {
+            "mode": mode,
+            "wait_ms": wait_ms,
+            "launch_ms": launches,
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            "piecewise_replays": sum(s.get("piecewise_replays", 0) for s in stats),
+        }
     finally:
         llm.shutdown()
 
 
 def summarize(run: dict) -> dict:
     ls = run["launch_ms"]
-    return {"mode": run["mode"], "launches": len(ls), "waited": sum(x > run["wait_ms"] / 4 for x in ls),
-            "median_ms": statistics.median(ls) if ls else 0.0, "max_ms": max(ls) if ls else 0.0,
-            "preemptions": run["preemptions"], "piecewise_replays": run["piecewise_replays"]}
+    return {
+        "mode": run["mode"],
+        "launches": len(ls),
+        "waited": sum(x > run["wait_ms"] / 4 for x in ls),
+        "median_ms": statistics.median(ls) if ls else 0.0,
+        "max_ms": max(ls) if ls else 0.0,
+        "preemptions": run["preemptions"],
+        "piecewise_replays": run["piecewise_replays"],
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -89,8 +116,10 @@ def main(argv=None) -> list[dict]:
     print(f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | preemptions |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
-              f"| {r['preemptions']} |")
+        print(
+            f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
+            f"| {r['preemptions']} |"
+        )
     return rows
 
 

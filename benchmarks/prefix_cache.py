@@ -28,13 +28,15 @@ from typing import Any
 from benchmarks import common
 from benchmarks.hf_baseline import throughput_fields
 
-SMOKE = {"num_prompts": 8, "prefix_len": 40, "suffix_len": 5, "output_len": 4, "num_ttft_probes": 2,
-         "num_warmup": 1}
+SMOKE = {"num_prompts": 8, "prefix_len": 40, "suffix_len": 5, "output_len": 4, "num_ttft_probes": 2, "num_warmup": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.prefix_cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_model_args(p)
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=200)
@@ -91,17 +93,32 @@ def _ms_stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     a = np.asarray(values) * 1e3
-    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p90_ms": float(np.percentile(a, 90)),
-            "p99_ms": float(np.percentile(a, 99)), "min_ms": float(a.min()), "max_ms": float(a.max())}
+    return {
+        "mean_ms": float(a.mean()),
+        "median_ms": float(np.median(a)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "min_ms": float(a.min()),
+        "max_ms": float(a.max()),
+    }
 
 
 def _ttfts(outputs) -> list[float]:
-    return [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
-            if o.metrics and o.metrics.first_token_time is not None]
+    return [
+        o.metrics.first_token_time - o.metrics.arrival_time
+        for o in outputs
+        if o.metrics and o.metrics.first_token_time is not None
+    ]
 
 
-def run_mode(args: argparse.Namespace, model_dir: str, load_format: str, opts: dict, on: bool,
-             prompts: dict[str, list[list[int]]]) -> dict[str, Any]:
+def run_mode(
+    args: argparse.Namespace,
+    model_dir: str,
+    load_format: str,
+    opts: dict,
+    on: bool,
+    prompts: dict[str, list[list[int]]],
+) -> dict[str, Any]:
     from cluster import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -110,20 +127,29 @@ def run_mode(args: argparse.Namespace, model_dir: str, load_format: str, opts: d
     try:
         sch = llm.engine.scheduler
         if prompts["warmup"]:
-            llm.generate([{"prompt_token_ids": p} for p in prompts["warmup"]],
-                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": p} for p in prompts["warmup"]],
+                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                use_tqdm=False,
+            )
         before = sch.prefix_cache_stats()
-        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.output_len, seed=i)
-                  for i in range(len(prompts["batch"]))]
+        params = [
+            SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.output_len, seed=i)
+            for i in range(len(prompts["batch"]))
+        ]
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts["batch"]], params, use_tqdm=True)
         elapsed = time.perf_counter() - start
         stats = sch.prefix_cache_stats()
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        res: dict[str, Any] = {"prefix_caching": on, "engine_init_s": init_s,
-                               **throughput_fields(elapsed, len(outs), n_in, n_out),
-                               "ttft": _ms_stats(_ttfts(outs)), "num_preemptions": sch.num_preemptions}
+        res: dict[str, Any] = {
+            "prefix_caching": on,
+            "engine_init_s": init_s,
+            **throughput_fields(elapsed, len(outs), n_in, n_out),
+            "ttft": _ms_stats(_ttfts(outs)),
+            "num_preemptions": sch.num_preemptions,
+        }
         res["prefix_cache"] = _window(before, stats)
         probe_ttft = []
         for p in prompts["probes"]:
@@ -143,18 +169,24 @@ def _window(before: dict, after: dict) -> dict:
     """The batch's own prefix-cache counters (warm-up excluded)."""
     q = after["queries"] - before["queries"]
     h = after["hits"] - before["hits"]
-    return dict(after, queries=q, hits=h, hit_rate=h / q if q else 0.0,
-                evictions=after["evictions"] - before["evictions"])
+    return dict(
+        after, queries=q, hits=h, hit_rate=h / q if q else 0.0, evictions=after["evictions"] - before["evictions"]
+    )
 
 
 def print_table(runs: dict[str, dict]) -> None:
-    print(f"{'caching':>8} {'req/s':>8} {'tok/s':>10} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>10} "
-          f"{'probe TTFT':>11} {'hit rate':>9}")
+    print(
+        f"{'caching':>8} {'req/s':>8} {'tok/s':>10} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>10} "
+        f"{'probe TTFT':>11} {'hit rate':>9}"
+    )
     for mode, r in runs.items():
-        print(f"{mode:>8} {r['requests_per_second']:8.2f} {r['tokens_per_second']:10.1f} "
-              f"{r['output_tokens_per_second']:10.1f} {r['ttft'].get('mean_ms', 0):8.1f}ms "
-              f"{r['ttft'].get('p99_ms', 0):8.1f}ms {r['probe_ttft'].get('mean_ms', 0):9.1f}ms "
-              f"{r['prefix_cache']['hit_rate']:9.3f}", flush=True)
+        print(
+            f"{mode:>8} {r['requests_per_second']:8.2f} {r['tokens_per_second']:10.1f} "
+            f"{r['output_tokens_per_second']:10.1f} {r['ttft'].get('mean_ms', 0):8.1f}ms "
+            f"{r['ttft'].get('p99_ms', 0):8.1f}ms {r['probe_ttft'].get('mean_ms', 0):9.1f}ms "
+            f"{r['prefix_cache']['hit_rate']:9.3f}",
+            flush=True,
+        )
 
 
 def plot(result: dict[str, Any], path) -> None:
@@ -169,8 +201,10 @@ def plot(result: dict[str, Any], path) -> None:
     b.bar(names, [runs[n]["probe_ttft"].get("mean_ms", 0) for n in names], label="single request", alpha=0.7)
     b.set_ylabel("TTFT (ms)")
     b.legend()
-    fig.suptitle(f"{result['config']['model_name']}: {result['config']['num_prompts']} requests, "
-                 f"{result['config']['prefix_len']}-token shared prefix")
+    fig.suptitle(
+        f"{result['config']['model_name']}: {result['config']['num_prompts']} requests, "
+        f"{result['config']['prefix_len']}-token shared prefix"
+    )
     common.save_figure(fig, path)
 
 
@@ -199,9 +233,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(runs)
     result = common.record("prefix_cache", args)
     result["config"] = {
-        "model_name": args.shape or model_dir, "model_dir": model_dir, "load_format": load_format,
-        "engine_options": opts, "num_prompts": args.num_prompts, "prefix_len": args.prefix_len,
-        "num_prefixes": args.num_prefixes, "suffix_len": args.suffix_len, "output_len": args.output_len,
+        "model_name": args.shape or model_dir,
+        "model_dir": model_dir,
+        "load_format": load_format,
+        "engine_options": opts,
+        "num_prompts": args.num_prompts,
+        "prefix_len": args.prefix_len,
+        "num_prefixes": args.num_prefixes,
+        "suffix_len": args.suffix_len,
+        "output_len": args.output_len,
         "device": next(iter(runs.values()))["device"],
     }
     if "on" in runs and "off" in runs:
@@ -220,9 +260,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         agree = [_common_prefix(a, b) for a, b in pairs]
         result["outputs_agreeing_prefix_tokens_mean"] = sum(agree) / len(agree)
         result["outputs_first_token_equal_fraction"] = sum(n > 0 for n in agree) / len(agree)
-        print(f"caching on / off: output throughput {result['ratio_on_over_off']['output_tokens_per_second']:.2f}x, "
-              f"outputs equal for {same}/{len(pairs)} requests, mean agreeing prefix "
-              f"{result['outputs_agreeing_prefix_tokens_mean']:.1f} of {args.output_len} tokens", flush=True)
+        print(
+            f"caching on / off: output throughput {result['ratio_on_over_off']['output_tokens_per_second']:.2f}x, "
+            f"outputs equal for {same}/{len(pairs)} requests, mean agreeing prefix "
+            f"{result['outputs_agreeing_prefix_tokens_mean']:.1f} of {args.output_len} tokens",
+            flush=True,
+        )
     for r in runs.values():
         r.pop("output_token_ids")
     result["runs"] = runs

@@ -34,8 +34,14 @@ def measure_bandwidth(device, nbytes: int, iters: int) -> dict[str, Any]:
             times.append((time.perf_counter() - t) / iters)
     best = min(times)
     del src, dst
-    return {"bytes_per_copy": 2 * n * 4, "buffer_bytes": n * 4, "iters": iters, "seconds_per_copy": best,
-            "bandwidth_bytes_per_s": 2 * n * 4 / best, "method": "torch copy_, read + write bytes"}
+    return {
+        "bytes_per_copy": 2 * n * 4,
+        "buffer_bytes": n * 4,
+        "iters": iters,
+        "seconds_per_copy": best,
+        "bandwidth_bytes_per_s": 2 * n * 4 / best,
+        "method": "torch copy_, read + write bytes",
+    }
 
 
 def weight_bytes_per_step(model, batch: int) -> int:
@@ -56,8 +62,9 @@ def weight_bytes_per_step(model, batch: int) -> int:
     return total
 
 
-def phase_floor_s(weight_bytes: int, kv_bytes: int, dtype_bytes: int, batch: int, bandwidth: float,
-                  matmul_flops: float) -> float:
+def phase_floor_s(
+    weight_bytes: int, kv_bytes: int, dtype_bytes: int, batch: int, bandwidth: float, matmul_flops: float
+) -> float:
     """A step's floor phase by phase: the GEMMs at the larger of their weight read and
     their FLOPs (2 x weights x rows) over the measured matmul rate, then attention at its
     KV read. Above the memory roofline once the GEMMs turn compute-bound (8B at b256)."""
@@ -72,5 +79,7 @@ def device_split(kernel_us: float, step_ms: float, roofline_ms: float) -> dict[s
     Empty without device kernels (a CPU run), where the split means nothing."""
     if kernel_us <= 0 or step_ms <= 0 or roofline_ms <= 0:
         return {}
-    return {"kernel_ratio": kernel_us / 1e3 / roofline_ms,
-            "device_idle_fraction": max(0.0, 1.0 - kernel_us / 1e3 / step_ms)}
+    return {
+        "kernel_ratio": kernel_us / 1e3 / roofline_ms,
+        "device_idle_fraction": max(0.0, 1.0 - kernel_us / 1e3 / step_ms),
+    }

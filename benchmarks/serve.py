@@ -27,13 +27,18 @@ from benchmarks import common
 from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
 from benchmarks.serve_client import GrpcClient, HttpClient, RequestFuncOutput
 
-METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+METRICS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("server")
     g.add_argument("--backend", choices=("http", "grpc"), default="http")
     g.add_argument("--host", default="127.0.0.1")
@@ -42,8 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--served-model-name", default=None, help="default: the server's first model")
     g.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server")
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0)
-    g.add_argument("--prompt-format", choices=("token_ids", "text"), default="token_ids",
-                   help="http: send token-id prompts (exact lengths) or their decoded text")
+    g.add_argument(
+        "--prompt-format",
+        choices=("token_ids", "text"),
+        default="token_ids",
+        help="http: send token-id prompts (exact lengths) or their decoded text",
+    )
     common.add_model_args(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the --model/--shape one)")
     p.add_argument("--vocab-size", type=int, default=None, help="random prompts' vocabulary if no model is given")
@@ -57,17 +66,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--metric-percentiles", default="90,99")
     g.add_argument("--disable-warmup", action="store_true", help="skip the untimed first test request")
     g = p.add_argument_group("launch (optional)")
-    g.add_argument("--launch-server", action="store_true",
-                   help="start `python -m cluster.serve` for the model with the engine flags below "
-                        "(--data-parallel-size, --tensor-parallel-size, ...) on free ports, benchmark it, stop it")
+    g.add_argument(
+        "--launch-server",
+        action="store_true",
+        help="start `python -m cluster.serve` for the model with the engine flags below "
+        "(--data-parallel-size, --tensor-parallel-size, ...) on free ports, benchmark it, stop it",
+    )
     g.add_argument("--server-log", default=None, help="--launch-server: the server's log file (default: a temp file)")
     common.add_engine_args(p)
     common.add_output_args(p, "serve")
     return p.parse_args(argv)
 
 
-async def arrivals(requests: list[SampleRequest], rate: float, burstiness: float,
-                   seed: int) -> AsyncIterator[tuple[int, SampleRequest]]:
+async def arrivals(
+    requests: list[SampleRequest], rate: float, burstiness: float, seed: int
+) -> AsyncIterator[tuple[int, SampleRequest]]:
     """``vllm bench serve``'s arrival process: gamma intervals of mean 1/rate."""
     rng = np.random.default_rng(seed)
     for i, req in enumerate(requests):
@@ -81,8 +94,13 @@ def _p_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOutput], duration: float,
-                      selected: list[str], percentiles: list[float]) -> dict[str, Any]:
+def calculate_metrics(
+    requests: list[SampleRequest],
+    outputs: list[RequestFuncOutput],
+    duration: float,
+    selected: list[str],
+    percentiles: list[float],
+) -> dict[str, Any]:
     """vLLM's metrics: per-request TPOT, ITL over all chunk gaps, throughput over the run."""
     out_lens, ttfts, tpots, itls, e2els, errors = [], [], [], [], [], []
     completed = total_input = 0
@@ -101,8 +119,11 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOu
         completed += 1
     total_output = sum(out_lens)
     res: dict[str, Any] = {
-        "duration": duration, "completed": completed, "failed": len(outputs) - completed,
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "duration": duration,
+        "completed": completed,
+        "failed": len(outputs) - completed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
         "request_throughput": completed / duration,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
@@ -115,21 +136,30 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOu
         res[f"std_{m}_ms"] = float(np.std(vals))
         for p in percentiles:
             res[f"p{_p_word(p)}_{m}_ms"] = float(np.percentile(vals, p))
-    res.update(input_lens=[r.prompt_len for r in requests], output_lens=out_lens,
-               ttfts=ttfts, itls=[o.itl for o in outputs], e2els=e2els, tpots=tpots, errors=errors)
+    res.update(
+        input_lens=[r.prompt_len for r in requests],
+        output_lens=out_lens,
+        ttfts=ttfts,
+        itls=[o.itl for o in outputs],
+        e2els=e2els,
+        tpots=tpots,
+        errors=errors,
+    )
     return res
 
 
-def print_report(res: dict[str, Any], args: argparse.Namespace, selected: list[str],
-                 percentiles: list[float]) -> None:
+def print_report(res: dict[str, Any], args: argparse.Namespace, selected: list[str], percentiles: list[float]) -> None:
     print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
-    rows = [("Successful requests:", res["completed"]), ("Failed requests:", res["failed"]),
-            ("Benchmark duration (s):", f"{res['duration']:.2f}"),
-            ("Total input tokens:", res["total_input_tokens"]),
-            ("Total generated tokens:", res["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{res['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{res['total_token_throughput']:.2f}")]
+    rows = [
+        ("Successful requests:", res["completed"]),
+        ("Failed requests:", res["failed"]),
+        ("Benchmark duration (s):", f"{res['duration']:.2f}"),
+        ("Total input tokens:", res["total_input_tokens"]),
+        ("Total generated tokens:", res["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{res['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{res['total_token_throughput']:.2f}"),
+    ]
     for k, v in rows:
         print(f"{k:<40}{v:<10}")
     for m in selected:
@@ -193,8 +223,12 @@ def common_vocab(model_dir: str) -> int:
 def plot(res: dict[str, Any], selected: list[str], path: Path) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, len(selected), figsize=(4 * len(selected), 3.6), squeeze=False)
-    series = {"ttft": res["ttfts"], "tpot": res["tpots"], "itl": [x for r in res["itls"] for x in r],
-              "e2el": res["e2els"]}
+    series = {
+        "ttft": res["ttfts"],
+        "tpot": res["tpots"],
+        "itl": [x for r in res["itls"] for x in r],
+        "e2el": res["e2els"],
+    }
     for ax, m in zip(axes[0], selected):
         v = np.sort(np.asarray(series[m], dtype=float) * 1000.0)
         if len(v):
@@ -203,16 +237,21 @@ def plot(res: dict[str, Any], selected: list[str], path: Path) -> None:
         ax.set_ylabel("fraction of requests" if m != "itl" else "fraction of gaps")
         ax.set_title(METRICS[m], fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{res['config']['backend']} rate={res['config']['request_rate']} "
-                 f"concurrency={res['config']['max_concurrency']}", fontsize=10)
+    fig.suptitle(
+        f"{res['config']['backend']} rate={res['config']['request_rate']} "
+        f"concurrency={res['config']['max_concurrency']}",
+        fontsize=10,
+    )
     common.save_figure(fig, path)
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     opts = common.engine_options(args)
     if opts and not args.launch_server:
-        raise SystemExit(f"engine flags ({', '.join(sorted(opts))}) configure a server this benchmark "
-                         "launches: add --launch-server, or pass them to your own `python -m cluster.serve`")
+        raise SystemExit(
+            f"engine flags ({', '.join(sorted(opts))}) configure a server this benchmark "
+            "launches: add --launch-server, or pass them to your own `python -m cluster.serve`"
+        )
     if not args.launch_server:
         return await _amain(args)
     from benchmarks.serve_client import launch_server
@@ -251,19 +290,30 @@ async def _amain(args: argparse.Namespace, launched: dict[str, Any] | None = Non
             first = await client.send(requests[0], args.temperature, args.seed)
             if not first.success:
                 raise SystemExit(f"the initial test request failed: {first.error}")
-        print(f"{args.backend} {endpoint}: {len(requests)} requests, rate {args.request_rate}, "
-              f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}", flush=True)
+        print(
+            f"{args.backend} {endpoint}: {len(requests)} requests, rate {args.request_rate}, "
+            f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}",
+            flush=True,
+        )
         outputs, duration = await run(args, client, requests)
     res = calculate_metrics(requests, outputs, duration, selected, percentiles)
     print_report(res, args, selected, percentiles)
     result = common.record("serve", args)
     result.update(res)
     result["config"] = {
-        "backend": args.backend, "endpoint": endpoint, "served_model": client.model or None,
-        "server_info": server_info, "model_dir": model_dir, "dataset": args.dataset,
-        "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "temperature": args.temperature,
-        "prompt_format": args.prompt_format, "percentiles": percentiles,
+        "backend": args.backend,
+        "endpoint": endpoint,
+        "served_model": client.model or None,
+        "server_info": server_info,
+        "model_dir": model_dir,
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "temperature": args.temperature,
+        "prompt_format": args.prompt_format,
+        "percentiles": percentiles,
         "launched_server_options": launched,
     }
     common.write_json(out_path, result)

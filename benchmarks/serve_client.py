@@ -85,8 +85,13 @@ class HttpClient:
 
     async def send(self, req: SampleRequest, temperature: float, seed: int) -> RequestFuncOutput:
         body = {
-            "model": self.model, "prompt": self._prompt(req), "max_tokens": req.expected_output_len,
-            "temperature": temperature, "ignore_eos": True, "stream": True, "seed": seed,
+            "model": self.model,
+            "prompt": self._prompt(req),
+            "max_tokens": req.expected_output_len,
+            "temperature": temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "seed": seed,
             "stream_options": {"include_usage": True},
         }
         out = RequestFuncOutput(prompt_len=req.prompt_len)
@@ -154,8 +159,7 @@ class GrpcClient:
         from cluster.proto import pb2, pb2_grpc
 
         self.pb2 = pb2
-        self.channel = grpc.aio.insecure_channel(
-            self.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = grpc.aio.insecure_channel(self.target, options=[("grpc.max_receive_message_length", 64 << 20)])
         self.stub = pb2_grpc.GenerationStub(self.channel)
         return self
 
@@ -181,8 +185,7 @@ class GrpcClient:
 
     async def send(self, req: SampleRequest, temperature: float, seed: int) -> RequestFuncOutput:
         pb2 = self.pb2
-        sp = pb2.SamplingParams(max_tokens=req.expected_output_len, temperature=temperature,
-                                ignore_eos=True, seed=seed)
+        sp = pb2.SamplingParams(max_tokens=req.expected_output_len, temperature=temperature, ignore_eos=True, seed=seed)
         if req.token_ids is not None:
             msg = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=req.token_ids), sampling=sp, model=self.model)
         else:
@@ -218,8 +221,9 @@ class GrpcClient:
 
 
 @contextlib.contextmanager
-def launch_server(model_dir: str, load_format: str, engine_options: dict[str, Any], log_path: str | None,
-                  ready_timeout_s: float):
+def launch_server(
+    model_dir: str, load_format: str, engine_options: dict[str, Any], log_path: str | None, ready_timeout_s: float
+):
     """``python -m cluster.serve`` with ``engine_options`` as its flags, on free loopback ports;
     yields (http port, grpc port) once it serves, then stops it (SIGINT, then SIGKILL). It joins
     the Ray cluster of ``$RAY_ADDRESS`` (a Ray job's), else starts a local Ray instance."""
@@ -236,8 +240,19 @@ def launch_server(model_dir: str, load_format: str, engine_options: dict[str, An
             return s.getsockname()[1]
 
     http, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "cluster.serve", "--model", model_dir, "--load-format", load_format,
-           "--http-port", str(http), "--grpc-port", str(grpc_port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.serve",
+        "--model",
+        model_dir,
+        "--load-format",
+        load_format,
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc_port),
+    ]
     for k, v in engine_options.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
@@ -246,8 +261,9 @@ def launch_server(model_dir: str, load_format: str, engine_options: dict[str, An
             cmd += [flag, v if isinstance(v, str) else json.dumps(v)]
     log = open(log_path or tempfile.mkstemp(prefix="serve-", suffix=".log")[1], "w+")  # noqa: SIM115
     print(f"launching: {' '.join(cmd)} (log: {log.name})", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:

@@ -15,7 +15,7 @@ SNIPPETS = [
         else:
             merged.append([start, end])
     return merged''',
-    '''class LRUCache:
+    """class LRUCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.items = {}
@@ -32,8 +32,8 @@ SNIPPETS = [
         self.items[key] = value
         if len(self.items) > self.capacity:
             oldest = next(iter(self.items))
-            del self.items[oldest]''',
-    '''def word_counts(path):
+            del self.items[oldest]""",
+    """def word_counts(path):
     counts = {}
     with open(path) as f:
         for line in f:
@@ -41,8 +41,8 @@ SNIPPETS = [
                 word = word.strip(".,;:!?\\"'()")
                 if word:
                     counts[word] = counts.get(word, 0) + 1
-    return sorted(counts.items(), key=lambda kv: -kv[1])''',
-    '''def binary_search(items, target):
+    return sorted(counts.items(), key=lambda kv: -kv[1])""",
+    """def binary_search(items, target):
     lo, hi = 0, len(items) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -52,15 +52,15 @@ SNIPPETS = [
             lo = mid + 1
         else:
             hi = mid - 1
-    return -1''',
-    '''function debounce(fn, wait) {
+    return -1""",
+    """function debounce(fn, wait) {
   let timer = null;
   return function (...args) {
     clearTimeout(timer);
     timer = setTimeout(() => fn.apply(this, args), wait);
   };
-}''',
-    '''def parse_config(text):
+}""",
+    """def parse_config(text):
     config = {}
     section = None
     for raw in text.splitlines():
@@ -73,16 +73,16 @@ SNIPPETS = [
         elif "=" in line and section is not None:
             key, value = line.split("=", 1)
             config[section][key.strip()] = value.strip()
-    return config''',
-    '''SELECT customers.name, COUNT(orders.id) AS order_count, SUM(orders.total) AS revenue
+    return config""",
+    """SELECT customers.name, COUNT(orders.id) AS order_count, SUM(orders.total) AS revenue
 FROM customers
 JOIN orders ON orders.customer_id = customers.id
 WHERE orders.created_at >= '2024-01-01'
 GROUP BY customers.name
 HAVING COUNT(orders.id) > 3
 ORDER BY revenue DESC
-LIMIT 10;''',
-    '''fn fibonacci(n: u64) -> u64 {
+LIMIT 10;""",
+    """fn fibonacci(n: u64) -> u64 {
     let mut a = 0;
     let mut b = 1;
     for _ in 0..n {
@@ -91,7 +91,7 @@ LIMIT 10;''',
         b = next;
     }
     a
-}''',
+}""",
 ]
 
 TASKS = [

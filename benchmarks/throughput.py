@@ -26,16 +26,27 @@ from benchmarks.hf_baseline import hf_available, run_hf, throughput_fields, toke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_model_args(p)
     add_dataset_args(p)
     g = p.add_argument_group("run")
     g.add_argument("--temperature", type=float, default=1.0, help="as vllm bench: 1.0, top_p 1.0, ignore_eos")
-    g.add_argument("--num-warmup", type=int, default=4,
-                   help="untimed warm-up requests (first kernel compilation), 4 output tokens each")
-    g.add_argument("--baseline", choices=("none", "hf"), default="none",
-                   help="hf: also run the workload through transformers' generate_batch")
+    g.add_argument(
+        "--num-warmup",
+        type=int,
+        default=4,
+        help="untimed warm-up requests (first kernel compilation), 4 output tokens each",
+    )
+    g.add_argument(
+        "--baseline",
+        choices=("none", "hf"),
+        default="none",
+        help="hf: also run the workload through transformers' generate_batch",
+    )
     g.add_argument("--hf-attn-implementation", default="paged|sdpa")
     common.add_engine_args(p)
     common.add_output_args(p, "throughput")
@@ -47,11 +58,12 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
 
     if num_warmup > 0:
         warm = [r.prompt for r in requests[:num_warmup]]
-        llm.generate(warm, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(warm, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prompts = [r.prompt for r in requests]
-    params = [SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
-                             max_tokens=r.expected_output_len, seed=i) for i, r in enumerate(requests)]
+    params = [
+        SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len, seed=i)
+        for i, r in enumerate(requests)
+    ]
     engine = llm.engine  # None under data parallelism: the replicas report their own counters
     before = dict(engine.stats) if engine is not None else {}
     if engine is not None:
@@ -71,15 +83,18 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
     finish = sorted(
         (o.metrics.finished_time - t0_mono) for o in outputs if o.metrics and o.metrics.finished_time is not None
     )
-    res = {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish,
-           "engine_stats": stats}
+    res = {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish, "engine_stats": stats}
     if engine is not None and engine.timeline:  # measure_device_timeline: where the device's time went
         busy = sum(t[1] for t in engine.timeline)
         idle = sum(t[2] for t in engine.timeline if t[2] >= 0)
-        res["device_timeline"] = {"steps": len(engine.timeline), "device_busy_s": busy,
-                                  "device_idle_s": idle, "busy_fraction_of_elapsed": busy / elapsed,
-                                  # per step: (rows, device seconds, idle seconds before it; -1: unknown)
-                                  "per_step": [list(t) for t in engine.timeline]}
+        res["device_timeline"] = {
+            "steps": len(engine.timeline),
+            "device_busy_s": busy,
+            "device_idle_s": idle,
+            "busy_fraction_of_elapsed": busy / elapsed,
+            # per step: (rows, device seconds, idle seconds before it; -1: unknown)
+            "per_step": [list(t) for t in engine.timeline],
+        }
     return res
 
 
@@ -92,12 +107,22 @@ def measure_ceilings(device: str) -> dict[str, Any]:
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     bw = measure_bandwidth(dev, (2048 if dev.type == "cuda" else 128) << 20, 10 if dev.type == "cuda" else 3)
-    return {"bandwidth_bytes_per_s": bw["bandwidth_bytes_per_s"], "bandwidth_method": bw["method"],
-            **common.measure_matmul_rate(dev)}
+    return {
+        "bandwidth_bytes_per_s": bw["bandwidth_bytes_per_s"],
+        "bandwidth_method": bw["method"],
+        **common.measure_matmul_rate(dev),
+    }
 
 
-def workload_roofline(arch, dtype_bytes: int, tp: int, prompt_lens: list[int], output_lens: list[int],
-                      max_num_seqs: int, ceilings: dict[str, Any]) -> dict[str, Any]:
+def workload_roofline(
+    arch,
+    dtype_bytes: int,
+    tp: int,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    max_num_seqs: int,
+    ceilings: dict[str, Any],
+) -> dict[str, Any]:
     """The workload's own floor on one GPU of the TP group (every rank reads its shard at once).
 
     Decode: at least ``max(max(o - 1), ceil(sum(o - 1) / max_num_seqs))`` steps, each
@@ -117,16 +142,29 @@ def workload_roofline(arch, dtype_bytes: int, tp: int, prompt_lens: list[int], o
     steps = max(max(decode, default=0), -(-sum(decode) // max(1, max_num_seqs)))
     kv_tok = arch.kv_bytes_per_token(dtype_bytes, tp)
     kv_bytes = sum(kv_tok * (o * p + o * (o - 1) // 2) for p, o in zip(prompt_lens, decode))
-    flops = sum(2 * arch.num_layers * layer * p + 2 * arch.num_layers * p * p * arch.num_heads * d
-                + 2 * lm_head for p in prompt_lens) / tp
+    flops = (
+        sum(
+            2 * arch.num_layers * layer * p + 2 * arch.num_layers * p * p * arch.num_heads * d + 2 * lm_head
+            for p in prompt_lens
+        )
+        / tp
+    )
     bw, rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
     mem_s = (steps * weight_bytes_step + kv_bytes) / bw
     comp_s = flops / rate
     total_out = sum(output_lens)
-    return {**ceilings, "decode_steps": steps, "weight_bytes_per_step": weight_bytes_step,
-            "weight_bytes_total": steps * weight_bytes_step, "kv_bytes_total": kv_bytes,
-            "prefill_flops": flops, "decode_memory_s": mem_s, "prefill_compute_s": comp_s,
-            "roofline_s": mem_s + comp_s, "roofline_output_tokens_per_s": total_out / (mem_s + comp_s)}
+    return {
+        **ceilings,
+        "decode_steps": steps,
+        "weight_bytes_per_step": weight_bytes_step,
+        "weight_bytes_total": steps * weight_bytes_step,
+        "kv_bytes_total": kv_bytes,
+        "prefill_flops": flops,
+        "decode_memory_s": mem_s,
+        "prefill_compute_s": comp_s,
+        "roofline_s": mem_s + comp_s,
+        "roofline_output_tokens_per_s": total_out / (mem_s + comp_s),
+    }
 
 
 def _remote(fn, device: str, *args):
@@ -139,19 +177,26 @@ def _remote(fn, device: str, *args):
 
 
 def print_summary(res: dict[str, Any], label: str = "") -> None:
-    print(f"{label}Throughput: {res['requests_per_second']:.2f} requests/s, "
-          f"{res['tokens_per_second']:.2f} total tokens/s, "
-          f"{res['output_tokens_per_second']:.2f} output tokens/s")
+    print(
+        f"{label}Throughput: {res['requests_per_second']:.2f} requests/s, "
+        f"{res['tokens_per_second']:.2f} total tokens/s, "
+        f"{res['output_tokens_per_second']:.2f} output tokens/s"
+    )
     print(f"{label}Total num prompt tokens:  {res['total_num_prompt_tokens']}")
     print(f"{label}Total num output tokens:  {res['total_num_output_tokens']}", flush=True)
     st, tl = res.get("engine_stats") or {}, res.get("device_timeline")
     if "driver_wait_s" in st:
-        print(f"{label}Driver: schedule {st.get('driver_schedule_s', 0):.3f} s, process "
-              f"{st.get('driver_process_s', 0):.3f} s, waiting on workers {st['driver_wait_s']:.3f} s; "
-              f"worker launch (host) {st.get('worker_launch_s', 0):.3f} s over {st.get('steps', 0)} steps")
+        print(
+            f"{label}Driver: schedule {st.get('driver_schedule_s', 0):.3f} s, process "
+            f"{st.get('driver_process_s', 0):.3f} s, waiting on workers {st['driver_wait_s']:.3f} s; "
+            f"worker launch (host) {st.get('worker_launch_s', 0):.3f} s over {st.get('steps', 0)} steps"
+        )
     if tl:
-        print(f"{label}Device: busy {tl['device_busy_s']:.3f} s, idle between steps {tl['device_idle_s']:.3f} s "
-              f"({100 * tl['busy_fraction_of_elapsed']:.1f} % of elapsed busy)", flush=True)
+        print(
+            f"{label}Device: busy {tl['device_busy_s']:.3f} s, idle between steps {tl['device_idle_s']:.3f} s "
+            f"({100 * tl['busy_fraction_of_elapsed']:.1f} % of elapsed busy)",
+            flush=True,
+        )
 
 
 def plot(result: dict[str, Any], path) -> None:
@@ -185,18 +230,27 @@ def _roofline(model_dir, engine_cfg, device, opts, requests, res) -> dict[str, A
         nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2 if device == "cuda" else 4)
         tp = int(engine_cfg.get("parallel", {}).get("tensor_parallel_size", 1) or 1)
         ceil = _remote(measure_ceilings, device, device)
-        roof = workload_roofline(arch, nbytes, tp, [r.prompt_len for r in requests],
-                                 [r.expected_output_len for r in requests],
-                                 engine_cfg["scheduler"]["max_num_seqs"], ceil)
+        roof = workload_roofline(
+            arch,
+            nbytes,
+            tp,
+            [r.prompt_len for r in requests],
+            [r.expected_output_len for r in requests],
+            engine_cfg["scheduler"]["max_num_seqs"],
+            ceil,
+        )
     except Exception as exc:  # the throughput numbers stand on their own
         print(f"workload roofline: not computed ({exc!r})", file=sys.stderr)
         return {"error": repr(exc)}
     roof["achieved_fraction"] = roof["roofline_s"] / res["elapsed_time"]
-    print(f"Workload roofline: {roof['roofline_s']:.3f} s (decode memory {roof['decode_memory_s']:.3f} s over "
-          f"{roof['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, prefill compute {roof['prefill_compute_s']:.3f} s "
-          f"over {roof['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) = "
-          f"{roof['roofline_output_tokens_per_s']:.0f} output tok/s; achieved "
-          f"{100 * roof['achieved_fraction']:.1f} % of it", flush=True)
+    print(
+        f"Workload roofline: {roof['roofline_s']:.3f} s (decode memory {roof['decode_memory_s']:.3f} s over "
+        f"{roof['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, prefill compute {roof['prefill_compute_s']:.3f} s "
+        f"over {roof['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) = "
+        f"{roof['roofline_output_tokens_per_s']:.0f} output tok/s; achieved "
+        f"{100 * roof['achieved_fraction']:.1f} % of it",
+        flush=True,
+    )
     return roof
 
 
@@ -218,8 +272,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_model_len = core.max_model_len
     too_long = [r for r in requests if r.prompt_len + r.expected_output_len > max_model_len]
     if too_long:
-        raise SystemExit(f"{len(too_long)} requests exceed max_model_len {max_model_len}; "
-                         "lower --input-len/--output-len or raise --max-model-len")
+        raise SystemExit(
+            f"{len(too_long)} requests exceed max_model_len {max_model_len}; "
+            "lower --input-len/--output-len or raise --max-model-len"
+        )
     device = core.device
     engine_cfg = llm.config.to_dict()
     print(f"engine ready in {init_s:.1f} s on {device}; running {len(requests)} requests", flush=True)
@@ -230,9 +286,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = common.record("throughput", args)
     result.update(res)
     result["config"] = {
-        "model_name": args.shape or model_dir, "model_dir": model_dir, "load_format": load_format,
-        "engine_options": opts, "engine_config": engine_cfg, "device": device, "engine_init_s": init_s,
-        "max_model_len": max_model_len, "dataset": args.dataset, "num_prompts": len(requests),
+        "model_name": args.shape or model_dir,
+        "model_dir": model_dir,
+        "load_format": load_format,
+        "engine_options": opts,
+        "engine_config": engine_cfg,
+        "device": device,
+        "engine_init_s": init_s,
+        "max_model_len": max_model_len,
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
     }
     if roof is not None:
         result["roofline"] = roof
@@ -240,9 +303,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["ray_cluster"] = common.ray_cluster_info()
     if args.baseline == "hf":
         prompts = token_prompts_of(requests, tokenizer)
-        base = _remote(run_hf, device, model_dir, load_format, prompts,
-                       [r.expected_output_len for r in requests], engine_cfg["model"]["dtype"],
-                       args.hf_attn_implementation, device)
+        base = _remote(
+            run_hf,
+            device,
+            model_dir,
+            load_format,
+            prompts,
+            [r.expected_output_len for r in requests],
+            engine_cfg["model"]["dtype"],
+            args.hf_attn_implementation,
+            device,
+        )
         result["baseline"] = base
         if "error" not in base and not base.get("output_tokens_per_second"):
             base["error"] = "transformers generate_batch produced no output tokens (see its log)"
@@ -253,8 +324,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["ratio_vs_baseline"] = {
                 k: res[k] / base[k] for k in ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
             }
-            print(f"syncless / transformers output tokens/s: "
-                  f"{result['ratio_vs_baseline']['output_tokens_per_second']:.2f}x", flush=True)
+            print(
+                f"syncless / transformers output tokens/s: "
+                f"{result['ratio_vs_baseline']['output_tokens_per_second']:.2f}x",
+                flush=True,
+            )
     common.write_json(out_path, result)
     if png:
         plot(result, png)

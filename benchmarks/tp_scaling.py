@@ -42,8 +42,10 @@ def by_tp(results: list[dict[str, Any]], tp_of) -> dict[int, dict[str, Any]]:
     for r in results:
         n = tp_of(r)
         if n in out:
-            raise SystemExit(f"two results at TP={n} among the files: pass one per TP size "
-                             "(an A/B of the same size is two invocations)")
+            raise SystemExit(
+                f"two results at TP={n} among the files: pass one per TP size "
+                "(an A/B of the same size is two invocations)"
+            )
         out[n] = r
     return out
 
@@ -62,21 +64,40 @@ def decode_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             one = base.get((c["batch_size"] // n, c["context_len"]))
             if one is None:
                 continue
-            rows.append({"tp": n, "context_len": c["context_len"], "batch_size": c["batch_size"],
-                         "tp1_batch_size": one["batch_size"], "tokens_per_s": c["tokens_per_s"],
-                         "tp1_tokens_per_s": one["tokens_per_s"],
-                         "efficiency": c["tokens_per_s"] / (n * one["tokens_per_s"]),
-                         "step_ms": c["step_ms_median"], "ratio": c["ratio"]})
+            rows.append(
+                {
+                    "tp": n,
+                    "context_len": c["context_len"],
+                    "batch_size": c["batch_size"],
+                    "tp1_batch_size": one["batch_size"],
+                    "tokens_per_s": c["tokens_per_s"],
+                    "tp1_tokens_per_s": one["tokens_per_s"],
+                    "efficiency": c["tokens_per_s"] / (n * one["tokens_per_s"]),
+                    "step_ms": c["step_ms_median"],
+                    "ratio": c["ratio"],
+                }
+            )
     return rows
 
 
 def batch1_latency(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Batch-1 step time per (TP size, context) and its speed-up over TP=1."""
-    cells = {(decode_tp(r), c["context_len"]): c for r in results for c in r["cells"]
-             if c["batch_size"] == 1 and "step_ms_median" in c}
-    return [{"tp": n, "context_len": ctx, "step_ms": c["step_ms_median"], "ratio": c["ratio"],
-             "speedup": (cells[(1, ctx)]["step_ms_median"] / c["step_ms_median"]) if (1, ctx) in cells else None}
-            for (n, ctx), c in sorted(cells.items())]
+    cells = {
+        (decode_tp(r), c["context_len"]): c
+        for r in results
+        for c in r["cells"]
+        if c["batch_size"] == 1 and "step_ms_median" in c
+    }
+    return [
+        {
+            "tp": n,
+            "context_len": ctx,
+            "step_ms": c["step_ms_median"],
+            "ratio": c["ratio"],
+            "speedup": (cells[(1, ctx)]["step_ms_median"] / c["step_ms_median"]) if (1, ctx) in cells else None,
+        }
+        for (n, ctx), c in sorted(cells.items())
+    ]
 
 
 def throughput_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,11 +106,14 @@ def throughput_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for n, r in sorted(tps.items()):
         seqs = max_num_seqs(r)
-        row = {"tp": n, "output_tokens_per_s": r["output_tokens_per_second"],
-               "num_prompts": r["args"]["num_prompts"], "max_num_seqs": seqs}
+        row = {
+            "tp": n,
+            "output_tokens_per_s": r["output_tokens_per_second"],
+            "num_prompts": r["args"]["num_prompts"],
+            "max_num_seqs": seqs,
+        }
         if one is not None and n > 1 and seqs is not None and max_num_seqs(one) is not None:
-            same_load = (r["args"]["num_prompts"] == n * one["args"]["num_prompts"]
-                         and seqs == n * max_num_seqs(one))
+            same_load = r["args"]["num_prompts"] == n * one["args"]["num_prompts"] and seqs == n * max_num_seqs(one)
             if same_load:
                 row["efficiency"] = r["output_tokens_per_second"] / (n * one["output_tokens_per_second"])
         rows.append(row)
@@ -104,8 +128,10 @@ def report(paths: list[str]) -> list[str]:
     if decode:
         lines.append("decode, same per-GPU batch: tp ctx batch (tp1 batch) tok/s (tp1 tok/s) efficiency")
         for r in decode_rows(decode):
-            lines.append(f"  TP{r['tp']} ctx{r['context_len']:<5d} b{r['batch_size']:<4d} (b{r['tp1_batch_size']:<4d}) "
-                         f"{r['tokens_per_s']:9.0f} ({r['tp1_tokens_per_s']:9.0f}) {r['efficiency']:.2f}")
+            lines.append(
+                f"  TP{r['tp']} ctx{r['context_len']:<5d} b{r['batch_size']:<4d} (b{r['tp1_batch_size']:<4d}) "
+                f"{r['tokens_per_s']:9.0f} ({r['tp1_tokens_per_s']:9.0f}) {r['efficiency']:.2f}"
+            )
         lines.append("decode latency at batch 1: tp ctx step_ms ratio speedup")
         for r in batch1_latency(decode):
             sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
@@ -114,13 +140,18 @@ def report(paths: list[str]) -> list[str]:
         lines.append("offline throughput: tp prompts max_num_seqs output_tok/s efficiency")
         for r in throughput_rows(tput):
             eff = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
-            lines.append(f"  TP{r['tp']} {r['num_prompts']:5d} {r['max_num_seqs']} {r['output_tokens_per_s']:9.0f} {eff}")
+            lines.append(
+                f"  TP{r['tp']} {r['num_prompts']:5d} {r['max_num_seqs']} {r['output_tokens_per_s']:9.0f} {eff}"
+            )
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.tp_scaling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("files", nargs="+", help="decode_roofline and/or throughput result JSONs")
     args = p.parse_args(argv)
     for path in args.files:

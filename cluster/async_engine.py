@@ -159,8 +159,9 @@ class AsyncEngine:
         return len(self._streams)
 
     # ------------------------------------------------------------------ API
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                          strict_field: str | None = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams | None, strict_field: str | None = None
+    ) -> RequestStream:
         """Validate and enqueue; raises InvalidRequestError, Overloaded or EngineUnavailable.
         ``strict_field``: the API field that set ``max_tokens``; past the context it is refused
         rather than cut (``InputProcessor.make_requests``)."""
@@ -196,8 +197,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams | None = None
-                       ) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """Yields the request's deltas; leaving early (cancellation, GeneratorExit) aborts it."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -232,8 +234,13 @@ class AsyncEngine:
         else:
             fut.set_result(result)
 
-    def _dispatch(self, deltas: list[StreamDelta], finals: list[tuple[str, RequestOutput | None, str | None]],
-                  snap: dict[str, Any], dead: str | None) -> None:
+    def _dispatch(
+        self,
+        deltas: list[StreamDelta],
+        finals: list[tuple[str, RequestOutput | None, str | None]],
+        snap: dict[str, Any],
+        dead: str | None,
+    ) -> None:
         now = time.monotonic()
         self.snapshot = snap
         m = self.metrics
@@ -385,8 +392,9 @@ class AsyncEngine:
                     self._abort(core, cmd[1], finals)
                 elif cmd[0] == "state":
                     snap = self._snap(core)
-                    snap["worker_pids"] = [i.get("pid") for i in getattr(core.executor, "info", None) or []] \
-                        or self.info.get("worker_pids", [])
+                    snap["worker_pids"] = [
+                        i.get("pid") for i in getattr(core.executor, "info", None) or []
+                    ] or self.info.get("worker_pids", [])
                     self.loop.call_soon_threadsafe(self._resolve, cmd[1], snap, None)
             if finals:
                 self._post([], finals, core)

@@ -20,9 +20,15 @@ class BlockManager:
     about to be placed, ``admit`` references it. Freed cached blocks stay
     reusable until evicted (LRU) by an allocation that finds no free block."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 hash_algo: str = "blake3", retention_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        hash_algo: str = "blake3",
+        retention_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = enable_prefix_caching
@@ -106,16 +112,20 @@ class BlockManager:
             extra = salt_key(getattr(req.params, "cache_salt", None))
             for j in range(len(hs), n):
                 a, b = j * bs, (j + 1) * bs
-                toks = prompt[a:b] if b <= P else (prompt[a:] + outs[: b - P] if a < P else outs[a - P: b - P])
+                toks = prompt[a:b] if b <= P else (prompt[a:] + outs[: b - P] if a < P else outs[a - P : b - P])
                 hs.append(self.hasher(hs[-1] if hs else b"", toks, b"" if hs else extra))
         return hs
 
     def stats(self) -> dict:
         q = self.queries
         return {
-            "enabled": self.caching, "hash": self.hasher.algo if self.hasher else None,
-            "queries": q, "hits": self.hits, "hit_rate": self.hits / q if q else 0.0,
-            "requests": self.num_lookups, "num_cached_blocks": len(self.pool.by_hash),
+            "enabled": self.caching,
+            "hash": self.hasher.algo if self.hasher else None,
+            "queries": q,
+            "hits": self.hits,
+            "hit_rate": self.hits / q if q else 0.0,
+            "requests": self.num_lookups,
+            "num_cached_blocks": len(self.pool.by_hash),
             "evictions": self.pool.evictions,
         }
 

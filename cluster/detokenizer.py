@@ -12,8 +12,9 @@ class IncrementalDetokenizer:
     text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 token_text: dict[int, str] | None = None):
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, token_text: dict[int, str] | None = None
+    ):
         """``token_text``: a cache of single-token decodes to share between the sequences of
         one tokenizer and ``skip_special_tokens`` value (decoding is a pure function of ids)."""
         self.tok = tokenizer

@@ -25,7 +25,7 @@ import msgspec
 
 from cluster.async_engine import EngineUnavailable
 from cluster.dp_policy import PrefixLoadRouter
-from cluster.outputs import RequestOutput, StreamDelta
+from cluster.outputs import StreamDelta
 from cluster.replica_client import (
     actor_error,
     add_error,
@@ -34,6 +34,7 @@ from cluster.replica_client import (
     startup_timeout_s,
     wire_request,
 )
+from cluster.replica_stream import ReplicaStream, StreamEnd
 from cluster.replica_wire import (
     AddResult,
     PollBatch,
@@ -50,63 +51,6 @@ logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 5.0
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap
-
-
-@dataclass
-class _Final:
-    output: RequestOutput | None
-    error: str | None = None
-
-
-class ReplicaStream:
-    """The deltas of one request group (the interface of ``async_engine.RequestStream``)."""
-
-    def __init__(self, engine: DataParallelEngine, request_id: str, wire: ReplicaRequest, hashes: list[bytes]):
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.arrival = time.monotonic()
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.output: RequestOutput | None = None
-        self.finished = False
-        self.error: str | None = None
-        self.last_token_time: dict[int, float] = {}
-        self.wire = wire
-        self.hashes = hashes
-        self.replica = -1
-        self.streamed = False  # a token reached the client: the request can no longer move
-        self.moves = 0
-        self.failed_on: str | None = None  # set when its replica failed it before it streamed
-        self.sending = False  # an add to a replica is in flight (``_send`` handles its failure)
-
-    def __aiter__(self) -> ReplicaStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, _Final):
-            self.finished = True
-            self.output = item.output
-            if item.error:
-                self.error = item.error
-                raise EngineUnavailable(item.error)
-            raise StopAsyncIteration
-        if item.finish_reason == "error":
-            self.error = item.error or "the replica failed"
-            raise EngineUnavailable(self.error)
-        return item
-
-    async def result(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        return self.output
-
-    def close(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.request_id)
 
 
 @dataclass
@@ -134,8 +78,9 @@ class DataParallelEngine:
         self.snapshot: dict[str, Any] = {}
         self.accepting = True
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.router = PrefixLoadRouter(self.size, cfg.cache.block_size, cfg.cache.prefix_cache_hash,
-                                       enabled=cfg.cache.enable_prefix_caching)
+        self.router = PrefixLoadRouter(
+            self.size, cfg.cache.block_size, cfg.cache.prefix_cache_hash, enabled=cfg.cache.enable_prefix_caching
+        )
         self.replicas = [_Replica(i) for i in range(self.size)]
         self._streams: dict[str, ReplicaStream] = {}
         self._listeners: list = []
@@ -153,8 +98,11 @@ class DataParallelEngine:
                 raise EngineUnavailable(f"data-parallel replica {r.index} failed to start: {res}")
         first = self.replicas[0].info
         self.tokenizer = front_end_tokenizer(self.cfg, first["model_path"])
-        self.info = dict(first, data_parallel_size=self.size,
-                         worker_pids=[p for r in self.replicas for p in r.info.get("worker_pids", [])])
+        self.info = dict(
+            first,
+            data_parallel_size=self.size,
+            worker_pids=[p for r in self.replicas for p in r.info.get("worker_pids", [])],
+        )
         for r in self.replicas:
             r.task = asyncio.ensure_future(self._supervise(r))
         self._refresh_snapshot()
@@ -226,7 +174,7 @@ class DataParallelEngine:
                 s.failed_on = reason
                 self._move(s)
             else:
-                self._finish(s, _Final(None, reason))
+                self._finish(s, StreamEnd(None, reason))
         self._refresh_snapshot()
         self._notify()
 
@@ -280,7 +228,8 @@ class DataParallelEngine:
         if any(r.up for r in self.replicas):
             return None
         return "no data-parallel replica is serving: " + "; ".join(
-            f"replica {r.index}: {r.down_reason}" for r in self.replicas)
+            f"replica {r.index}: {r.down_reason}" for r in self.replicas
+        )
 
     @property
     def healthy(self) -> bool:
@@ -292,13 +241,23 @@ class DataParallelEngine:
 
     def replica_states(self) -> list[dict[str, Any]]:
         """Per replica: index, up, why it is down, restarts and its last load (``/metrics``)."""
-        return [{"replica": r.index, "up": r.up, "down_reason": r.down_reason,
-                 "actor_restarts": r.actor_restarts, "worker_restarts": r.load.num_restarts,
-                 "in_flight": len(r.streams), "load": msgspec.to_builtins(r.load)} for r in self.replicas]
+        return [
+            {
+                "replica": r.index,
+                "up": r.up,
+                "down_reason": r.down_reason,
+                "actor_restarts": r.actor_restarts,
+                "worker_restarts": r.load.num_restarts,
+                "in_flight": len(r.streams),
+                "load": msgspec.to_builtins(r.load),
+            }
+            for r in self.replicas
+        ]
 
     # ------------------------------------------------------------------ API
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                          strict_field: str | None = None) -> ReplicaStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams | None, strict_field: str | None = None
+    ) -> ReplicaStream:
         """Validate and route; raises InvalidRequestError, Overloaded or EngineUnavailable."""
         if not self.accepting or self._closing:
             raise EngineUnavailable("the server is shutting down")
@@ -379,7 +338,7 @@ class DataParallelEngine:
         """Re-send a request its replica failed before it streamed anything (once)."""
         failed = s.replica
         if s.moves >= 1 or self._closing:
-            self._finish(s, _Final(None, s.failed_on))
+            self._finish(s, StreamEnd(None, s.failed_on))
             return
         s.moves += 1
         logger.warning("moving request %s off replica %d: %s", s.request_id, failed, s.failed_on)
@@ -388,12 +347,13 @@ class DataParallelEngine:
             try:
                 await self._send(s, exclude=(failed,))
             except Exception as exc:  # noqa: BLE001 - ends the stream with the reason
-                self._finish(s, _Final(None, f"{s.failed_on}; moving the request failed: {exc}"))
+                self._finish(s, StreamEnd(None, f"{s.failed_on}; moving the request failed: {exc}"))
 
         asyncio.ensure_future(resend())
 
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams | None = None
-                 ) -> AsyncIterator[StreamDelta]:
+    def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
         async def gen():
             stream = await self.add_request(request_id, prompt, params)
             try:
@@ -418,7 +378,7 @@ class DataParallelEngine:
         return dict(self.snapshot, in_flight=len(self._streams), replicas=self.replica_states())
 
     # ------------------------------------------------------------ dispatch
-    def _finish(self, s: ReplicaStream, final: _Final) -> None:
+    def _finish(self, s: ReplicaStream, final: StreamEnd) -> None:
         if self._streams.get(s.request_id) is s:
             del self._streams[s.request_id]
         s.queue.put_nowait(final)
@@ -467,7 +427,7 @@ class DataParallelEngine:
                 continue
             if m is not None:
                 m.observe_finished(out, now - s.arrival)
-            self._finish(s, _Final(out, f"replica {r.index}: {out.error}" if out.error else None))
+            self._finish(s, StreamEnd(out, f"replica {r.index}: {out.error}" if out.error else None))
         self._refresh_snapshot()
         if was_up != r.up:
             self._notify()

@@ -38,15 +38,18 @@ class OfflineDataParallel:
             ray.init(address=cfg.parallel.ray_address, log_to_driver=True)
         self.cfg = cfg
         self.size = cfg.parallel.data_parallel_size
-        self.router = PrefixLoadRouter(self.size, cfg.cache.block_size, cfg.cache.prefix_cache_hash,
-                                       enabled=cfg.cache.enable_prefix_caching)
+        self.router = PrefixLoadRouter(
+            self.size, cfg.cache.block_size, cfg.cache.prefix_cache_hash, enabled=cfg.cache.enable_prefix_caching
+        )
         self.actors = [start_replica_actor(cfg, i, 1 << 30) for i in range(self.size)]
         refs = [a.describe.remote() for a in self.actors]
         try:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout_s(cfg))
             if len(ready) < len(refs):
-                raise EngineDeadError(f"{len(refs) - len(ready)} data-parallel replica(s) did not start within "
-                                      f"{startup_timeout_s(cfg):.0f} s")
+                raise EngineDeadError(
+                    f"{len(refs) - len(ready)} data-parallel replica(s) did not start within "
+                    f"{startup_timeout_s(cfg):.0f} s"
+                )
             self.info = []
             for i, ref in enumerate(refs):
                 try:
@@ -63,8 +66,9 @@ class OfflineDataParallel:
         self.device = self.info[0]["device"]
         self._ids = itertools.count()
 
-    def generate(self, prompts: list, params: list[SamplingParams | None], use_tqdm: bool = True
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list, params: list[SamplingParams | None], use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         ids = [f"offline-dp-{next(self._ids)}" for _ in prompts]
         batches: list[list] = [[] for _ in range(self.size)]
         where: dict[str, int] = {}
@@ -111,8 +115,9 @@ class OfflineDataParallel:
                     batch = decode(ray.get(ref), PollBatch)
                 except ray.exceptions.RayActorError as exc:
                     self._abort({rid: r for rid, r in where.items() if rid in pending})
-                    raise EngineDeadError(f"data-parallel replica {i} died during generate(): "
-                                          f"{actor_error(exc)}") from None
+                    raise EngineDeadError(
+                        f"data-parallel replica {i} died during generate(): {actor_error(exc)}"
+                    ) from None
                 for out in batch.finals:
                     if out.request_id in pending:
                         pending.discard(out.request_id)

@@ -48,8 +48,15 @@ class _HashLRU:
 
 
 class PrefixLoadRouter:
-    def __init__(self, num_replicas: int, block_size: int, hash_algo: str = "blake3",
-                 capacity_blocks: int = 1 << 16, max_imbalance: float = 4.0, enabled: bool = True):
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        hash_algo: str = "blake3",
+        capacity_blocks: int = 1 << 16,
+        max_imbalance: float = 4.0,
+        enabled: bool = True,
+    ):
         """``enabled=False`` (prefix caching off): route by load only."""
         self.block_size = block_size
         self.hasher = BlockHasher(hash_algo) if enabled else None

@@ -58,8 +58,7 @@ class EngineCore:
         limit = arch.max_position_embeddings
         if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
             raise ConfigError(
-                f"max_model_len {cfg.model.max_model_len} exceeds the model's "
-                f"max_position_embeddings {limit}"
+                f"max_model_len {cfg.model.max_model_len} exceeds the model's max_position_embeddings {limit}"
             )
         self.max_model_len = cfg.model.max_model_len or limit
         if not ray.is_initialized():
@@ -68,8 +67,13 @@ class EngineCore:
         self.executor = RayExecutor(cfg, self.model_dir, self.max_model_len, self.device)
         self.scheduler = Scheduler(cfg, self.executor.num_blocks, self.max_model_len)
         self.inputs = InputProcessor(
-            self.tokenizer, self.eos_token_ids, arch.vocab_size, self.max_model_len,
-            cfg.scheduler.max_num_batched_tokens, cfg.scheduler.enable_chunked_prefill, cfg.model.seed,
+            self.tokenizer,
+            self.eos_token_ids,
+            arch.vocab_size,
+            self.max_model_len,
+            cfg.scheduler.max_num_batched_tokens,
+            cfg.scheduler.enable_chunked_prefill,
+            cfg.model.seed,
         )
         self.async_scheduling = cfg.scheduler.async_scheduling
         self.in_flight: deque[tuple[ScheduledStep, list]] = deque()
@@ -87,8 +91,9 @@ class EngineCore:
         gc.freeze()
 
     # ------------------------------------------------------------------ API
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
-                    strict_field: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None, strict_field: str | None = None
+    ) -> None:
         """``strict_field``: refuse a ``max_tokens`` past the context instead of cutting it
         (``InputProcessor.make_requests``; the servers' API fields)."""
         if self.dead:
@@ -96,8 +101,9 @@ class EngineCore:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         blocks = self.scheduler.blocks
-        reqs = self.inputs.make_requests(request_id, prompt, params, blocks.num_blocks * blocks.block_size,
-                                          strict_field)
+        reqs = self.inputs.make_requests(
+            request_id, prompt, params, blocks.num_blocks * blocks.block_size, strict_field
+        )
         self.groups[request_id] = reqs
         for r in reqs:
             self.outputs.add(r)
@@ -192,8 +198,15 @@ class EngineCore:
                 break
         return None
 
-    def _account(self, sched: ScheduledStep, update: StepUpdate, stats: StepStats, wait_s: float,
-                 update_s: float, output_s: float) -> None:
+    def _account(
+        self,
+        sched: ScheduledStep,
+        update: StepUpdate,
+        stats: StepStats,
+        wait_s: float,
+        update_s: float,
+        output_s: float,
+    ) -> None:
         """Engine statistics of one result. Seconds: ``driver_wait_s`` blocked on the workers,
         ``driver_update_s`` applying the result to the scheduler (on the path to the next
         plan), ``driver_output_s`` detokenizing and building outputs (after the next plan
@@ -227,4 +240,3 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
         gc.unfreeze()  # what the engine held can be collected again
-

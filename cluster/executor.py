@@ -70,9 +70,9 @@ class RayExecutor:
             from workers.models.arch import load_arch
             from workers.pipeline import stage_layers
 
-            self.stage_layers = stage_layers(load_arch(model_dir).num_layers,
-                                             self.layout.pipeline_parallel_size,
-                                             cfg.parallel.pipeline_layer_split)
+            self.stage_layers = stage_layers(
+                load_arch(model_dir).num_layers, self.layout.pipeline_parallel_size, cfg.parallel.pipeline_layer_split
+            )
         self.workers: list = []
         self.info: list[dict] = []
         self.placement: Placement | None = None
@@ -88,32 +88,48 @@ class RayExecutor:
         world = self.layout.world_size
         self.placement = place_workers(self.layout, self.device_kind, timeout)
         try:
-            env = {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   **actor_env_vars(self.device_kind)}
+            env = {
+                "PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **actor_env_vars(self.device_kind),
+            }
             gpu = self.device_kind != "cpu"
             cls = ray.remote(WorkerActor)
             cfg_bytes = msgspec.msgpack.encode(self.cfg)
             self.workers = [
                 cls.options(
-                    num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
-                    scheduling_strategy=self.placement.scheduling_strategy(rank), max_restarts=0,
-                ).remote(cfg_bytes, self.model_dir, rank, world, self.max_model_len, self.device_kind,
-                         self.layout.tensor_parallel_size)
+                    num_cpus=0 if gpu else 1,
+                    num_gpus=1 if gpu else 0,
+                    runtime_env={"env_vars": env},
+                    scheduling_strategy=self.placement.scheduling_strategy(rank),
+                    max_restarts=0,
+                ).remote(
+                    cfg_bytes,
+                    self.model_dir,
+                    rank,
+                    world,
+                    self.max_model_len,
+                    self.device_kind,
+                    self.layout.tensor_parallel_size,
+                )
                 for rank in range(world)
             ]
             self.info = self._get([w.describe.remote() for w in self.workers], timeout, "start")
             init = self._get(self.workers[0].rendezvous.remote(), timeout, "start") if world > 1 else None
             blocks = self._get([w.load.remote(init) for w in self.workers], timeout, "load the model")
             self.num_blocks = min(blocks)
-            self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout,
-                      "allocate the KV cache")
+            self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout, "allocate the KV cache")
         except BaseException:
             self.shutdown()
             raise
         self.dead = None
-        logger.info("workers ready: %s", ", ".join(
-            f"rank {i['rank']}{self._stage_note(i['rank'])} {i['platform']} {i['node_ip']} pid {i['pid']} "
-            f"gpu {','.join(i['gpu_ids']) or '-'}" for i in self.info))
+        logger.info(
+            "workers ready: %s",
+            ", ".join(
+                f"rank {i['rank']}{self._stage_note(i['rank'])} {i['platform']} {i['node_ip']} pid {i['pid']} "
+                f"gpu {','.join(i['gpu_ids']) or '-'}"
+                for i in self.info
+            ),
+        )
 
     def _stage_note(self, rank: int) -> str:
         if self.stage_layers is None:
@@ -124,8 +140,7 @@ class RayExecutor:
 
     def restart(self) -> None:
         """Replace every worker (after a failure): new placement, new actors, empty KV cache."""
-        logger.warning("restarting %d worker(s)%s", self.layout.world_size,
-                       f" after: {self.dead}" if self.dead else "")
+        logger.warning("restarting %d worker(s)%s", self.layout.world_size, f" after: {self.dead}" if self.dead else "")
         self.shutdown()
         self.num_restarts += 1
         self._start()
@@ -189,11 +204,13 @@ class RayExecutor:
             try:
                 out[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
-                raise EngineDeadError(f"worker {self._where(rank)} died while trying to {what}: "
-                                      f"{death_cause(exc)}") from None
+                raise EngineDeadError(
+                    f"worker {self._where(rank)} died while trying to {what}: {death_cause(exc)}"
+                ) from None
             except ray.exceptions.RayTaskError as exc:
-                raise EngineDeadError(f"worker {self._where(rank)} failed to {what}: "
-                                      f"{getattr(exc, 'cause', None) or exc}") from None
+                raise EngineDeadError(
+                    f"worker {self._where(rank)} failed to {what}: {getattr(exc, 'cause', None) or exc}"
+                ) from None
         return out[0] if single else [out[r] for r in range(len(refs))]
 
     # --------------------------------------------------------------- steps

@@ -53,6 +53,40 @@ def sampling_from_proto(sp) -> SamplingParams:
         raise InvalidRequestError(str(exc), str(exc).split(" ")[0]) from None
 
 
+class _Malformed:
+    """A request body that is not the method's protobuf message (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return _Malformed(f"the request is not a valid {cls.DESCRIPTOR.full_name} message")
+    return parse
+
+
+def _add_generation_service(servicer: "GenerationService", server) -> None:
+    """``pb2_grpc.add_GenerationServicer_to_server`` with deserializers that never raise: gRPC's own
+    answer to an undecodable body is INTERNAL, ours INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb2.GenerateRequest),
+            response_serializer=pb2.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_lenient(pb2.AbortRequest),
+            response_serializer=pb2.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=_lenient(pb2.GetModelInfoRequest),
+            response_serializer=pb2.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class _Health(HealthServicer):
     """Health whose status follows the engine (NOT_SERVING once it dies or drains)."""
 
@@ -89,7 +123,9 @@ class GenerationService(pb2_grpc.GenerationServicer):
             self._pre = PromptPreprocessor(self.engine.tokenizer, self.engine.info["max_model_len"])
         return self._pre
 
-    async def _check_auth(self, context) -> None:
+    async def _check_auth(self, context, request=None) -> None:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if not self.api_key:
             return
         md = dict(context.invocation_metadata() or ())
@@ -119,7 +155,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
         await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (error id {error_id})")
 
     async def Generate(self, request, context):
-        await self._check_auth(context)
+        await self._check_auth(context, request)
         if request.model and request.model not in self.accepted_names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model: '{clip(request.model)}' does not exist; this server serves "
@@ -197,13 +233,13 @@ class GenerationService(pb2_grpc.GenerationServicer):
         return msg
 
     async def Abort(self, request, context):
-        await self._check_auth(context)
+        await self._check_auth(context, request)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         return pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):
-        await self._check_auth(context)
+        await self._check_auth(context, request)
         i = self.engine.info
         return pb2.ModelInfo(
             model_name=self.model_name, model_path=i["model_path"], architecture=i["architecture"],
@@ -217,8 +253,7 @@ async def start_grpc(engine: AsyncEngine, model_name: str, host: str, port: int,
                      aliases: tuple[str, ...] = (), preprocessor: PromptPreprocessor | None = None):
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb2_grpc.add_GenerationServicer_to_server(
-        GenerationService(engine, model_name, api_key, aliases, preprocessor), server)
+    _add_generation_service(GenerationService(engine, model_name, api_key, aliases, preprocessor), server)
     health = _Health(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -31,8 +31,9 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         skip = req.params.skip_special_tokens
-        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip,
-                                                            self._token_text[bool(skip)])
+        self.detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, skip, self._token_text[bool(skip)]
+        )
         self._hold[req.request_id] = max((len(s) - 1 for s in req.params.stop or ()), default=0)
 
     def release(self, req: Request) -> None:
@@ -73,24 +74,30 @@ class OutputProcessor:
             upto = max(req.emitted_chars, len(detok.text) - hold)
             text = detok.text[req.emitted_chars : upto]
             req.emitted_chars = upto
-            deltas.append(StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason,
-                                      stop_reason))
+            deltas.append(StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason, stop_reason))
         return deltas
 
     def request_output(self, request_id: str, reqs: list[Request]) -> RequestOutput:
         """The whole output of a request group so far."""
         first = reqs[0]
         return RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
             outputs=[
                 CompletionOutput(
-                    index=r.index, text=self.detok[r.request_id].text, token_ids=list(r.output_token_ids),
+                    index=r.index,
+                    text=self.detok[r.request_id].text,
+                    token_ids=list(r.output_token_ids),
                     cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                    logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                    logprobs=r.logprobs,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
                 )
                 for r in reqs
             ],
             finished=all(r.finished for r in reqs),
-            metrics=RequestMetrics(first.arrival, first.first_token_time, first.last_token_time,
-                                   sum(r.num_preemptions for r in reqs)),
+            metrics=RequestMetrics(
+                first.arrival, first.first_token_time, first.last_token_time, sum(r.num_preemptions for r in reqs)
+            ),
         )

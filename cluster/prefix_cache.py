@@ -36,11 +36,15 @@ def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
 def hash_input(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
     """The exact bytes hashed for one block: length-prefixed parent hash and extra keys,
     then the token ids as little-endian int64."""
-    return b"".join((
-        len(parent).to_bytes(1, "little"), parent,
-        len(extra).to_bytes(4, "little"), extra,
-        struct.pack(f"<{len(tokens)}q", *tokens),
-    ))
+    return b"".join(
+        (
+            len(parent).to_bytes(1, "little"),
+            parent,
+            len(extra).to_bytes(4, "little"),
+            extra,
+            struct.pack(f"<{len(tokens)}q", *tokens),
+        )
+    )
 
 
 class BlockHasher:
@@ -57,8 +61,9 @@ class BlockHasher:
         """Hashes of every full block of ``tokens`` (tests and tools)."""
         out: list[bytes] = []
         for j in range(len(tokens) // block_size):
-            out.append(self(out[-1] if out else b"", tokens[j * block_size:(j + 1) * block_size],
-                            b"" if out else extra))
+            out.append(
+                self(out[-1] if out else b"", tokens[j * block_size : (j + 1) * block_size], b"" if out else extra)
+            )
         return out
 
 
@@ -179,12 +184,13 @@ class BlockPool:
         """No referenced block unowned (all refcounts 0) and every block in exactly one place."""
         held = [b for b in range(self.num_blocks) if self.ref[b]]
         if held:
-            raise AssertionError(f"KV block leak: {len(held)} of {self.num_blocks} blocks held "
-                                 f"(e.g. {held[:8]})")
+            raise AssertionError(f"KV block leak: {len(held)} of {self.num_blocks} blocks held (e.g. {held[:8]})")
         places = list(self.free) + list(self.expired) + list(self.retained)
         if len(places) != self.num_blocks or len(set(places)) != self.num_blocks:
-            raise AssertionError(f"KV block leak: {self.num_blocks - len(set(places))} of "
-                                 f"{self.num_blocks} blocks missing from the free lists")
+            raise AssertionError(
+                f"KV block leak: {self.num_blocks - len(set(places))} of "
+                f"{self.num_blocks} blocks missing from the free lists"
+            )
         if set(self.hash_of) != set(self.expired) | set(self.retained):
             raise AssertionError("cached blocks and the LRU disagree")
         if {b: h for h, b in self.by_hash.items()} != self.hash_of:

@@ -40,8 +40,14 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class PromptPreprocessor:
-    def __init__(self, tokenizer, max_model_len: int, *, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        max_model_len: int,
+        *,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+    ):
         self.tokenizer = copy.deepcopy(tokenizer)  # this thread's own instance
         self.max_model_len = max_model_len
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -71,8 +77,14 @@ class PromptPreprocessor:
             raise InvalidRequestError(f"{field} {text[:80]!r} tokenizes to no tokens", field)
         return {"prompt_token_ids": list(ids), "prompt": text}
 
-    async def chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                   continue_final_message: bool, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         """Render the conversation with the chat template and tokenize it."""
         kwargs = dict(kwargs or {})
         template = self.chat_template
@@ -81,28 +93,35 @@ class PromptPreprocessor:
                 raise InvalidRequestError(
                     "chat_template_kwargs.chat_template: this server does not accept chat templates in "
                     "requests (the operator can allow them with --trust-request-chat-template)",
-                    "chat_template_kwargs")
+                    "chat_template_kwargs",
+                )
             template = kwargs.pop("chat_template")
             if not isinstance(template, str) or not template:
-                raise InvalidRequestError("chat_template_kwargs.chat_template must be a non-empty string",
-                                          "chat_template_kwargs")
+                raise InvalidRequestError(
+                    "chat_template_kwargs.chat_template must be a non-empty string", "chat_template_kwargs"
+                )
         if template is None:
-            raise InvalidRequestError("the model's tokenizer has no chat template; use /v1/completions",
-                                      "messages")
+            raise InvalidRequestError("the model's tokenizer has no chat template; use /v1/completions", "messages")
         size = sum(len(m.get("content") or "") for m in messages)
         if size > self.max_model_len * MAX_CHARS_PER_TOKEN:
             raise InvalidRequestError(
                 f"messages hold {size} characters, more than max_model_len ({self.max_model_len} tokens) "
-                f"can hold (at most {self.max_model_len * MAX_CHARS_PER_TOKEN} characters)", "messages")
-        return await self._run(self._render, template, messages, add_generation_prompt, continue_final_message,
-                               kwargs)
+                f"can hold (at most {self.max_model_len * MAX_CHARS_PER_TOKEN} characters)",
+                "messages",
+            )
+        return await self._run(self._render, template, messages, add_generation_prompt, continue_final_message, kwargs)
 
     def _render(self, template, messages, add_generation_prompt, continue_final_message, kwargs):
         try:
             text = render_chat_template(
-                template, messages, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, special_tokens=self.tokenizer.special_tokens_map,
-                kwargs=kwargs, max_chars=self.max_model_len * MAX_CHARS_PER_TOKEN)
+                template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                special_tokens=self.tokenizer.special_tokens_map,
+                kwargs=kwargs,
+                max_chars=self.max_model_len * MAX_CHARS_PER_TOKEN,
+            )
         except ChatTemplateError as exc:
             raise InvalidRequestError(str(exc), "messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -80,16 +80,25 @@ class ReplicaActor:
 
         core = self.core
         ctx = ray.get_runtime_context()
-        return encode({
-            "replica": self.index, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-            "model_path": core.model_dir, "tokenizer_path": core.cfg.model.tokenizer or core.model_dir,
-            "architecture": str(getattr(core.arch, "architecture", "")), "vocab_size": core.arch.vocab_size,
-            "max_model_len": core.max_model_len, "block_size": core.cfg.cache.block_size,
-            "num_kv_blocks": core.scheduler.blocks.num_blocks, "eos_token_ids": list(core.eos_token_ids),
-            "tensor_parallel_size": core.cfg.parallel.tensor_parallel_size,
-            "pipeline_parallel_size": core.cfg.parallel.pipeline_parallel_size, "device": core.device,
-            "worker_pids": self.worker_pids(),
-        })
+        return encode(
+            {
+                "replica": self.index,
+                "pid": os.getpid(),
+                "node_id": ctx.get_node_id(),
+                "model_path": core.model_dir,
+                "tokenizer_path": core.cfg.model.tokenizer or core.model_dir,
+                "architecture": str(getattr(core.arch, "architecture", "")),
+                "vocab_size": core.arch.vocab_size,
+                "max_model_len": core.max_model_len,
+                "block_size": core.cfg.cache.block_size,
+                "num_kv_blocks": core.scheduler.blocks.num_blocks,
+                "eos_token_ids": list(core.eos_token_ids),
+                "tensor_parallel_size": core.cfg.parallel.tensor_parallel_size,
+                "pipeline_parallel_size": core.cfg.parallel.pipeline_parallel_size,
+                "device": core.device,
+                "worker_pids": self.worker_pids(),
+            }
+        )
 
     def worker_pids(self) -> list[int]:
         return [int(i.get("pid", -1)) for i in getattr(self.core.executor, "info", None) or []]
@@ -134,12 +143,20 @@ class ReplicaActor:
         core = self.core
         sch = core.scheduler
         return ReplicaLoad(
-            time=time.monotonic(), running=len(sch.running), waiting=len(sch.waiting),
-            kv_usage=float(sch.blocks.usage), num_free_blocks=sch.blocks.num_free,
-            num_blocks=sch.blocks.num_blocks, num_preemptions=sch.num_preemptions,
-            steps=core.stats.get("steps", 0), generation_tokens=core.stats.get("generation_tokens", 0),
-            prompt_tokens=self._prompt_tokens, groups=len(core.groups),
-            prefix_cache=dict(sch.prefix_cache_stats()), dead=core.dead, num_restarts=self._num_restarts,
+            time=time.monotonic(),
+            running=len(sch.running),
+            waiting=len(sch.waiting),
+            kv_usage=float(sch.blocks.usage),
+            num_free_blocks=sch.blocks.num_free,
+            num_blocks=sch.blocks.num_blocks,
+            num_preemptions=sch.num_preemptions,
+            steps=core.stats.get("steps", 0),
+            generation_tokens=core.stats.get("generation_tokens", 0),
+            prompt_tokens=self._prompt_tokens,
+            groups=len(core.groups),
+            prefix_cache=dict(sch.prefix_cache_stats()),
+            dead=core.dead,
+            num_restarts=self._num_restarts,
         )
 
     def _post(self, deltas: list, finals: list) -> None:
@@ -281,8 +298,10 @@ class ReplicaActor:
                     res.error, res.error_kind = f"replica {self.index} is restarting: {core.dead}", "unavailable"
                 elif len(core.scheduler.waiting) >= self.max_waiting_requests:
                     res.error_kind = "overloaded"
-                    res.error = (f"the server is overloaded: {len(core.scheduler.waiting)} requests are "
-                                 f"waiting (max_waiting_requests={self.max_waiting_requests}); retry later")
+                    res.error = (
+                        f"the server is overloaded: {len(core.scheduler.waiting)} requests are "
+                        f"waiting (max_waiting_requests={self.max_waiting_requests}); retry later"
+                    )
                 else:
                     core.add_request(r.request_id, r.engine_prompt(), r.params, r.strict_field)
                     first = core.groups[r.request_id][0]
@@ -307,6 +326,9 @@ def replica_actor_options() -> dict[str, Any]:
     restarted by Ray (the front end's supervisor restarts it, with backoff)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return {
-        "num_cpus": 0, "max_concurrency": 16, "max_restarts": 0, "scheduling_strategy": "SPREAD",
+        "num_cpus": 0,
+        "max_concurrency": 16,
+        "max_restarts": 0,
+        "scheduling_strategy": "SPREAD",
         "runtime_env": {"env_vars": {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}},
     }

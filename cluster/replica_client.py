@@ -62,9 +62,14 @@ def actor_error(exc: BaseException) -> str:
     return death_cause(exc)
 
 
-def wire_request(tokenizer, router: PrefixLoadRouter, request_id: str, prompt: Any,
-                 params: SamplingParams | None, strict_field: str | None = None
-                 ) -> tuple[ReplicaRequest, list[bytes]]:
+def wire_request(
+    tokenizer,
+    router: PrefixLoadRouter,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams | None,
+    strict_field: str | None = None,
+) -> tuple[ReplicaRequest, list[bytes]]:
     """The request for a replica, plus its prompt's block hashes for routing. A text prompt
     is tokenized here once (the replica does not tokenize it again); other prompt forms go
     as they are and the replica validates them."""
@@ -82,16 +87,20 @@ def wire_request(tokenizer, router: PrefixLoadRouter, request_id: str, prompt: A
         salt = params.cache_salt if isinstance(params, SamplingParams) else None
         hashes = router.block_hashes(ids, salt)
     try:
-        req = ReplicaRequest(request_id=request_id, prompt=prompt,
-                             prompt_token_ids=ids if tokenized else None,
-                             params=params if isinstance(params, SamplingParams) else None,
-                             strict_field=strict_field)
+        req = ReplicaRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=ids if tokenized else None,
+            params=params if isinstance(params, SamplingParams) else None,
+            strict_field=strict_field,
+        )
         encode(req)
     except (TypeError, msgspec.EncodeError):
         from cluster.input_processor import InvalidRequestError
 
         raise InvalidRequestError(
-            "a prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}", "prompt") from None
+            "a prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}", "prompt"
+        ) from None
     if params is not None and not isinstance(params, SamplingParams):
         from cluster.input_processor import InvalidRequestError
 

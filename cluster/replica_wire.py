@@ -86,15 +86,28 @@ def aggregate_loads(loads: list[ReplicaLoad]) -> dict[str, Any]:
     import time
 
     snap: dict[str, Any] = {"time": time.monotonic()}
-    for k in ("running", "waiting", "num_free_blocks", "num_blocks", "num_preemptions", "steps",
-              "generation_tokens", "prompt_tokens", "groups"):
+    for k in (
+        "running",
+        "waiting",
+        "num_free_blocks",
+        "num_blocks",
+        "num_preemptions",
+        "steps",
+        "generation_tokens",
+        "prompt_tokens",
+        "groups",
+    ):
         snap[k] = sum(getattr(x, k) for x in loads)
     snap["kv_usage"] = sum(x.kv_usage for x in loads) / max(1, len(loads))
     pcs = [x.prefix_cache for x in loads]
     q, h = sum(p.get("queries", 0) for p in pcs), sum(p.get("hits", 0) for p in pcs)
-    snap["prefix_cache"] = {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0,
-                            "num_cached_blocks": sum(p.get("num_cached_blocks", 0) for p in pcs),
-                            "evictions": sum(p.get("evictions", 0) for p in pcs)}
+    snap["prefix_cache"] = {
+        "queries": q,
+        "hits": h,
+        "hit_rate": h / q if q else 0.0,
+        "num_cached_blocks": sum(p.get("num_cached_blocks", 0) for p in pcs),
+        "evictions": sum(p.get("evictions", 0) for p in pcs),
+    }
     return snap
 
 

@@ -78,8 +78,9 @@ class Scheduler:
         self.cfg = cfg
         self.max_model_len = max_model_len
         c = cfg.cache
-        self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, c.prefix_cache_hash,
-                                   c.prefix_cache_retention_interval)
+        self.blocks = BlockManager(
+            num_blocks, c.block_size, c.enable_prefix_caching, c.prefix_cache_hash, c.prefix_cache_retention_interval
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_handle: dict[int, Request] = {}

@@ -64,10 +64,10 @@ def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
     """Continue the latest earlier occurrence of the last ``n`` tokens (longest ``n`` first)."""
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = tokens[L - n:]
+        suffix = tokens[L - n :]
         for start in range(L - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                cont = tokens[start + n: start + n + k]
+            if tokens[start : start + n] == suffix:
+                cont = tokens[start + n : start + n + k]
                 if cont:
                     return cont
     return []

@@ -19,8 +19,16 @@ from kernels.pdl import wait_and_release
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
-                         PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    inter,
+    stride_x,
+    stride_o,
+    BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
     t = tl.program_id(0).to(tl.int64)
     wait_and_release(USE_PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -48,7 +56,14 @@ def silu_and_mul_triton(x: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         return out
     block = min(2048, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, inter, x2.stride(0), inter, BLOCK=block, PAIRS=pairs,
-        num_warps=max(1, min(8, block // 256)), **pdl.launch_kwargs(x2),
+        x2,
+        out,
+        inter,
+        x2.stride(0),
+        inter,
+        BLOCK=block,
+        PAIRS=pairs,
+        num_warps=max(1, min(8, block // 256)),
+        **pdl.launch_kwargs(x2),
     )
     return out

@@ -24,8 +24,18 @@ BIG = tl.constexpr(2147483647)  # "no index" (a jit global must be a constexpr)
 
 
 @triton.jit(do_not_specialize=["vocab", "stride_x", "per_split", "num_splits"])
-def _argmax_partial_kernel(x_ptr, best_ptr, idx_ptr, nan_ptr, vocab, stride_x, per_split,
-                           num_splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _argmax_partial_kernel(
+    x_ptr,
+    best_ptr,
+    idx_ptr,
+    nan_ptr,
+    vocab,
+    stride_x,
+    per_split,
+    num_splits,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     wait_and_release(USE_PDL)
@@ -53,8 +63,9 @@ def _argmax_partial_kernel(x_ptr, best_ptr, idx_ptr, nan_ptr, vocab, stride_x, p
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _argmax_reduce_kernel(best_ptr, idx_ptr, nan_ptr, out_ptr, num_splits, SPLITS: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
+def _argmax_reduce_kernel(
+    best_ptr, idx_ptr, nan_ptr, out_ptr, num_splits, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     row = tl.program_id(0).to(tl.int64)
     wait_and_release(USE_PDL)
     s = tl.arange(0, SPLITS)
@@ -83,10 +94,18 @@ def argmax_triton(x: torch.Tensor, block: int = 2048, num_splits: int | None = N
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
     nan = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
     launch = pdl.launch_kwargs(x)  # one PDL decision for both launches
-    _argmax_partial_kernel[(rows, num_splits)](x, best, idx, nan, vocab, x.stride(0), per_split,
-                                               num_splits, BLOCK=block,
-                                               num_warps=8 if block >= 2048 else 4,
-                                               **launch)
-    _argmax_reduce_kernel[(rows,)](best, idx, nan, out, num_splits, SPLITS=MAX_SPLITS,
-                                   **launch)
+    _argmax_partial_kernel[(rows, num_splits)](
+        x,
+        best,
+        idx,
+        nan,
+        vocab,
+        x.stride(0),
+        per_split,
+        num_splits,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        **launch,
+    )
+    _argmax_reduce_kernel[(rows,)](best, idx, nan, out, num_splits, SPLITS=MAX_SPLITS, **launch)
     return out

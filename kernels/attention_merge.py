@@ -14,9 +14,25 @@ import triton.language as tl
 
 
 @triton.jit
-def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows, offs_m, offs_d,
-                 row_ok, d_ok, stride_os, stride_ls,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def merge_splits(
+    out_ptr,
+    lse_ptr,
+    final_ptr,
+    sem,
+    used,
+    o_rows,
+    l_rows,
+    f_rows,
+    offs_m,
+    offs_d,
+    row_ok,
+    d_ok,
+    stride_os,
+    stride_ls,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     """Merge splits ``0..used-1`` into ``final_ptr`` and re-arm the arrival counter ``sem``.
 
     The re-arm may be relaxed: nothing reads the counter again in this launch (every split
@@ -30,10 +46,13 @@ def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
     # loop pays one L2 round trip per split); unused splits are masked.
     for sp in tl.static_range(NUM_SPLITS):
         sp_ok = row_ok & ((offs_m * 0 + sp) < used)
-        lse_s = tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-        part = tl.load(out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
-                       mask=sp_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        lse_s = tl.load(lse_ptr + sp * stride_ls + l_rows, mask=sp_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            out_ptr + sp * stride_os + o_rows[:, None] + offs_d[None, :],
+            mask=sp_ok[:, None] & d_ok[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         m_new = tl.maximum(m_run, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with keys yet
         alpha = tl.exp2(m_run - m_safe)
@@ -42,6 +61,9 @@ def merge_splits(out_ptr, lse_ptr, final_ptr, sem, used, o_rows, l_rows, f_rows,
         w_sum = w_sum * alpha + w_s
         m_run = m_new
     merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    tl.store(final_ptr + f_rows[:, None] + offs_d[None, :],
-             merged.to(final_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        final_ptr + f_rows[:, None] + offs_d[None, :],
+        merged.to(final_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     tl.atomic_xchg(sem, 0, sem="relaxed")  # re-armed for the next launch / graph replay

@@ -40,9 +40,14 @@ def _device_sms(device: torch.device) -> int:
     return 132  # interpreter / CPU tensors: model a 132-SM Hopper GPU
 
 
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
-                      max_seq_len_upper_bound: int, num_sms: int = 132,
-                      ctas_per_sm: int = CTAS_PER_SM) -> int:
+def choose_num_splits(
+    num_reqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len_upper_bound: int,
+    num_sms: int = 132,
+    ctas_per_sm: int = CTAS_PER_SM,
+) -> int:
     """Split count from CPU values only (batch shape and the length *bound*).
 
     Only decode-shaped batches split: prefill already has many query blocks.
@@ -94,9 +99,17 @@ def floor_pow4(n: int) -> int:
 EAGER_ONE_TOKEN_STAGES = 2
 
 
-def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: int, block_d: int,
-                  max_query_len: int, max_seq_len_upper_bound: int,
-                  num_sms: int = 132, eager: bool = False) -> LaunchConfig:
+def launch_config(
+    num_reqs: int,
+    num_tokens: int,
+    num_kv_heads: int,
+    group_p: int,
+    block_d: int,
+    max_query_len: int,
+    max_seq_len_upper_bound: int,
+    num_sms: int = 132,
+    eager: bool = False,
+) -> LaunchConfig:
     """The attention launch's tiles and split count, from CPU values only (the batch shape,
     the padded GQA group ``group_p``, the padded head dim ``block_d`` and the bounds).
 
@@ -132,8 +145,7 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
             if not eager:
                 base = num_reqs * num_kv_heads
                 block_n = 128 if base <= WIDE_TILE_MAX_CTAS else 64
-                if (block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS
-                        and max_seq_len_upper_bound > SHORT_BOUND):
+                if block_n == 64 and base <= NARROW_SPLIT_MAX_CTAS and max_seq_len_upper_bound > SHORT_BOUND:
                     ctas_per_sm = LONG_CTAS_PER_SM
             num_stages = 2
     else:
@@ -141,8 +153,7 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         block_q = block_m // group_p
         one_qblock, grid0 = False, num_tokens // block_q + num_reqs
         num_warps, num_stages = (8 if block_m >= 128 else 4), 2
-    splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound,
-                               num_sms, ctas_per_sm)
+    splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len_upper_bound, num_sms, ctas_per_sm)
     if eager and one_token_launch(one_qblock, block_q, block_m):
         num_stages = EAGER_ONE_TOKEN_STAGES
         splits = floor_pow4(splits)
@@ -150,16 +161,30 @@ def launch_config(num_reqs: int, num_tokens: int, num_kv_heads: int, group_p: in
         splits = floor_pow2(splits)
     elif one_token_launch(one_qblock, block_q, block_m):
         num_stages = one_token_stages(block_n, splits, max_seq_len_upper_bound)
-    return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages,
-                        splits)
+    return LaunchConfig(one_qblock, grid0, block_q, block_m, block_n, num_warps, num_stages, splits)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_ls"])  # stride_ls: tokens x heads
 def _reduce_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_q_heads,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr = False,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    qsl_ptr,
+    num_reqs,
+    num_q_heads,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Merge the split partials of one token, BLOCK_H q heads; lse is in log2 units."""
     t = tl.program_id(0).to(tl.int64)
@@ -169,8 +194,11 @@ def _reduce_splits_kernel(
         return  # padding token: no request wrote partials for it
     h_ok = offs_h < num_q_heads
     offs_s = tl.arange(0, SPLITS_P)
-    lse = tl.load(lse_ptr + offs_s[:, None] * stride_ls + t * stride_lt + offs_h[None, :],
-                  mask=(offs_s[:, None] < NUM_SPLITS) & h_ok[None, :], other=float("-inf"))
+    lse = tl.load(
+        lse_ptr + offs_s[:, None] * stride_ls + t * stride_lt + offs_h[None, :],
+        mask=(offs_s[:, None] < NUM_SPLITS) & h_ok[None, :],
+        other=float("-inf"),
+    )
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits neutral: weights stay 0
     w_sum = tl.sum(tl.exp2(lse - m[None, :]), 0)
@@ -179,12 +207,14 @@ def _reduce_splits_kernel(
     row = part_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :]
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + t * stride_lt + offs_h, mask=h_ok,
-                            other=float("-inf")) - m)
+        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + t * stride_lt + offs_h, mask=h_ok, other=float("-inf")) - m)
         acc += w[:, None] * tl.load(row + s * stride_ps, mask=mask, other=0.0)
     o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 # Arrival counters of the fused split reduce, one int32 per (query block, KV head),
@@ -196,19 +226,34 @@ _RETIRED: list[torch.Tensor] = []
 MIN_SEMAPHORES = 1 << 14
 
 
-def reduce_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                  query_start_loc: torch.Tensor, num_reqs: int, block_d: int) -> None:
+def reduce_splits(
+    part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int, block_d: int
+) -> None:
     """Merge ``part`` / ``lse`` (``[splits, tokens, heads, ...]``) into ``out`` in a second
     launch: forced splits of prefill-shaped batches, or no arrival counters to be had."""
     num_splits, num_tokens, hq, head_dim = part.shape
     block_h = min(triton.next_power_of_2(hq), max(1, 2048 // block_d))
     _reduce_splits_kernel[(num_tokens, triton.cdiv(hq, block_h))](
-        part, lse, out, query_start_loc, num_reqs, hq,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        num_warps=4, **pdl.launch_kwargs(part),
+        part,
+        lse,
+        out,
+        query_start_loc,
+        num_reqs,
+        hq,
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        NUM_SPLITS=num_splits,
+        SPLITS_P=triton.next_power_of_2(num_splits),
+        num_warps=4,
+        **pdl.launch_kwargs(part),
     )
 
 
@@ -224,15 +269,20 @@ def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
         return None
     if buf is not None:
         _RETIRED.append(buf)
-    buf = torch.zeros(max(n, MIN_SEMAPHORES if buf is None else 2 * buf.numel()),
-                      dtype=torch.int32, device=device)
+    buf = torch.zeros(max(n, MIN_SEMAPHORES if buf is None else 2 * buf.numel()), dtype=torch.int32, device=device)
     _SEMAPHORES[key] = buf
     return buf
 
 
-def eager_one_token_cases(num_kv_heads: int, group_p: int, block_d: int, max_num_seqs: int,
-                          max_model_len: int, num_sms: int,
-                          variant_of=lambda reqs, bound: ()) -> list[tuple[int, int]]:
+def eager_one_token_cases(
+    num_kv_heads: int,
+    group_p: int,
+    block_d: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_sms: int,
+    variant_of=lambda reqs, bound: (),
+) -> list[tuple[int, int]]:
     """``(num_reqs, max_seq_len_upper_bound)`` pairs, one for each distinct compiled shape of
     the eager one-token attention launch over every batch of 1..``max_num_seqs`` requests and
     bound of 1..``max_model_len``: its ``launch_config`` less the grid size, plus what
@@ -245,12 +295,10 @@ def eager_one_token_cases(num_kv_heads: int, group_p: int, block_d: int, max_num
     each step (``m`` and ``m + 1``, and the two ends of the range) stand for every bound."""
     top = min(max_model_len, MAX_SPLITS * MIN_TOKENS_PER_SPLIT + MIN_TOKENS_PER_SPLIT)
     steps = range(MIN_TOKENS_PER_SPLIT_SHORT, top + 1, MIN_TOKENS_PER_SPLIT_SHORT)
-    bounds = sorted({1, max_model_len, *(b for m in steps for b in (m, m + 1)
-                                         if b <= max_model_len)})
+    bounds = sorted({1, max_model_len, *(b for m in steps for b in (m, m + 1) if b <= max_model_len)})
     seen: dict[tuple, tuple[int, int]] = {}
     for reqs in range(1, max_num_seqs + 1):
         for bound in bounds:
-            lc = launch_config(reqs, reqs, num_kv_heads, group_p, block_d, 1, bound, num_sms,
-                               eager=True)
+            lc = launch_config(reqs, reqs, num_kv_heads, group_p, block_d, 1, bound, num_sms, eager=True)
             seen.setdefault((lc._replace(grid0=0), variant_of(reqs, bound)), (reqs, bound))
     return sorted(seen.values())

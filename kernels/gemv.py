@@ -31,10 +31,25 @@ from kernels.pdl import prefetch_l2, wait_and_release
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, nr_ptr,
-    N_OUT, K, up_off, eps, stride_wn,
-    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    nr_ptr,
+    N_OUT,
+    K,
+    up_off,
+    eps,
+    stride_wn,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
     PRE_L2: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -70,8 +85,7 @@ def _gemv_kernel(
             k_ok = (k0 + offs_k) < K
             s = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             if HAS_RES:
-                s = (s.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok,
-                                                other=0.0).to(tl.float32)).to(DT)
+                s = (s.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)).to(DT)
                 tl.store(nr_ptr + k0 + offs_k, s, mask=(k0 + offs_k) < store_res)
             sf = s.to(tl.float32)
             ss += sf * sf
@@ -99,8 +113,7 @@ def _gemv_kernel(
         k_ok = (k0 + offs_k) < K
         a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
         if HAS_RES:
-            a = (a.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok,
-                                            other=0.0).to(tl.float32)).to(DT)
+            a = (a.to(tl.float32) + tl.load(r_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)).to(DT)
         if HAS_NORM:  # rounded before the rstd scale, as kernels.skinny_gemm does
             g = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             a = (a.to(tl.float32) * g).to(DT)
@@ -153,17 +166,23 @@ def _pre_l2_bytes(want: int, x: torch.Tensor, weight: torch.Tensor, k: int, bloc
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6, act: str | None = None, out_dtype: torch.dtype | None = None,
-    config: dict | None = None, max_programs: int | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    act: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    max_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``kernels.skinny_gemm.skinny_linear_triton``'s contract for ``x [1, K]``:
     returns ``(y, new_residual)``. ``max_programs`` overrides the grid bound (the
     interpreter has no SM count; tests use it to force several rounds)."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [1, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"gemv needs x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if act not in (None, "silu_and_mul"):
         raise ValueError(f"unknown activation {act!r}")
     if residual is not None and norm_weight is None:
@@ -190,12 +209,27 @@ def gemv_triton(
     launch = pdl.launch_kwargs(x)
     pre_l2 = _pre_l2_bytes(cfg.get("pre_l2", 0), x, weight, k, block_k)
     _gemv_kernel[grid](
-        x, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, y, new_res if new_res is not None else x,
-        n_out, k, n_out, float(eps), weight.stride(0),
-        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-        HAS_BIAS=bias is not None, ACT=act is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE_L2=pre_l2, num_warps=cfg["num_warps"], num_stages=1, **launch,
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        new_res if new_res is not None else x,
+        n_out,
+        k,
+        n_out,
+        float(eps),
+        weight.stride(0),
+        HAS_NORM=norm_weight is not None,
+        HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None,
+        ACT=act is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRE_L2=pre_l2,
+        num_warps=cfg["num_warps"],
+        num_stages=1,
+        **launch,
     )
     return y, new_res

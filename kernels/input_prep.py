@@ -24,11 +24,28 @@ from kernels.pdl import wait_and_release
 
 @triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_blk", "stride_tok", "stride_bt", "max_pos"])
 def _prepare_inputs_kernel(
-    starts_ptr, rows_ptr, token_req_ptr, offsets_ptr, q_lens_ptr, capacity_ptr,
-    token_ids_ptr, block_table_ptr,
-    positions_ptr, input_ids_ptr, seq_lens_ptr, slots_ptr, qsl_ptr,
-    n_tokens, n_reqs, n_blk, stride_tok, stride_bt, max_pos,
-    KV_BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    starts_ptr,
+    rows_ptr,
+    token_req_ptr,
+    offsets_ptr,
+    q_lens_ptr,
+    capacity_ptr,
+    token_ids_ptr,
+    block_table_ptr,
+    positions_ptr,
+    input_ids_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    qsl_ptr,
+    n_tokens,
+    n_reqs,
+    n_blk,
+    stride_tok,
+    stride_bt,
+    max_pos,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
     STARTS_BY_ROW: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -54,8 +71,20 @@ def _prepare_inputs_kernel(
     tl.store(qsl_ptr + n_reqs + t * 0, (t + 1).to(tl.int32), mask=ok & (t == n_tokens - 1))
 
 
-def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                          block_size: int, block: int = 256, out=None, num_computed=None):
+def prepare_inputs_triton(
+    starts,
+    rows,
+    token_req,
+    offsets,
+    q_lens,
+    capacity,
+    token_ids,
+    block_table,
+    block_size: int,
+    block: int = 256,
+    out=None,
+    num_computed=None,
+):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
     gives the first four (contiguous, those shapes and dtypes) to write into. ``starts``
@@ -69,11 +98,17 @@ def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, to
     dev = token_req.device
     if out is not None:
         positions, input_ids, seq_lens, slots = out
-        for t, n, dt in ((positions, n_tokens, torch.int64), (input_ids, n_tokens, torch.int64),
-                         (seq_lens, n_reqs, torch.int32), (slots, n_tokens, torch.int64)):
+        for t, n, dt in (
+            (positions, n_tokens, torch.int64),
+            (input_ids, n_tokens, torch.int64),
+            (seq_lens, n_reqs, torch.int32),
+            (slots, n_tokens, torch.int64),
+        ):
             if t.shape != (n,) or t.dtype != dt or t.stride(0) != 1:
-                raise ValueError(f"prepare_inputs out: want a contiguous [{n}] {dt}, got "
-                                 f"{tuple(t.shape)} {t.dtype} stride {t.stride()}")
+                raise ValueError(
+                    f"prepare_inputs out: want a contiguous [{n}] {dt}, got "
+                    f"{tuple(t.shape)} {t.dtype} stride {t.stride()}"
+                )
     else:
         positions = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
@@ -85,10 +120,29 @@ def prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, to
         return positions, input_ids, seq_lens, slots, qsl
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
     _prepare_inputs_kernel[(triton.cdiv(n_tokens, block),)](
-        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-        positions, input_ids, seq_lens, slots, qsl,
-        n_tokens, n_reqs, block_table.shape[1], token_ids.stride(0), block_table.stride(0),
-        token_ids.shape[1] - 1, KV_BLOCK_SIZE=block_size, BLOCK=block, STARTS_BY_ROW=by_row, num_warps=4,
+        starts,
+        rows,
+        token_req,
+        offsets,
+        q_lens,
+        capacity,
+        token_ids,
+        block_table,
+        positions,
+        input_ids,
+        seq_lens,
+        slots,
+        qsl,
+        n_tokens,
+        n_reqs,
+        block_table.shape[1],
+        token_ids.stride(0),
+        block_table.stride(0),
+        token_ids.shape[1] - 1,
+        KV_BLOCK_SIZE=block_size,
+        BLOCK=block,
+        STARTS_BY_ROW=by_row,
+        num_warps=4,
         **pdl.launch_kwargs(token_req),
     )
     return positions, input_ids, seq_lens, slots, qsl

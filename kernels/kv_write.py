@@ -15,11 +15,25 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     num_heads,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -32,14 +46,11 @@ def _write_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = k_cache_ptr + page * stride_kcb + in_page * stride_kct
     vc = v_cache_ptr + page * stride_vcb + in_page * stride_vct
-    tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(
@@ -63,11 +74,25 @@ def write_kv_triton(
     block_h = triton.next_power_of_2(num_heads)
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
         num_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        KV_BLOCK_SIZE=block_size,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

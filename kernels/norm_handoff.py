@@ -17,10 +17,10 @@ bit for bit; they are deterministic (no atomics).
 
 Only where both sides are skinny-GEMM launches at ``M = 1`` on CUDA (16-bit) and tensor
 parallelism is 1 (an all-reduce would sit between producer and norm); the ``norm_handoff``
-option turns it off. Everywhere else ``kernels.ops.linear_handoff`` returns None and the caller
-takes the fused-prologue path. The two device functions here are the skinny GEMM's
-``EPI_NORM`` and ``PRE_NORMED`` code (``kernels.skinny_gemm``); the dispatch is in
-``kernels.ops``.
+option turns it off. Everywhere else ``kernels.fused_norm_ops.linear_handoff`` returns None
+and the caller takes the fused-prologue path. The two device functions here are the skinny
+GEMM's ``EPI_NORM`` and ``PRE_NORMED`` code (``kernels.skinny_gemm_kernel``); the dispatch is
+in ``kernels.fused_norm_ops``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class Normed(NamedTuple):
 
 
 @triton.jit
-def handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, stride_rm,
-                 stride_nrm, n_parts, pid, DT: tl.constexpr):
+def handoff_norm(
+    y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, stride_rm, stride_nrm, n_parts, pid, DT: tl.constexpr
+):
     """Producer epilogue (``EPI_NORM``): ``s = y + residual`` (stored as the new residual),
     this program's share of ``sum(s^2)`` (stored at ``ss[m, pid]``) and ``s * g`` in place
     of ``y``: everything of the next RMSNorm except its ``rstd`` (rounded as the fused
@@ -73,12 +74,14 @@ def handoff_norm(y, offs_m, offs_n, m_ok, n_ok, r_ptr, nw_ptr, nr_ptr, ss_ptr, s
 
 
 @triton.jit
-def handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+def handoff_rstd(ss_ptr, offs_m, m_ok, n_parts, K, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     """Consumer side (``PRE_NORMED``): ``rstd`` from the producer's per-program partials."""
     offs_p = tl.arange(0, BLOCK_P)
     tot = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     for p0 in range(0, n_parts, BLOCK_P):
-        tot += tl.load(ss_ptr + offs_m[:, None] * n_parts + (p0 + offs_p)[None, :],
-                       mask=m_ok[:, None] & ((p0 + offs_p) < n_parts)[None, :], other=0.0)
+        tot += tl.load(
+            ss_ptr + offs_m[:, None] * n_parts + (p0 + offs_p)[None, :],
+            mask=m_ok[:, None] & ((p0 + offs_p) < n_parts)[None, :],
+            other=0.0,
+        )
     return tl.rsqrt(tl.sum(tot, 1) / K + eps)

@@ -1,18 +1,16 @@
 """Device dispatch: Triton kernels on CUDA, the torch references elsewhere.
 
-Every choice between kernels is made here, from CPU facts (shapes, dtypes, the batch size)
-and the installed ``kernels.settings.KernelSettings``; the leaf kernels take the tuning
-entries they need as arguments and never reach back here.
+Every choice between kernels is made here (and, for GEMMs that also do the next RMSNorm, in
+``kernels.fused_norm_ops``), from CPU facts (shapes, dtypes, the batch size) and the installed
+``kernels.settings.KernelSettings``; the leaf kernels take the tuning entries they need as
+arguments and never reach back here.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels import reference
-from kernels.norm_handoff import Normed, PreNormed
 from kernels.settings import KernelSettings, current
 
 # Decode-sized batches (M <= this) of 16-bit weights use the Triton skinny GEMM with its
@@ -34,20 +32,44 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, query_start_loc_cpu,
-    max_query_len: int, max_seq_len_upper_bound: int, scale: float, eager: bool = False,
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    query_start_loc_cpu,
+    max_query_len: int,
+    max_seq_len_upper_bound: int,
+    scale: float,
+    eager: bool = False,
 ) -> torch.Tensor:
     """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``)."""
     if _use_triton(q):
         from kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-            max_query_len, max_seq_len_upper_bound, scale, eager=eager,
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            max_seq_len_upper_bound,
+            scale,
+            eager=eager,
         )
     return reference.paged_attention_reference(
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, query_start_loc_cpu,
-        max_seq_len_upper_bound, scale,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        query_start_loc_cpu,
+        max_seq_len_upper_bound,
+        scale,
     )
 
 
@@ -66,36 +88,74 @@ def rope_in_attention_applies(num_tokens: int, max_query_len: int, bound: int) -
     attention launch (``rope_and_attention``): the ``rope_in_attention`` option (default on),
     one query token a request, at most ``ROPE_IN_ATTENTION_MAX_TOKENS`` tokens and at most
     ``ROPE_IN_ATTENTION_MAX_TOKEN_KEYS`` tokens x length bound (one launch a layer fewer)."""
-    return (max_query_len == 1 and num_tokens <= ROPE_IN_ATTENTION_MAX_TOKENS
-            and num_tokens * bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
-            and current().rope_in_attention)
+    return (
+        max_query_len == 1
+        and num_tokens <= ROPE_IN_ATTENTION_MAX_TOKENS
+        and num_tokens * bound <= ROPE_IN_ATTENTION_MAX_TOKEN_KEYS
+        and current().rope_in_attention
+    )
 
 
-def rope_and_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       block_table, seq_lens, query_start_loc, query_start_loc_cpu,
-                       max_query_len: int, max_seq_len_upper_bound: int, scale: float,
-                       q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6,
-                       eager: bool = False):
+def rope_and_attention(
+    positions,
+    q,
+    k,
+    v,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    query_start_loc_cpu,
+    max_query_len: int,
+    max_seq_len_upper_bound: int,
+    scale: float,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps: float = 1e-6,
+    eager: bool = False,
+):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
     (``kernels.paged_attention`` with ``rope=``); otherwise the two
     ops."""
-    if _use_triton(q) and rope_in_attention_applies(q.shape[0], max_query_len,
-                                                    max_seq_len_upper_bound):
+    if _use_triton(q) and rope_in_attention_applies(q.shape[0], max_query_len, max_seq_len_upper_bound):
         from kernels.paged_attention import paged_attention_triton
         from kernels.rope_inline import DecodeRope
 
-        rope = DecodeRope(positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight,
-                          k_norm_weight, eps)
-        return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens,
-                                      query_start_loc, 1, max_seq_len_upper_bound, scale,
-                                      rope=rope, eager=eager)
-    q = rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                          q_norm_weight, k_norm_weight, eps)
-    return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                           query_start_loc_cpu, max_query_len, max_seq_len_upper_bound, scale,
-                           eager=eager)
+        rope = DecodeRope(positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+        return paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            1,
+            max_seq_len_upper_bound,
+            scale,
+            rope=rope,
+            eager=eager,
+        )
+    q = rope_and_write_kv(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+    )
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        query_start_loc_cpu,
+        max_query_len,
+        max_seq_len_upper_bound,
+        scale,
+        eager=eager,
+    )
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -123,33 +183,50 @@ def silu_and_mul(x, pairs: bool = False):
     return reference.silu_and_mul_reference(x, pairs=pairs)
 
 
-def rope_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                      q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+def rope_and_write_kv(
+    positions,
+    q,
+    k,
+    v,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps: float = 1e-6,
+):
     """[q/k RMSNorm] + rotary + KV write in one launch on CUDA; returns the rotated q."""
     if _use_triton(q):
         from kernels.rope_kv import rope_and_write_kv_triton
 
-        return rope_and_write_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                        slot_mapping, q_norm_weight, k_norm_weight, eps)
-    return reference.rope_and_write_kv_reference(positions, q, k, v, cos_sin_cache, k_cache,
-                                                 v_cache, slot_mapping, q_norm_weight,
-                                                 k_norm_weight, eps)
+        return rope_and_write_kv_triton(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+        )
+    return reference.rope_and_write_kv_reference(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+    )
 
 
 def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: str | None, out_dtype):
     """The skinny-GEMM config for this call, or None for the unfused path."""
-    if not (_use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+    if not (
+        _use_triton(x)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= SKINNY_MAX_M
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+    ):
         return None
     from kernels.skinny_gemm import kind_of, select_config
 
     kind = kind_of(norm, act, out_dtype == torch.float32)
-    return select_config(x.shape[0], weight.shape[0], weight.shape[1], kind,
-                         current().skinny_table)
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1], kind, current().skinny_table)
 
 
-def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6,
-           act: str | None = None, out_dtype=None):
+def linear(
+    x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6, act: str | None = None, out_dtype=None
+):
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
@@ -168,17 +245,35 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     if cfg is not None and cfg.get("kernel") == "gemv" and x.shape[0] == 1:
         from kernels.gemv import gemv_triton
 
-        return gemv_triton(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps,
-                           act=act, out_dtype=out_dtype, config=cfg)
+        return gemv_triton(
+            x,
+            weight,
+            bias,
+            residual=residual,
+            norm_weight=norm_weight,
+            eps=eps,
+            act=act,
+            out_dtype=out_dtype,
+            config=cfg,
+        )
     if cfg is not None:
         from kernels.skinny_gemm import skinny_linear_triton
 
-        return skinny_linear_triton(x, weight, bias, residual=residual, norm_weight=norm_weight,
-                                    eps=eps, act=act, out_dtype=out_dtype, config=cfg)
+        return skinny_linear_triton(
+            x,
+            weight,
+            bias,
+            residual=residual,
+            norm_weight=norm_weight,
+            eps=eps,
+            act=act,
+            out_dtype=out_dtype,
+            config=cfg,
+        )
     if not _use_triton(x):
-        return reference.skinny_linear_reference(x, weight, bias, residual=residual,
-                                                 norm_weight=norm_weight, eps=eps, act=act,
-                                                 out_dtype=out_dtype)
+        return reference.skinny_linear_reference(
+            x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype
+        )
     new_res = None
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
@@ -188,8 +283,9 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
         from kernels.tile_gemm import tile_linear_triton
 
         fused = act == "silu_and_mul_pairs"  # in the GEMM's (or its split sum's) epilogue
-        y = tile_linear_triton(x, weight, tile, out_dtype=out_dtype if act is None else None,
-                               act=act if fused else None)
+        y = tile_linear_triton(
+            x, weight, tile, out_dtype=out_dtype if act is None else None, act=act if fused else None
+        )
         if fused:
             return (y.to(out_dtype) if out_dtype is not None else y), new_res
     else:
@@ -201,25 +297,40 @@ def linear(x, weight, bias=None, *, residual=None, norm_weight=None, eps: float 
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
 
 
-def _tile_ready(x, weight) -> bool:
-    return (_use_triton(x) and x.dim() == 2 and x.dtype == weight.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+def tile_ready(x, weight) -> bool:
+    return (
+        _use_triton(x)
+        and x.dim() == 2
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
 
 
 def tile_config(x, weight, bias) -> dict | None:
     """The ``kernels.tile_gemm`` config for a mid-sized 16-bit batch on CUDA, or None."""
-    if bias is not None or not _tile_ready(x, weight):
+    if bias is not None or not tile_ready(x, weight):
         return None
     from kernels.tile_gemm import select_config
 
-    return select_config(x.shape[0], weight.shape[0], weight.shape[1], "plain",
-                         current().tile_table)
+    return select_config(x.shape[0], weight.shape[0], weight.shape[1], "plain", current().tile_table)
 
 
-def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table,
-                   block_size: int, every_request_has_tokens: bool = True, out=None,
-                   num_computed=None):
+def prepare_inputs(
+    starts,
+    rows,
+    token_req,
+    offsets,
+    q_lens,
+    capacity,
+    token_ids,
+    block_table,
+    block_size: int,
+    every_request_has_tokens: bool = True,
+    out=None,
+    num_computed=None,
+):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
     each request's ``seq_len`` and query start from its tokens, so a request without query
@@ -231,12 +342,24 @@ def prepare_inputs(starts, rows, token_req, offsets, q_lens, capacity, token_ids
     if _use_triton(token_req) and every_request_has_tokens:
         from kernels.input_prep import prepare_inputs_triton
 
-        return prepare_inputs_triton(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
-                                     block_table, block_size, out=out, num_computed=num_computed)
+        return prepare_inputs_triton(
+            starts,
+            rows,
+            token_req,
+            offsets,
+            q_lens,
+            capacity,
+            token_ids,
+            block_table,
+            block_size,
+            out=out,
+            num_computed=num_computed,
+        )
     if starts is None:
         starts = num_computed[rows]
-    res = reference.prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity,
-                                             token_ids, block_table, block_size)
+    res = reference.prepare_inputs_reference(
+        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size
+    )
     if out is None:
         return res
     for dst, src in zip(out, res):
@@ -262,107 +385,11 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
-def mlp_block(attn, wo, residual, norm_weight, eps: float, w_gate_up, w_down,
-              act: str = "silu_and_mul", handoff_to=None):
-    """``down(act(gate_up(norm(attn @ wo^T + residual))))`` -> ``(h, new_residual)``
-    (tensor parallelism 1, no biases; ``act`` names the gate|up layout): the three ``linear``
-    calls, where ``kernels.norm_handoff`` applies with the norm done by the producing GEMV
-    (o_proj; and down when ``handoff_to = (next norm weight, eps, next consumer weight)``
-    names the next layer's input norm and QKV: ``h`` is then a ``PreNormed`` and
-    ``new_residual`` already includes ``h``)."""
-    handed = linear_handoff(attn, wo, residual, norm_weight, eps, w_gate_up, act)
-    if handed is not None:
-        h, new_res = linear_prenormed(handed[0], w_gate_up, act=act), handed[1]
-    elif (normed := linear_add_norm(attn, wo, residual, norm_weight, eps)) is not None:
-        h, new_res = linear(normed[0], w_gate_up, act=act)[0], normed[1]
-    else:
-        o, _ = linear(attn, wo)
-        h, new_res = linear(o, w_gate_up, residual=residual, norm_weight=norm_weight, eps=eps,
-                            act=act)
-    if handoff_to is not None:
-        handed = linear_handoff(h, w_down, new_res, *handoff_to)
-        if handed is not None:
-            return handed
-        normed = linear_add_norm(h, w_down, new_res, *handoff_to[:2])
-        if normed is not None:
-            return Normed(normed[0]), normed[1]
-    return linear(h, w_down)[0], new_res
-
-
-def linear_add_norm(x, weight, residual, norm_weight, eps: float):
-    """``rms_norm(x @ weight^T, norm_weight, eps, residual)`` -> ``(normed, new_residual)``
-    as the tile GEMM's split sum + add + norm (two launches, the norm's own launch saved)
-    where its tuning table has an ``add_norm`` entry for this mid-sized batch; else None."""
-    if residual is None or not _tile_ready(x, weight):
-        return None
-    from kernels.tile_gemm import select_config, tile_linear_add_norm_triton
-
-    cfg = select_config(x.shape[0], weight.shape[0], weight.shape[1], "add_norm",
-                        current().tile_table)
-    if cfg is None or residual.stride(-1) != 1 or residual.dtype != x.dtype:
-        return None
-    return tile_linear_add_norm_triton(x, weight, cfg, residual, norm_weight, eps)
-
-
-def _streams(cfg: dict | None) -> bool:
-    """Whether a skinny config is the batch-1 FMA streaming loop that carries the norm
-    handoff (not unfused, not the persistent GEMV, not tensor cores)."""
-    return cfg is not None and cfg.get("kernel") != "gemv" and not cfg.get("use_dot")
-
-
-def _handoff_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and SKINNY_MAX_M >= 1
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and current().norm_handoff)
-
-
-def linear_handoff(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                   norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
-                   consumer_act: str | None = None) -> tuple[PreNormed, torch.Tensor] | None:
-    """``x @ weight^T`` handed to the next RMSNorm by its producer (``kernels.norm_handoff``;
-    ``consumer`` is the weight that will read the result with ``consumer_act``, and it needs
-    a skinny M = 1 config of its own) where that applies, else None: the caller runs
-    ``linear`` and fuses the norm into the consumer."""
-    if residual is None or not _handoff_applies(x, weight):
-        return None
-    from kernels.skinny_gemm import linear_handoff_triton, select_config
-
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = select_config(m, n, k, "plain", current().skinny_table)
-    if not _streams(cfg) or prenormed_config(consumer, m, consumer_act) is None:
-        return None
-    return linear_handoff_triton(x, weight, residual, norm_weight, eps, cfg)
-
-
-def prenormed_config(weight: torch.Tensor, m: int = 1, act: str | None = None) -> dict | None:
-    """The handoff consumer's skinny config: its fused-norm entry (same tiles, no prologue),
-    or None where that shape runs unfused, on tensor cores or as the persistent GEMV."""
-    from kernels.skinny_gemm import kind_of, select_config
-
-    cfg = select_config(m, weight.shape[0], weight.shape[1], kind_of(True, act, False),
-                        current().skinny_table)
-    return cfg if _streams(cfg) else None
-
-
-def linear_prenormed(pn: PreNormed, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     act: str | None = None) -> torch.Tensor:
-    """``act(norm(s) @ weight^T + bias)`` from a handed-over ``pn``: one skinny launch that
-    streams ``s * g`` and applies ``rstd`` at the end; elsewhere the norm is materialised."""
-    cfg = prenormed_config(weight, pn.sg.shape[0], act) if pn.sg.is_cuda else None
-    if cfg is None:
-        return linear(pn.materialise(), weight, bias, act=act)[0]
-    from kernels.skinny_gemm import skinny_linear_triton
-
-    return skinny_linear_triton(pn.sg, weight, bias, act=act, eps=pn.eps, config=cfg,
-                                prenormed_ss=pn.ss)[0]
-
-
 def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:
     """``kernels.tile_gemm.precompile`` of the installed tuning table (worker warm-up)."""
     from kernels.tile_gemm import precompile
 
-    return precompile(uses, max_rows=max_rows, max_logit_rows=max_logit_rows,
-                      table=current().tile_table)
+    return precompile(uses, max_rows=max_rows, max_logit_rows=max_logit_rows, table=current().tile_table)
 
 
 def build_kernel_settings(cfg) -> KernelSettings:
@@ -372,8 +399,10 @@ def build_kernel_settings(cfg) -> KernelSettings:
     from kernels.tile_gemm import load_table as load_tile
 
     return KernelSettings(
-        pdl=cfg.pdl, pdl_max_tokens=cfg.pdl_max_tokens,
-        rope_in_attention=cfg.rope_in_attention, norm_handoff=cfg.norm_handoff,
+        pdl=cfg.pdl,
+        pdl_max_tokens=cfg.pdl_max_tokens,
+        rope_in_attention=cfg.rope_in_attention,
+        norm_handoff=cfg.norm_handoff,
         skinny_table=load_skinny(cfg.skinny_tuning),
         tile_table=load_tile(cfg.tile_gemm_tuning) if cfg.tile_gemm else {},
     )

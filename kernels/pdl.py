@@ -121,7 +121,12 @@ def prefetch_l2(ptr, nbytes):
     tl.inline_asm_elementwise(
         "{ .reg .pred pf; .reg .b32 tx; mov.u32 tx, %tid.x; setp.eq.u32 pf, tx, 0; "
         "@pf cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [ptr, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -131,7 +136,12 @@ def prefetch_lines_l2(ptrs, mask):
     the program's threads). For scattered rows (paged K/V) that no bulk copy covers."""
     tl.inline_asm_elementwise(
         "{ .reg .pred pf; setp.ne.b32 pf, $2, 0; @pf prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,8 +161,9 @@ def bulk_prefetch_ok(t: torch.Tensor) -> bool:
 def rows_prefetchable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``prefetch_l2`` may stream rows of ``weights`` for a launch on ``x``'s device:
     sm_90+, not interpreted, every weight's base and row stride 16-byte aligned."""
-    return all((w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-               for w in weights) and bulk_prefetch_ok(x)
+    return all(
+        (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights
+    ) and bulk_prefetch_ok(x)
 
 
 @functools.lru_cache(maxsize=None)

@@ -237,8 +237,9 @@ def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positio
     return (probs / exponential_noise(seeds, positions, probs.shape[-1])).argmax(dim=-1)
 
 
-def prepare_inputs_reference(starts, rows, token_req, offsets, q_lens, capacity, token_ids,
-                             block_table, block_size: int):
+def prepare_inputs_reference(
+    starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size: int
+):
     """A step's device-derived inputs. Token ``t`` belongs to request ``token_req[t]`` at
     ``offsets[t]`` within its window, which starts at position ``starts[r]`` (device);
     its input id comes from ``token_ids[rows[r]]``, its KV slot from ``block_table[r]``

@@ -20,10 +20,21 @@ from kernels.pdl import wait_and_release
 # Row counts vary step to step (eager prefill): not specialised, so no mid-serving compiles.
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    num_rows, hidden, eps,
-    stride_x, stride_r, stride_o, stride_nr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    num_rows,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -40,8 +51,11 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / hidden + eps)
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
-             (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + cols[None, :],
+        (normed * w[None, :]).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -73,10 +87,22 @@ def rms_norm_triton(
     block_r = max(1, min(64, 2048 // block_h))  # ~2K elements per program for short rows
     num_warps = max(1, min(16, block_h * block_r // 512))
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-        x2, r2, weight, out, nr2,
-        num_rows, hidden, float(eps),
-        x2.stride(0), r2.stride(0), hidden, hidden,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h,
-        num_warps=num_warps, **pdl.launch_kwargs(x2),
+        x2,
+        r2,
+        weight,
+        out,
+        nr2,
+        num_rows,
+        hidden,
+        float(eps),
+        x2.stride(0),
+        r2.stride(0),
+        hidden,
+        hidden,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+        **pdl.launch_kwargs(x2),
     )
     return out, new_res

@@ -49,8 +49,20 @@ def rope_cos_sin(cs_ptr, stride_cs, pos, offs_d, HALF: tl.constexpr):
 
 
 @triton.jit
-def rope_rows(x_ptr, row_off, offs_d, row_ok, w_ptr, eps, cos, sin,
-              HAS_NORM: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr, CG: tl.constexpr):
+def rope_rows(
+    x_ptr,
+    row_off,
+    offs_d,
+    row_ok,
+    w_ptr,
+    eps,
+    cos,
+    sin,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    DT: tl.constexpr,
+    CG: tl.constexpr,
+):
     """Rows ``x_ptr + row_off[r] + d`` (one head each) normalised (``HAS_NORM``: weight
     ``w_ptr``) and rotated; ``[R, BLOCK_D]`` in ``DT``, masked rows and columns 0. ``CG``:
     load the rows from L2 (written by another program of the same launch)."""
@@ -59,15 +71,15 @@ def rope_rows(x_ptr, row_off, offs_d, row_ok, w_ptr, eps, cos, sin,
     mask = row_ok[:, None] & d_ok[None, :]
     partner = (offs_d + HALF) % D
     if CG:
-        x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        xr = tl.load(x_ptr + row_off[:, None] + partner[None, :], mask=mask, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
+        x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(
+            tl.float32
+        )
+        xr = tl.load(x_ptr + row_off[:, None] + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(
+            tl.float32
+        )
     else:
-        x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        xr = tl.load(x_ptr + row_off[:, None] + partner[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + row_off[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
         w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)

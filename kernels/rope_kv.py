@@ -32,8 +32,9 @@ from kernels.pdl import wait_and_release
 
 
 @triton.jit
-def _load_halves(ptr, t, stride_t, stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
+def _load_halves(
+    ptr, t, stride_t, stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
+):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
@@ -44,8 +45,9 @@ def _load_halves(ptr, t, stride_t, stride_h, num_heads, HALF: tl.constexpr, BLOC
 
 
 @triton.jit
-def _norm_rotate(x1, x2, w_ptr, eps, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, DT: tl.constexpr):
+def _norm_rotate(
+    x1, x2, w_ptr, eps, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DT: tl.constexpr
+):
     if HAS_NORM:
         offs_d = tl.arange(0, BLOCK_HALF)
         d_ok = offs_d < HALF
@@ -62,13 +64,40 @@ def _norm_rotate(x1, x2, w_ptr, eps, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.
 
 @triton.jit
 def _rope_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, qw_ptr, kw_ptr, q_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_q_heads, num_kv_heads, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    Q_NORM: tl.constexpr,
+    K_NORM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -78,12 +107,10 @@ def _rope_kv_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=d_ok,
-                  other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
 
     # q: norm + rotate, stored contiguous [T, Hq, 2 * HALF]
-    q1, q2, q_mask = _load_halves(q_ptr, t, stride_qt, stride_qh, num_q_heads, HALF, BLOCK_HQ,
-                                  BLOCK_HALF)
+    q1, q2, q_mask = _load_halves(q_ptr, t, stride_qt, stride_qh, num_q_heads, HALF, BLOCK_HQ, BLOCK_HALF)
     q1, q2 = _norm_rotate(q1, q2, qw_ptr, eps, cos, sin, Q_NORM, HALF, BLOCK_HALF, DT)
     offs_hq = tl.arange(0, BLOCK_HQ)
     q_dst = q_out_ptr + t * num_q_heads * (2 * HALF) + offs_hq[:, None] * (2 * HALF) + offs_d[None, :]
@@ -92,22 +119,19 @@ def _rope_kv_kernel(
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # padded tokens write no KV
-        k1, k2, k_mask = _load_halves(k_ptr, t, stride_kt, stride_kh, num_kv_heads, HALF, BLOCK_HK,
-                                      BLOCK_HALF)
+        k1, k2, k_mask = _load_halves(k_ptr, t, stride_kt, stride_kh, num_kv_heads, HALF, BLOCK_HK, BLOCK_HALF)
         k1, k2 = _norm_rotate(k1, k2, kw_ptr, eps, cos, sin, K_NORM, HALF, BLOCK_HALF, DT)
         page = slot // KV_BLOCK_SIZE
         in_page = slot % KV_BLOCK_SIZE
         offs_hk = tl.arange(0, BLOCK_HK)
         CT = k_cache_ptr.dtype.element_ty
-        kc = (k_cache_ptr + page * stride_kcb + in_page * stride_kct
-              + offs_hk[:, None] * stride_kch + offs_d[None, :])
+        kc = k_cache_ptr + page * stride_kcb + in_page * stride_kct + offs_hk[:, None] * stride_kch + offs_d[None, :]
         tl.store(kc, k1.to(DT).to(CT), mask=k_mask)
         tl.store(kc + HALF, k2.to(DT).to(CT), mask=k_mask)
         vsrc = v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(vsrc, mask=k_mask, other=0.0)
         v2 = tl.load(vsrc + HALF, mask=k_mask, other=0.0)
-        vc = (v_cache_ptr + page * stride_vcb + in_page * stride_vct
-              + offs_hk[:, None] * stride_vch + offs_d[None, :])
+        vc = v_cache_ptr + page * stride_vcb + in_page * stride_vct + offs_hk[:, None] * stride_vch + offs_d[None, :]
         tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(vc + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
 
@@ -142,18 +166,41 @@ def rope_and_write_kv_triton(
     block_half = triton.next_power_of_2(half)
     block_hq = triton.next_power_of_2(hq)
     _rope_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cos_sin_cache,
+        positions,
+        q,
+        k,
+        v,
+        cos_sin_cache,
         q_norm_weight if q_norm_weight is not None else q,
         k_norm_weight if k_norm_weight is not None else k,
-        q_out, k_cache, v_cache, slot_mapping,
-        hq, hk, float(eps),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        hq,
+        hk,
+        float(eps),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
-        KV_BLOCK_SIZE=block_size, Q_NORM=q_norm_weight is not None,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HALF=half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_HALF=block_half,
+        KV_BLOCK_SIZE=block_size,
+        Q_NORM=q_norm_weight is not None,
         K_NORM=k_norm_weight is not None,
-        num_warps=4 if block_hq * block_half >= 2048 else 2, **pdl.launch_kwargs(q),
+        num_warps=4 if block_hq * block_half >= 2048 else 2,
+        **pdl.launch_kwargs(q),
     )
     return q_out

@@ -15,8 +15,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(src_ptr, dst_ptr, t, stride_t, stride_h, num_heads, cos, sin,
-            HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate(
+    src_ptr,
+    dst_ptr,
+    t,
+    stride_t,
+    stride_h,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
@@ -32,10 +43,22 @@ def _rotate(src_ptr, dst_ptr, t, stride_t, stride_h, num_heads, cos, sin,
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-    num_q_heads, num_k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    num_q_heads,
+    num_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -43,12 +66,9 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=d_ok,
-                  other=0.0).to(tl.float32)
-    _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, num_q_heads, cos, sin,
-            HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate(k_ptr, k_out_ptr, t, stride_kt, stride_kh, num_k_heads, cos, sin,
-            HALF, BLOCK_HK, BLOCK_HALF)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate(k_ptr, k_out_ptr, t, stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
 
 
 def rotary_embedding_triton(
@@ -73,10 +93,22 @@ def rotary_embedding_triton(
     block_half = triton.next_power_of_2(half)
     block_hq = triton.next_power_of_2(hq)
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache, q_out, k_out,
-        hq, hk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hk),
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q_out,
+        k_out,
+        hq,
+        hk,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        HALF=half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(hk),
         BLOCK_HALF=block_half,
         num_warps=4 if block_hq * block_half >= 2048 else 2,
     )

@@ -45,8 +45,19 @@ def _row_key(seed_ptr, pos_ptr, row):
 
 
 @triton.jit(do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"])
-def _race_partial_kernel(probs_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, vocab, stride_p, per_split,
-                         num_splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _race_partial_kernel(
+    probs_ptr,
+    seed_ptr,
+    pos_ptr,
+    best_ptr,
+    idx_ptr,
+    vocab,
+    stride_p,
+    per_split,
+    num_splits,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     wait_and_release(USE_PDL)
@@ -81,8 +92,7 @@ MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     wait_and_release(USE_PDL)
     s = tl.arange(0, SPLITS)
@@ -107,8 +117,9 @@ def vocab_splits(x: torch.Tensor, block: int, num_splits: int | None) -> tuple[i
     return per_split, triton.cdiv(vocab, per_split)
 
 
-def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                            block: int = 2048, num_splits: int | None = None) -> torch.Tensor:
+def exponential_race_triton(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block: int = 2048, num_splits: int | None = None
+) -> torch.Tensor:
     """``argmax_j probs[r, j] / -log U(seed_r, pos_r, j)`` per row; int64 [rows]."""
     rows, vocab = probs.shape
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
@@ -120,9 +131,19 @@ def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor, positions:
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, num_splits, dtype=torch.int32, device=probs.device)
     launch = pdl.launch_kwargs(probs)  # one PDL decision for both launches
-    _race_partial_kernel[(rows, num_splits)](probs, seeds, positions, best, idx, vocab, probs.stride(0), per_split,
-                                             num_splits, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-                                             **launch)
-    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS,
-                                 **launch)
+    _race_partial_kernel[(rows, num_splits)](
+        probs,
+        seeds,
+        positions,
+        best,
+        idx,
+        vocab,
+        probs.stride(0),
+        per_split,
+        num_splits,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        **launch,
+    )
+    _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS, **launch)
     return out

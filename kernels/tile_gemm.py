@@ -45,10 +45,24 @@ TUNING_FILE = Path(__file__).with_name("tile_gemm_tuning.json")
 
 @triton.jit(do_not_specialize=["M"])
 def _tile_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, ROUND_TO_X: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    ROUND_TO_X: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
     ACT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)  # fastest: the M tiles of one W tile run together (W read once)
@@ -80,8 +94,11 @@ def _tile_gemm_kernel(
         tl.store(out_ptr + split.to(tl.int64) * stride_os + o_off, acc, mask=mask)
     elif ACT:
         y, offs_j = _silu_mul_pairs(acc, pid_n, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_j < N // 2)[None, :])
+        tl.store(
+            out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & (offs_j < N // 2)[None, :],
+        )
     else:
         y = acc
         if ROUND_TO_X:
@@ -102,9 +119,20 @@ def _silu_mul_pairs(acc, tile, ROWS: tl.constexpr, COLS: tl.constexpr, DT: tl.co
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
-                      SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      ROUND_TO: tl.constexpr, ACT: tl.constexpr = False):
+def _split_sum_kernel(
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_ps,
+    stride_pm,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ROUND_TO: tl.constexpr,
+    ACT: tl.constexpr = False,
+):
     """``out = sum_s part[s]`` in split order, rounded once (via ``ROUND_TO``'s dtype);
     ``ACT``: then ``silu(gate) * up`` of the column pairs."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -116,20 +144,39 @@ def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
         acc += tl.load(part_ptr + s * stride_ps.to(tl.int64) + p_off, mask=mask, other=0.0)
     if ACT:
         y, offs_j = _silu_mul_pairs(acc, tl.program_id(1), BLOCK_R, BLOCK_C, ROUND_TO)
-        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
-                 y.to(out_ptr.dtype.element_ty),
-                 mask=(offs_r < M)[:, None] & (offs_j < N // 2)[None, :])
+        tl.store(
+            out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_j[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=(offs_r < M)[:, None] & (offs_j < N // 2)[None, :],
+        )
     else:
         y = acc.to(ROUND_TO)
-        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, M, N, eps,
-                               stride_ps, stride_pm, stride_rm, stride_om, stride_nrm,
-                               SPLIT_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                               DT: tl.constexpr):
+def _split_sum_add_norm_kernel(
+    part_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    M,
+    N,
+    eps,
+    stride_ps,
+    stride_pm,
+    stride_rm,
+    stride_om,
+    stride_nrm,
+    SPLIT_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    DT: tl.constexpr,
+):
     """One row: the split sum rounded to ``DT`` (the GEMM's output), plus the residual
     (rounded: the new residual), then RMSNorm, in ``kernels.rms_norm``'s exact order."""
     row = tl.program_id(0).to(tl.int64)
@@ -138,8 +185,7 @@ def _split_sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, M
     g = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps.to(tl.int64) + row * stride_pm + cols, mask=ok,
-                       other=0.0)
+        acc += tl.load(part_ptr + s * stride_ps.to(tl.int64) + row * stride_pm + cols, mask=ok, other=0.0)
     r = tl.load(res_ptr + row * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)
     x = (acc.to(DT).to(tl.float32) + r).to(DT)
     tl.store(new_res_ptr + row * stride_nrm + cols, x.to(new_res_ptr.dtype.element_ty), mask=ok)
@@ -192,12 +238,18 @@ def load_table(path: str | None = None) -> dict[str, dict | None]:
 
 @functools.lru_cache(maxsize=4)
 def _load_tuning(path: str) -> dict[str, dict | None]:
-    return load_entries(path, TUNING_FILE, "tile_gemm_tuning", "tile-GEMM",
-                        lambda key, cfg: check_config(cfg, int(key.rsplit("x", 1)[1])))
+    return load_entries(
+        path,
+        TUNING_FILE,
+        "tile_gemm_tuning",
+        "tile-GEMM",
+        lambda key, cfg: check_config(cfg, int(key.rsplit("x", 1)[1])),
+    )
 
 
-def select_config(m: int, n: int, k: int, kind: str = "plain",
-                  table: dict[str, dict | None] | None = None) -> dict | None:
+def select_config(
+    m: int, n: int, k: int, kind: str = "plain", table: dict[str, dict | None] | None = None
+) -> dict | None:
     """The tile config for ``x [m, k] @ W[n, k]^T`` (``kind`` as in ``tuning_key``) from
     ``table`` (None: the packaged one), or None for cuBLAS (CPU ints only)."""
     mc = m_class(m)
@@ -224,23 +276,47 @@ def _split_partials(split: int, m: int, n: int, device: torch.device) -> torch.T
     return flat.as_strided((split, m, n), (plane, n, 1))
 
 
-def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict, out: torch.Tensor,
-                 partial: bool, round_to_x: bool = False, act: bool = False) -> None:
+def _launch_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: dict,
+    out: torch.Tensor,
+    partial: bool,
+    round_to_x: bool = False,
+    act: bool = False,
+) -> None:
     """``_tile_gemm_kernel`` into ``out``: ``[M, N]`` (or ``[M, N / 2]`` with ``act``), or with
     ``partial`` the float32 ``[split_k, M, N]`` partials of the K slices."""
     (m, k), n = x.shape, weight.shape[0]
     bm, bn, split = config["block_m"], config["block_n"], config["split_k"]
     _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, weight, out, m, n, k, k // split, x.stride(0), weight.stride(0),
-        out.stride(-2), out.stride(0) if partial else 0, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=config["block_k"], PARTIAL=partial, ROUND_TO_X=round_to_x,
-        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
-        ACT=act, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        k // split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(-2),
+        out.stride(0) if partial else 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=config["block_k"],
+        PARTIAL=partial,
+        ROUND_TO_X=round_to_x,
+        UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
+        IEEE=x.dtype == torch.float32,
+        ACT=act,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
 
 
-def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
-                       out_dtype: torch.dtype | None = None,
-                       act: str | None = None) -> torch.Tensor:
+def tile_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, config: dict, out_dtype: torch.dtype | None = None, act: str | None = None
+) -> torch.Tensor:
     """``linear(x, weight)`` (no bias), widened to ``out_dtype`` after rounding to ``x``'s
     dtype; ``config``: ``block_m``, ``block_n``, ``block_k``, ``split_k``, ``num_warps``,
     ``num_stages`` (see ``check_config``). ``act="silu_and_mul_pairs"``: ``weight`` holds
@@ -259,22 +335,32 @@ def tile_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
         return out
     split = config["split_k"]
     if split == 1:
-        _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype,
-                     act=act is not None)
+        _launch_gemm(x, weight, config, out, partial=False, round_to_x=out_dtype != x.dtype, act=act is not None)
         return out
     part = _split_partials(split, m, n, x.device)
     _launch_gemm(x, weight, config, part, partial=True)
     block_r, block_c = 16, 128
     _split_sum_kernel[(triton.cdiv(m, block_r), triton.cdiv(n, block_c))](
-        part, out, m, n, part.stride(0), part.stride(1), out.stride(0),
-        SPLIT_K=split, BLOCK_R=block_r, BLOCK_C=block_c, ROUND_TO=_TL_DTYPES[x.dtype],
-        ACT=act is not None, num_warps=4)
+        part,
+        out,
+        m,
+        n,
+        part.stride(0),
+        part.stride(1),
+        out.stride(0),
+        SPLIT_K=split,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        ROUND_TO=_TL_DTYPES[x.dtype],
+        ACT=act is not None,
+        num_warps=4,
+    )
     return out
 
 
-def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: dict,
-                                residual: torch.Tensor, norm_weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_linear_add_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, config: dict, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(linear(x, weight), norm_weight, eps, residual)`` -> ``(normed,
     new_residual)`` in two launches: the GEMM's float32 partials (any ``split_k``, 1 too),
     then one program a row sums them, adds the residual and normalises, with the rounding
@@ -295,18 +381,36 @@ def tile_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, config: d
     _launch_gemm(x, weight, config, part, partial=True)
     block_c = triton.next_power_of_2(n)
     _split_sum_add_norm_kernel[(m,)](
-        part, residual, norm_weight, out, new_res, m, n, float(eps),
-        part.stride(0), part.stride(1), residual.stride(0), out.stride(0), new_res.stride(0),
-        SPLIT_K=split, BLOCK_C=block_c, DT=_TL_DTYPES[x.dtype],
-        num_warps=max(1, min(8, block_c // 256)))
+        part,
+        residual,
+        norm_weight,
+        out,
+        new_res,
+        m,
+        n,
+        float(eps),
+        part.stride(0),
+        part.stride(1),
+        residual.stride(0),
+        out.stride(0),
+        new_res.stride(0),
+        SPLIT_K=split,
+        BLOCK_C=block_c,
+        DT=_TL_DTYPES[x.dtype],
+        num_warps=max(1, min(8, block_c // 256)),
+    )
     return out, new_res
 
 
 USES = ("plain", "act", "logits", "add_norm")  # how a model calls a weight (precompile)
 
 
-def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
-               max_logit_rows: int = MAX_M, table: dict[str, dict | None] | None = None) -> int:
+def precompile(
+    uses: list[tuple[torch.Tensor, str]],
+    max_rows: int = MAX_M,
+    max_logit_rows: int = MAX_M,
+    table: dict[str, dict | None] | None = None,
+) -> int:
     """Launch, once on zero rows, every kernel variant ``table`` (None: the packaged one) selects for these
     ``(weight, use)`` pairs (``use`` in ``USES``) in each batch class a step can reach (at
     most ``max_rows`` rows; ``max_logit_rows`` for the logits), so that no eager step of a
@@ -317,8 +421,7 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
     for weight, use in uses:
         if use not in USES:
             raise ValueError(f"tile GEMM precompile: unknown use {use!r} (known: {USES})")
-        if not (weight.is_cuda and weight.dim() == 2 and weight.dtype in _TL_DTYPES
-                and weight.dtype != torch.float32):
+        if not (weight.is_cuda and weight.dim() == 2 and weight.dtype in _TL_DTYPES and weight.dtype != torch.float32):
             continue
         n, k = weight.shape
         if (n, k, weight.dtype, use) in seen:  # every layer has the same shapes: once each
@@ -334,20 +437,29 @@ def precompile(uses: list[tuple[torch.Tensor, str]], max_rows: int = MAX_M,
                 continue
             x = torch.zeros((rows, k), dtype=weight.dtype, device=weight.device)
             if use == "add_norm":
-                tile_linear_add_norm_triton(x, weight, cfg, torch.zeros((rows, n), dtype=x.dtype,
-                                                                        device=x.device),
-                                            torch.ones(n, dtype=x.dtype, device=x.device), 1e-6)
+                tile_linear_add_norm_triton(
+                    x,
+                    weight,
+                    cfg,
+                    torch.zeros((rows, n), dtype=x.dtype, device=x.device),
+                    torch.ones(n, dtype=x.dtype, device=x.device),
+                    1e-6,
+                )
             else:
-                tile_linear_triton(x, weight, cfg,
-                                   out_dtype=torch.float32 if use == "logits" else None,
-                                   act="silu_and_mul_pairs" if use == "act" else None)
+                tile_linear_triton(
+                    x,
+                    weight,
+                    cfg,
+                    out_dtype=torch.float32 if use == "logits" else None,
+                    act="silu_and_mul_pairs" if use == "act" else None,
+                )
             launched += 1
     return launched
 
 
-def tile_linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                          out_dtype: torch.dtype | None = None,
-                          act: str | None = None) -> torch.Tensor:
+def tile_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, act: str | None = None
+) -> torch.Tensor:
     """The plain-torch meaning: float32 products and sums, rounded once to ``x``'s dtype
     (then ``kernels.reference.silu_and_mul_reference`` of the pairs, with ``act``)."""
     from kernels.reference import silu_and_mul_reference

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Callable
 
 
-def load_entries(path: str, packaged: Path, option: str, what: str,
-                 check: Callable[[str, dict], None] | None = None) -> dict[str, dict | None]:
+def load_entries(
+    path: str, packaged: Path, option: str, what: str, check: Callable[[str, dict], None] | None = None
+) -> dict[str, dict | None]:
     """The entries of the table at ``path``, each non-null one passed to ``check``. The
     packaged table may be absent (no entries: every caller's fallback); a table named by the
     engine option ``option`` must load, else ``ValueError`` naming the option and the file."""

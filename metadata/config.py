@@ -178,9 +178,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.cache.kv_cache_memory_bytes is not None:
             _range("kv_cache_memory_bytes", self.cache.kv_cache_memory_bytes, 1, 1 << 50)
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}"
-            )
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}")
         _range("max_num_seqs", self.scheduler.max_num_seqs, 1, 65536)
         _range("max_num_batched_tokens", self.scheduler.max_num_batched_tokens, 1, 1 << 24)
         if self.model.max_model_len is not None:
@@ -219,13 +217,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         k = self.kernels
         _range("pdl_max_tokens", k.pdl_max_tokens, 0, 1 << 24)
         _range("cpu_threads", k.cpu_threads, 1, 4096)
-        for name, path in (("skinny_tuning", k.skinny_tuning),
-                           ("tile_gemm_tuning", k.tile_gemm_tuning)):
+        for name, path in (("skinny_tuning", k.skinny_tuning), ("tile_gemm_tuning", k.tile_gemm_tuning)):
             if path is not None:
                 _check_tuning_file(name, path)
         if k.tile_gemm_tuning is not None and not k.tile_gemm:
-            raise ConfigError("tile_gemm_tuning is set but tile_gemm is false (cuBLAS for every "
-                              "mid-sized batch): drop one of them")
+            raise ConfigError(
+                "tile_gemm_tuning is set but tile_gemm is false (cuBLAS for every mid-sized batch): drop one of them"
+            )
 
     def _validate_pipeline(self) -> None:
         """The pipeline options alone; the split's sum is checked against the model at startup
@@ -234,8 +232,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         pp, split = par.pipeline_parallel_size, par.pipeline_layer_split
         if split is not None:
             if len(split) != pp:
-                raise ConfigError(f"pipeline_layer_split {split} has {len(split)} entries; it needs one "
-                                  f"per pipeline stage (pipeline_parallel_size={pp})")
+                raise ConfigError(
+                    f"pipeline_layer_split {split} has {len(split)} entries; it needs one "
+                    f"per pipeline stage (pipeline_parallel_size={pp})"
+                )
             if min(split) < 1:
                 raise ConfigError(f"pipeline_layer_split {split}: every stage needs at least one layer")
         if pp == 1:
@@ -246,28 +246,35 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"pipeline_parallel_size={pp} is not supported: verifying drafts advances each "
                 "request by its accepted count, which only the last stage knows, while every stage's "
                 "KV and stage 0's inputs depend on it; use speculative_method='off' or "
-                "tensor_parallel_size instead of pipeline stages")
+                "tensor_parallel_size instead of pipeline stages"
+            )
 
     def _validate_speculative(self) -> None:
         sp = self.speculative
         if sp.speculative_method == "off":
             if sp.speculative_model is not None:
-                raise ConfigError("speculative_model is set but speculative_method is 'off'; "
-                                  "set speculative_method='draft_model'")
+                raise ConfigError(
+                    "speculative_model is set but speculative_method is 'off'; set speculative_method='draft_model'"
+                )
             return
         _range("num_speculative_tokens", sp.num_speculative_tokens, 1, 16)
         if sp.speculative_method == "draft_model" and sp.speculative_model is None:
-            raise ConfigError("speculative_method='draft_model' needs speculative_model "
-                              "(a checkpoint directory sharing the target's vocabulary)")
+            raise ConfigError(
+                "speculative_method='draft_model' needs speculative_model "
+                "(a checkpoint directory sharing the target's vocabulary)"
+            )
         if sp.speculative_method in ("ngram", "ngram_host"):
             if sp.speculative_model is not None:
-                raise ConfigError("speculative_method='ngram' takes no speculative_model; "
-                                  "use speculative_method='draft_model' for a draft checkpoint")
+                raise ConfigError(
+                    "speculative_method='ngram' takes no speculative_model; "
+                    "use speculative_method='draft_model' for a draft checkpoint"
+                )
             _range("prompt_lookup_min", sp.prompt_lookup_min, 1, 64)
             _range("prompt_lookup_max", sp.prompt_lookup_max, 1, 64)
             if sp.prompt_lookup_min > sp.prompt_lookup_max:
-                raise ConfigError(f"prompt_lookup_min ({sp.prompt_lookup_min}) must be <= "
-                                  f"prompt_lookup_max ({sp.prompt_lookup_max})")
+                raise ConfigError(
+                    f"prompt_lookup_min ({sp.prompt_lookup_min}) must be <= prompt_lookup_max ({sp.prompt_lookup_max})"
+                )
         if self.scheduler.async_scheduling:
             from metadata.exact_lengths import exact_length_refusal
 
@@ -288,9 +295,7 @@ _SECTIONS = {
     "kernels": KernelConfig,
 }
 _TOP_LEVEL = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
-_OPTION_SECTION = {
-    field: section for section, typ in _SECTIONS.items() for field in typ.__struct_fields__
-}
+_OPTION_SECTION = {field: section for section, typ in _SECTIONS.items() for field in typ.__struct_fields__}
 ALL_OPTIONS = sorted(_TOP_LEVEL | set(_OPTION_SECTION))
 _CHOICES: dict[str, tuple] = {}
 
@@ -335,8 +340,7 @@ _KERNEL_ENV_REMOVED = {
     "SYNCLESS_TP_SYMM_MAX_BYTES": "the symmetric-memory TP all-reduce",
     "SYNCLESS_ATTN_RELEASE": "the decode attention's late PDL release",
     "SYNCLESS_DECODE_ATTN_STAGES": "the decode attention's pipelining-depth override",
-    "SYNCLESS_ATTN_PRELOAD": "the decode attention's preload variants (it always preloads keys "
-    "and values)",
+    "SYNCLESS_ATTN_PRELOAD": "the decode attention's preload variants (it always preloads keys and values)",
     "SYNCLESS_ATTN_MERGE": "the two-pass split merge (the one-pass merge is the one)",
     "SYNCLESS_DECODE_LAYER": "the one-launch decoder layer",
     "SYNCLESS_DECODE_LAYER_CONFIG": "the one-launch decoder layer",
@@ -349,8 +353,10 @@ def reject_kernel_env(environ) -> None:
     environment read of the config, at startup)."""
     for name, option in _KERNEL_ENV_REPLACED.items():
         if name in environ:
-            raise ConfigError(f"environment variable {name} is no longer read: set the engine "
-                              f"option {option} instead (LLM(...) keyword or cluster.serve flag)")
+            raise ConfigError(
+                f"environment variable {name} is no longer read: set the engine "
+                f"option {option} instead (LLM(...) keyword or cluster.serve flag)"
+            )
     for name, what in _KERNEL_ENV_REMOVED.items():
         if name in environ:
             raise ConfigError(f"environment variable {name} was removed with {what}; unset it")

@@ -8,8 +8,7 @@ import msgspec
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPT_INT_FIELDS = ("seed", "max_tokens", "logprobs")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 MAX_CACHE_SALT_LEN = 1024
 MAX_INT32 = (1 << 31) - 1  # top_k, min_tokens and max_tokens become device int tensors
@@ -100,7 +99,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
             or not 1 <= self.max_tokens <= MAX_INT32
         ):
             raise bad("max_tokens", f"an integer in [1, {MAX_INT32}]", self.max_tokens)
@@ -116,14 +116,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", f"<{len(self.stop_token_ids)} ids>")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32
-               for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
         ):
-            raise bad("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_LEN} characters, or None",
-                      self.cache_salt if not isinstance(self.cache_salt, str) else f"<{len(self.cache_salt)} chars>")
+            raise bad(
+                "cache_salt",
+                f"a non-empty string of at most {MAX_CACHE_SALT_LEN} characters, or None",
+                self.cache_salt if not isinstance(self.cache_salt, str) else f"<{len(self.cache_salt)} chars>",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -22,7 +22,20 @@ from placement.platforms import (
 )
 
 __all__ = [
-    "Layout", "Placement", "PlacementError", "WorkerSlot", "assign_ranks", "describe_shortfall",
-    "place_workers", "NVLS_OFF_ENV", "CpuPlatform", "CudaPlatform", "DeviceVisibilityError", "Platform",
-    "RocmPlatform", "VisibilityDecision", "actor_env_vars", "select_platform",
+    "Layout",
+    "Placement",
+    "PlacementError",
+    "WorkerSlot",
+    "assign_ranks",
+    "describe_shortfall",
+    "place_workers",
+    "NVLS_OFF_ENV",
+    "CpuPlatform",
+    "CudaPlatform",
+    "DeviceVisibilityError",
+    "Platform",
+    "RocmPlatform",
+    "VisibilityDecision",
+    "actor_env_vars",
+    "select_platform",
 ]

@@ -78,7 +78,8 @@ class Placement:
 
         s = self.slots[rank]
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.groups[s.group_index], placement_group_bundle_index=s.bundle_index,
+            placement_group=self.groups[s.group_index],
+            placement_group_bundle_index=s.bundle_index,
             placement_group_capture_child_tasks=False,
         )
 
@@ -104,8 +105,9 @@ def _ip_key(ip: str):
         return (1, ip)
 
 
-def assign_ranks(group_nodes: list[list[str]], node_ips: dict[str, str], driver_node: str | None,
-                 layout: Layout) -> list[WorkerSlot]:
+def assign_ranks(
+    group_nodes: list[list[str]], node_ips: dict[str, str], driver_node: str | None, layout: Layout
+) -> list[WorkerSlot]:
     """Slots in rank order. ``group_nodes[g][b]`` is the node of bundle b of stage group g.
 
     Groups are ordered by their node (driver's node first, then by IP, then creation
@@ -125,8 +127,9 @@ def assign_ranks(group_nodes: list[list[str]], node_ips: dict[str, str], driver_
         if len(nodes) != layout.tensor_parallel_size:
             raise ValueError(f"group {g} has {len(nodes)} bundles, expected {layout.tensor_parallel_size}")
         for b, node in enumerate(nodes):
-            slots.append(WorkerSlot(stage * layout.tensor_parallel_size + b, stage, b, g, b, node,
-                                    node_ips.get(node, "?")))
+            slots.append(
+                WorkerSlot(stage * layout.tensor_parallel_size + b, stage, b, g, b, node, node_ips.get(node, "?"))
+            )
     return slots
 
 
@@ -134,8 +137,7 @@ def stage_targets(layout: Layout, nodes: list[NodeView], driver_node: str | None
     """A soft node hint per stage: distinct nodes with room for a whole TP group, the
     driver's node first. Stages without such a node get no hint (Ray chooses)."""
     tp = layout.tensor_parallel_size
-    room = sorted((n for n in nodes if n.free >= tp),
-                  key=lambda n: (n.node_id != driver_node, -n.free, _ip_key(n.ip)))
+    room = sorted((n for n in nodes if n.free >= tp), key=lambda n: (n.node_id != driver_node, -n.free, _ip_key(n.ip)))
     hints: list[str | None] = [n.node_id for n in room[: layout.pipeline_parallel_size]]
     return hints + [None] * (layout.pipeline_parallel_size - len(hints))
 
@@ -144,19 +146,25 @@ def describe_shortfall(layout: Layout, resource: str, nodes: list[NodeView]) -> 
     """Why ``nodes`` cannot hold ``layout`` now, or None when they can."""
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
     per_node = ", ".join(f"{n.ip}: {n.free:g} free of {n.total:g}" for n in nodes) or "no alive nodes"
-    need = (f"{layout.world_size} workers (tensor_parallel_size={tp} x pipeline_parallel_size={pp}) need "
-            f"{pp} group(s) of {tp} {resource} on one node each")
+    need = (
+        f"{layout.world_size} workers (tensor_parallel_size={tp} x pipeline_parallel_size={pp}) need "
+        f"{pp} group(s) of {tp} {resource} on one node each"
+    )
     biggest = max((n.total for n in nodes), default=0)
     if biggest < tp:
-        return (f"{need}, but no node has {tp} {resource} (largest: {biggest:g}); a tensor-parallel group "
-                f"must fit in one node: lower tensor_parallel_size or add larger nodes [{resource} per node: "
-                f"{per_node}]")
+        return (
+            f"{need}, but no node has {tp} {resource} (largest: {biggest:g}); a tensor-parallel group "
+            f"must fit in one node: lower tensor_parallel_size or add larger nodes [{resource} per node: "
+            f"{per_node}]"
+        )
     fits = sum(int(n.free // tp) for n in nodes)
     if fits < pp:
         total_free = sum(n.free for n in nodes)
-        return (f"{need}; the cluster has room for {fits} of the {pp} group(s) now ({total_free:g} {resource} "
-                f"free in all, {pp - fits} group(s) of {tp} missing): free {resource}s held by other jobs, add "
-                f"nodes (ray up ray_cluster.yaml) or lower the parallel sizes [{resource} per node: {per_node}]")
+        return (
+            f"{need}; the cluster has room for {fits} of the {pp} group(s) now ({total_free:g} {resource} "
+            f"free in all, {pp - fits} group(s) of {tp} missing): free {resource}s held by other jobs, add "
+            f"nodes (ray up ray_cluster.yaml) or lower the parallel sizes [{resource} per node: {per_node}]"
+        )
     return None
 
 
@@ -174,8 +182,14 @@ def cluster_nodes(resource: str) -> list[NodeView]:
         if not n.get("Alive"):
             continue
         nid = n["NodeID"]
-        out.append(NodeView(nid, n.get("NodeManagerAddress", "?"), float(n["Resources"].get(resource, 0)),
-                            float(free.get(nid, {}).get(resource, 0))))
+        out.append(
+            NodeView(
+                nid,
+                n.get("NodeManagerAddress", "?"),
+                float(n["Resources"].get(resource, 0)),
+                float(free.get(nid, {}).get(resource, 0)),
+            )
+        )
     return out
 
 
@@ -193,16 +207,22 @@ def place_workers(layout: Layout, device_kind: str, timeout_s: float, name: str 
     hints = stage_targets(layout, nodes, driver_node)
     placement = Placement(layout, resource)
     for stage, hint in enumerate(hints):
-        placement.groups.append(placement_group(
-            [{resource: 1}] * layout.tensor_parallel_size, strategy="STRICT_PACK",
-            name=f"{name}-stage{stage}-{time.monotonic_ns()}", _soft_target_node_id=hint,
-        ))
-    ready, _ = ray.wait([g.ready() for g in placement.groups], num_returns=len(placement.groups),
-                        timeout=timeout_s)
+        placement.groups.append(
+            placement_group(
+                [{resource: 1}] * layout.tensor_parallel_size,
+                strategy="STRICT_PACK",
+                name=f"{name}-stage{stage}-{time.monotonic_ns()}",
+                _soft_target_node_id=hint,
+            )
+        )
+    ready, _ = ray.wait([g.ready() for g in placement.groups], num_returns=len(placement.groups), timeout=timeout_s)
     if len(ready) < len(placement.groups):
         placement.remove()
-        why = describe_shortfall(layout, resource, cluster_nodes(resource)) or short or (
-            "the resources looked free but were not granted (taken by other jobs meanwhile?)")
+        why = (
+            describe_shortfall(layout, resource, cluster_nodes(resource))
+            or short
+            or ("the resources looked free but were not granted (taken by other jobs meanwhile?)")
+        )
         raise PlacementError(
             f"placement groups not ready after {timeout_s:.0f} s (worker_start_timeout_s; "
             f"{len(ready)} of {len(placement.groups)} placed): {why}"

@@ -80,7 +80,9 @@ class Platform:
     def decide_visibility(self, assigned: Sequence[str | int], inherited: Mapping[str, str]) -> VisibilityDecision:
         return VisibilityDecision()
 
-    def configure(self, assigned: Sequence[str | int], environ: MutableMapping[str, str] | None = None) -> VisibilityDecision:
+    def configure(
+        self, assigned: Sequence[str | int], environ: MutableMapping[str, str] | None = None
+    ) -> VisibilityDecision:
         """Decide and apply visibility in this process; must run before torch initialises the device."""
         env = os.environ if environ is None else environ
         torch = sys.modules.get("torch")
@@ -99,8 +101,12 @@ class Platform:
         return torch.device(self.torch_device_type, 0) if self.torch_device_type != "cpu" else torch.device("cpu")
 
     def describe(self) -> dict[str, str | None]:
-        return {"platform": self.name, "collective": self.collective_library,
-                "attention": self.attention_backend, "visibility_var": self.visibility_var}
+        return {
+            "platform": self.name,
+            "collective": self.collective_library,
+            "attention": self.attention_backend,
+            "visibility_var": self.visibility_var,
+        }
 
     # ------------------------------------------------------------ helpers
     def _require_ray_off(self, inherited: Mapping[str, str]) -> None:

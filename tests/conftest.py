@@ -6,6 +6,9 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# helper modules whose asserts are the tests' checks: rewritten as in a test module
+pytest.register_assert_rewrite("tests.sim_worker", "tests.benchmark_results")
+
 
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):

@@ -32,9 +32,24 @@ def _child_outcomes(test_file: str) -> dict:
         env = dict(os.environ, TRITON_INTERPRET="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", test_file, "-q", "-m", "not gpu",
-             "-p", "no:cacheprovider", f"--junitxml={xml_path}"],
-            cwd=root, env=env, capture_output=True, text=True, timeout=900)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                test_file,
+                "-q",
+                "-m",
+                "not gpu",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={xml_path}",
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if not os.path.exists(xml_path):
             raise RuntimeError(f"interpreted child pytest did not run:\n{proc.stdout}\n{proc.stderr}")
         outcomes = {}

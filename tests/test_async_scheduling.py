@@ -44,8 +44,15 @@ def engines(ray_local, model):
     made = {}
     try:
         for mode in (False, True):
-            made[mode] = LLM(model=str(model), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=32,
-                             max_num_seqs=6, max_model_len=MAX_MODEL_LEN, async_scheduling=mode)
+            made[mode] = LLM(
+                model=str(model),
+                block_size=BLOCK,
+                num_kv_blocks=NUM_BLOCKS,
+                max_num_batched_tokens=32,
+                max_num_seqs=6,
+                max_model_len=MAX_MODEL_LEN,
+                async_scheduling=mode,
+            )
         assert made[True].engine.async_scheduling and not made[False].engine.async_scheduling
         yield made
     finally:
@@ -64,13 +71,13 @@ def alive(llm):
 
 
 def cont(tok, prompt, out):
-    return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+    return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
 
 
 def _stop_string(tok, prompt, ids, at):
     """A stop string spanning the end of token ``at`` and the start of token ``at + 1``."""
     a, b = cont(tok, prompt, ids[: at + 1]), cont(tok, prompt, ids[: at + 2])
-    return a[-2:] + b[len(a): len(a) + 2]
+    return a[-2:] + b[len(a) : len(a) + 2]
 
 
 def _params(tok, greedy_ref):
@@ -79,9 +86,16 @@ def _params(tok, greedy_ref):
     return [
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[_stop_string(tok, PROMPTS[2], g[2], 5)]),
-        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[_stop_string(tok, PROMPTS[3], g[3], 9)],
-                       include_stop_str_in_output=True),
+        SamplingParams(
+            temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[_stop_string(tok, PROMPTS[2], g[2], 5)]
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            stop=[_stop_string(tok, PROMPTS[3], g[3], 9)],
+            include_stop_str_in_output=True,
+        ),
         SamplingParams(temperature=1.0, top_p=0.9, seed=17, max_tokens=MAX_NEW, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[g[5][4]]),
         SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=1, ignore_eos=True),
@@ -184,8 +198,9 @@ def test_aborts_mid_stream(engines, greedy_ref):
                 assert streamed[rid][1] == c.text
         assert outs["m4"].outputs[0].finish_reason == "abort"
         assert outs["m3"].outputs[0].finish_reason == "stop"
-        results[mode] = {rid: o.outputs[0].token_ids for rid, o in outs.items()
-                         if o.outputs[0].finish_reason != "abort"}
+        results[mode] = {
+            rid: o.outputs[0].token_ids for rid, o in outs.items() if o.outputs[0].finish_reason != "abort"
+        }
         llm.engine.scheduler.blocks.check_all_free()
     assert results[True] == results[False]
 
@@ -198,8 +213,15 @@ def test_in_flight_token_never_leaks(engines, greedy_ref):
         for i, p in enumerate(PROMPTS[:6]):
             g = greedy_ref[i]
             todo.append((f"x{i}", p, SamplingParams(temperature=0, max_tokens=1 + 3 * i, ignore_eos=True)))
-            todo.append((f"y{i}", p, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                   stop=[_stop_string(tok, p, g, 2 + i)])))
+            todo.append(
+                (
+                    f"y{i}",
+                    p,
+                    SamplingParams(
+                        temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[_stop_string(tok, p, g, 2 + i)]
+                    ),
+                )
+            )
         outs, streamed = _drive(llm.engine, todo, {})
         for i, p in enumerate(PROMPTS[:6]):
             g = greedy_ref[i]
@@ -219,10 +241,21 @@ def test_seeded_sampling_async_equals_sync(engines):
     res = {}
     for mode, llm in engines.items():
         ps = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
-        sps = [SamplingParams(temperature=t, top_p=tp, top_k=k, min_p=mp, seed=100 + i, max_tokens=MAX_NEW,
-                              ignore_eos=True, presence_penalty=0.3 * (i % 2))
-               for i, (t, tp, k, mp) in enumerate([(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 10, 0.0),
-                                                   (1.0, 1.0, 0, 0.1), (2.0, 0.8, 50, 0.02)])]
+        sps = [
+            SamplingParams(
+                temperature=t,
+                top_p=tp,
+                top_k=k,
+                min_p=mp,
+                seed=100 + i,
+                max_tokens=MAX_NEW,
+                ignore_eos=True,
+                presence_penalty=0.3 * (i % 2),
+            )
+            for i, (t, tp, k, mp) in enumerate(
+                [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 10, 0.0), (1.0, 1.0, 0, 0.1), (2.0, 0.8, 50, 0.02)]
+            )
+        ]
         res[mode] = _tokens = [o.outputs[0].token_ids for o in llm.generate(ps, sps, use_tqdm=False)]
         alive(llm)
         assert all(len(t) == MAX_NEW for t in _tokens)
@@ -238,8 +271,12 @@ def test_sequence_longer_than_the_cache(engines):
     for mode, llm in engines.items():
         with pytest.raises(InvalidRequestError, match="KV cache holds only 112 tokens"):
             llm.engine.add_request("huge", [5] * 115, SamplingParams(max_tokens=1))
-        outs, _ = _drive(llm.engine, [("long", [7] * 100, SamplingParams(temperature=0, max_tokens=50,
-                                                                          ignore_eos=True))], {}, max_steps=300)
+        outs, _ = _drive(
+            llm.engine,
+            [("long", [7] * 100, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))],
+            {},
+            max_steps=300,
+        )
         c = outs["long"].outputs[0]
         assert len(c.token_ids) == 12 and c.finish_reason == "length"
         llm.engine.scheduler.blocks.check_all_free()
@@ -249,11 +286,18 @@ def test_sequence_longer_than_the_cache(engines):
 def _meta(exact: bool) -> AttentionMetadata:
     qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
     return AttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.tensor([3, 9], dtype=torch.int32),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([3, 9], dtype=torch.int32),
         seq_lens_upper_bound=torch.tensor([3, 9], dtype=torch.int32) + (0 if exact else 2),
-        block_table=torch.zeros(2, 2, dtype=torch.int32), slot_mapping=torch.arange(4),
-        positions=torch.tensor([0, 1, 2, 8]), num_reqs=2, num_actual_tokens=4, max_query_len=3,
-        max_seq_len_upper_bound=9 if exact else 11, bounds_are_exact=exact,
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        slot_mapping=torch.arange(4),
+        positions=torch.tensor([0, 1, 2, 8]),
+        num_reqs=2,
+        num_actual_tokens=4,
+        max_query_len=3,
+        max_seq_len_upper_bound=9 if exact else 11,
+        bounds_are_exact=exact,
     )
 
 

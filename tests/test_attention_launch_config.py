@@ -4,16 +4,18 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("reqs,hkv,bound,block_n,splits,stages", [
-    (8, 8, 4124, 64, 9, 2),     # 64 (request, KV head) programs past SHORT_BOUND: 4 a SM
-    (8, 8, 1024, 64, 5, 2),     # the same grid at a short bound: 2 a SM
-    (4, 8, 4124, 128, 9, 2),    # 32 programs: wide tiles at any bound
-    (1, 8, 1024, 128, 8, 1),    # batch 1: wide tiles, one a split: nothing to pipeline
-    (1, 8, 8192, 128, 32, 2),   # batch 1, long bound: two tiles a split
-    (32, 8, 4124, 64, 2, 2),    # 256 programs: narrow tiles, 2 a SM, as before
-])
-def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits,
-                                                 stages):
+@pytest.mark.parametrize(
+    "reqs,hkv,bound,block_n,splits,stages",
+    [
+        (8, 8, 4124, 64, 9, 2),  # 64 (request, KV head) programs past SHORT_BOUND: 4 a SM
+        (8, 8, 1024, 64, 5, 2),  # the same grid at a short bound: 2 a SM
+        (4, 8, 4124, 128, 9, 2),  # 32 programs: wide tiles at any bound
+        (1, 8, 1024, 128, 8, 1),  # batch 1: wide tiles, one a split: nothing to pipeline
+        (1, 8, 8192, 128, 32, 2),  # batch 1, long bound: two tiles a split
+        (32, 8, 4124, 64, 2, 2),  # 256 programs: narrow tiles, 2 a SM, as before
+    ],
+)
+def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, block_n, splits, stages):
     """The one-query-token launch's tile width, split count (grid axis 2) and pipelining
     depth, from the batch shape and the length bound only."""
     launches = []
@@ -31,8 +33,8 @@ def test_decode_tiles_and_splits_from_cpu_bounds(monkeypatch, reqs, hkv, bound, 
     table = torch.zeros(reqs, bound // 16 + 1, dtype=torch.int32)
     seq = torch.full((reqs,), bound, dtype=torch.int32)
     qsl = torch.arange(reqs + 1, dtype=torch.int32)
-    pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5)
-    (grid, kw), = launches
+    pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d**-0.5)
+    ((grid, kw),) = launches
     assert (kw["BLOCK_N"], grid[2], kw["num_stages"]) == (block_n, splits, stages)
 
 
@@ -77,8 +79,10 @@ def test_eager_launches_take_few_shapes(hkv, group_p):
     # one tile width and depth x split counts 1, 4, 16, 64
     assert len({(s.block_n, s.num_stages, s.num_warps) for s in one_token}) == 1, one_token
     assert len(one_token) <= 4
-    exact = {launch_config(8, 8, 8, 4, 128, 1, 1024).num_splits,
-             launch_config(8, 8, 8, 4, 128, 1, 1024, eager=True).num_splits}
+    exact = {
+        launch_config(8, 8, 8, 4, 128, 1, 1024).num_splits,
+        launch_config(8, 8, 8, 4, 128, 1, 1024, eager=True).num_splits,
+    }
     assert exact == {5, 4}
 
 
@@ -104,8 +108,7 @@ def test_eager_flag_reaches_the_attention_launch(monkeypatch):
     seq = torch.full((reqs,), bound, dtype=torch.int32)
     qsl = torch.arange(0, reqs * q_len + 1, q_len, dtype=torch.int32)
     for eager in (True, False):
-        ops.paged_attention(q, cache, cache, table, seq, qsl, qsl, q_len, bound, d ** -0.5,
-                            eager=eager)
+        ops.paged_attention(q, cache, cache, table, seq, qsl, qsl, q_len, bound, d**-0.5, eager=eager)
     (g_eager, kw_eager), (g_graph, kw_graph) = launches
     assert not kw_eager["ONE_QBLOCK_PER_REQ"] and kw_eager["NUM_SPLITS"] == 1
     assert kw_graph["ONE_QBLOCK_PER_REQ"] and g_graph[0] == reqs
@@ -129,8 +132,7 @@ def test_one_token_depth_follows_split_overrides(monkeypatch):
     table = torch.zeros(1, bound // 16 + 1, dtype=torch.int32)
     seq, qsl = torch.full((1,), bound, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
     for splits in (None, 4):
-        pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d ** -0.5,
-                                  num_splits=splits)
+        pa.paged_attention_triton(q, cache, cache, table, seq, qsl, 1, bound, d**-0.5, num_splits=splits)
     assert launches == [1, 2]
 
 
@@ -142,8 +144,27 @@ def test_model_attention_passes_the_eager_flag(monkeypatch):
     from workers.models.arch import ModelArch
     from workers.models.llama import Attention
 
-    arch = ModelArch("LlamaForCausalLM", 64, 32, 64, 1, 4, 2, 8, 1e-6, 10000.0, None, 64,
-                     False, False, False, False, (1,), None, None)
+    arch = ModelArch(
+        "LlamaForCausalLM",
+        64,
+        32,
+        64,
+        1,
+        4,
+        2,
+        8,
+        1e-6,
+        10000.0,
+        None,
+        64,
+        False,
+        False,
+        False,
+        False,
+        (1,),
+        None,
+        None,
+    )
     attn = Attention(arch, TPGroup(), torch.float32)
     seen = []
 
@@ -159,15 +180,20 @@ def test_model_attention_passes_the_eager_flag(monkeypatch):
             seq_lens=torch.tensor([1], dtype=torch.int32),
             seq_lens_upper_bound=torch.tensor([1], dtype=torch.int32),
             block_table=torch.zeros(1, 1, dtype=torch.int32),
-            slot_mapping=torch.zeros(1, dtype=torch.int64), positions=torch.zeros(1, dtype=torch.int64),
-            num_reqs=1, num_actual_tokens=1, max_query_len=1, max_seq_len_upper_bound=1,
-            bounds_are_exact=True, eager=eager)
+            slot_mapping=torch.zeros(1, dtype=torch.int64),
+            positions=torch.zeros(1, dtype=torch.int64),
+            num_reqs=1,
+            num_actual_tokens=1,
+            max_query_len=1,
+            max_seq_len_upper_bound=1,
+            bounds_are_exact=True,
+            eager=eager,
+        )
         attn.attend_core(torch.zeros(1, (4 + 2 * 2) * 8), meta.positions, meta, (None, None), None)
     assert seen == [True, False]
 
 
-@pytest.mark.parametrize("hkv,group_p,sms", [(8, 2, 132), (8, 4, 132), (2, 4, 132), (1, 8, 40),
-                                             (4, 1, 8)])
+@pytest.mark.parametrize("hkv,group_p,sms", [(8, 2, 132), (8, 4, 132), (2, 4, 132), (1, 8, 40), (4, 1, 8)])
 def test_eager_one_token_cases_cover_every_shape(hkv, group_p, sms):
     """The start-up cases of ``enforce_eager`` (``workers.eager_warm_up``) reach every eager
     one-token launch variant -- its shape, with or without PDL, with or without rope inside
@@ -181,8 +207,10 @@ def test_eager_one_token_cases_cover_every_shape(hkv, group_p, sms):
         return reqs <= 2, reqs <= 8 and reqs * bound <= 3000
 
     def key(reqs, bound):
-        return (_shape(launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, sms, eager=True)),
-                variant_of(reqs, bound))
+        return (
+            _shape(launch_config(reqs, reqs, hkv, group_p, 128, 1, bound, sms, eager=True)),
+            variant_of(reqs, bound),
+        )
 
     every = {key(r, b) for r in range(1, max_seqs + 1) for b in range(1, max_len + 1)}
     cases = eager_one_token_cases(hkv, group_p, 128, max_seqs, max_len, sms, variant_of)
@@ -206,8 +234,10 @@ def test_eager_decode_cases_follow_the_model_heads():
     cpu = torch.device("cpu")
     wide = eager_decode_cases(model(16, 8), 64, 40960, cpu)
     narrow = eager_decode_cases(model(4, 2), 64, 40960, cpu)
-    splits = lambda cases, hkv, g: {launch_config(r, r, hkv, g, 128, 1, b, eager=True).num_splits  # noqa: E731
-                                    for r, b in cases}
+
+    def splits(cases, hkv, g):
+        return {launch_config(r, r, hkv, g, 128, 1, b, eager=True).num_splits for r, b in cases}
+
     assert splits(wide, 8, 2) == {1, 4, 16}
     assert splits(narrow, 2, 2) == {1, 4, 16, 64}
     meta = scratch_decode_meta(3, 700, 16, cpu)

@@ -16,8 +16,9 @@ else:
 @pytest.mark.parametrize("num_splits", [3, 8])  # 8 splits > tiles of the short rows: masked
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
 def test_decode_merge_matches_reference(num_splits, hq, hkv):
-    c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv,
-                            pad_tokens=2, bound_slack=40, seed=3)
+    c = make_attention_case(
+        [1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv, pad_tokens=2, bound_slack=40, seed=3
+    )
     for _ in range(2):  # the second launch needs every counter re-armed by the first
         out, expect = run_attention(c, num_splits=num_splits, fused_reduce=True)
         torch.testing.assert_close(out, expect, **TOL[torch.float32])
@@ -41,8 +42,7 @@ def test_merge_with_splits_that_see_no_key():
     """Spec-verify rows (several query tokens a request): a row's early query tokens see no key
     in the last splits (lse -inf there), and an empty request. (Split 0 holds key 0, which
     every query sees: only masked rows start the running max at -inf.)"""
-    c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3,
-                            bound_slack=9, seed=8)
+    c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3, bound_slack=9, seed=8)
     for splits in (3, 4):
         out, expect = run_attention(c, num_splits=splits, fused_reduce=True)
         assert torch.isfinite(out).all()
@@ -50,8 +50,7 @@ def test_merge_with_splits_that_see_no_key():
 
 
 def test_merge_in_bf16():
-    c = make_attention_case([1] * 6, [33, 64, 65, 150, 17, 240], 8, 2, dtype=torch.bfloat16,
-                            bound_slack=16, seed=5)
+    c = make_attention_case([1] * 6, [33, 64, 65, 150, 17, 240], 8, 2, dtype=torch.bfloat16, bound_slack=16, seed=5)
     out, expect = run_attention(c, num_splits=6, fused_reduce=True)
     torch.testing.assert_close(out, expect, **TOL[torch.bfloat16])
 

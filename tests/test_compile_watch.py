@@ -17,9 +17,14 @@ def test_watch_records_logs_and_chains(caplog):
         watch = CompileWatch(rank=3)
         assert watch.install() and knobs.runtime.jit_cache_hook == watch._hook
         with caplog.at_level(logging.WARNING):
-            skip = knobs.runtime.jit_cache_hook(key="k", repr="_prepare_inputs_kernel[num_warps=4](rows_ptr: *i64:16)",
-                                                fn=None, compile={}, is_manual_warmup=False,
-                                                already_compiled=False)
+            skip = knobs.runtime.jit_cache_hook(
+                key="k",
+                repr="_prepare_inputs_kernel[num_warps=4](rows_ptr: *i64:16)",
+                fn=None,
+                compile={},
+                is_manual_warmup=False,
+                already_compiled=False,
+            )
         assert skip is None  # the compile goes ahead
         assert watch.variants == ["_prepare_inputs_kernel[num_warps=4](rows_ptr: *i64:16)"]
         assert "rank 3" in caplog.text and "_prepare_inputs_kernel" in caplog.text
@@ -44,11 +49,12 @@ def test_variant_description_from_a_real_compile_record():
     apart); Triton's own repr is ignored."""
     from triton.runtime.jit import JitFunctionInfo
 
-    record = {"signature": {"x_ptr": "*bf16", "n": "i32", "stride": "i32", "BLOCK": "constexpr",
-                            "eps": "fp32"},
-              "constants": {(3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]],
-                                                    (1,): [["tt.divisibility", 16]]}],
-              "num_warps": 4, "num_stages": 2}
-    text = describe_variant({"fn": JitFunctionInfo("m", "_k", None), "compile": record,
-                             "repr": "_k[...](x_ptr: ()"})
+    record = {
+        "signature": {"x_ptr": "*bf16", "n": "i32", "stride": "i32", "BLOCK": "constexpr", "eps": "fp32"},
+        "constants": {(3,): 64},
+        "configs": [{(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}],
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    text = describe_variant({"fn": JitFunctionInfo("m", "_k", None), "compile": record, "repr": "_k[...](x_ptr: ()"})
     assert text == "_k[num_warps=4, num_stages=2] BLOCK=64; not 16-divisible: stride"

@@ -44,8 +44,15 @@ def three_nodes():
 
 
 BASE = [7, 8, 9, 10, 11, 12, 13, 14] * 3  # a shared 3-block prefix
-PROMPTS = [[5, 9, 17], [33, 60, 7, 2, 90], BASE + [40], BASE + [41, 42], [100 + i for i in range(20)],
-           [3] * 11, BASE[:10]]
+PROMPTS = [
+    [5, 9, 17],
+    [33, 60, 7, 2, 90],
+    BASE + [40],
+    BASE + [41, 42],
+    [100 + i for i in range(20)],
+    [3] * 11,
+    BASE[:10],
+]
 
 
 def test_offline_dp3_equals_one_worker(three_nodes, ckpt_dir):
@@ -60,8 +67,9 @@ def test_offline_dp3_equals_one_worker(three_nodes, ckpt_dir):
         llm = LLM(model=model, data_parallel_size=size, **OPTS)
         try:
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-            assert [o.request_id for o in outs] == sorted((o.request_id for o in outs),
-                                                          key=lambda r: int(r.rsplit("-", 1)[1]))
+            assert [o.request_id for o in outs] == sorted(
+                (o.request_id for o in outs), key=lambda r: int(r.rsplit("-", 1)[1])
+            )
             assert [o.outputs[0].token_ids for o in outs] == expected, f"data_parallel_size={size}"
             loads = llm.data_parallel.stats()
             assert all(x.generation_tokens > 0 for x in loads), "every replica took part of the batch"
@@ -128,8 +136,9 @@ def test_online_dp2_equals_transformers(dp2, ckpt_dir):
 
     async def all_at_once():
         # added in one event-loop turn: one add call per replica carries its share of the batch
-        streams = await asyncio.gather(*(engine.add_request(f"eq-{i}", {"prompt_token_ids": p}, GREEDY)
-                                         for i, p in enumerate(PROMPTS)))
+        streams = await asyncio.gather(
+            *(engine.add_request(f"eq-{i}", {"prompt_token_ids": p}, GREEDY) for i, p in enumerate(PROMPTS))
+        )
         return [s.replica for s in streams], await asyncio.gather(*(_collect(s) for s in streams))
 
     where, got = loop.run(all_at_once())
@@ -149,8 +158,9 @@ def test_http_api_over_replicas(dp2):
         app = OpenAIServer(engine, "dp-test", None, metrics).app()
         async with TestClient(TestServer(app)) as c:
             health = (await c.get("/health")).status
-            r = await c.post("/v1/completions", json={"prompt": "w5 w6 w7 w8", "max_tokens": 4,
-                                                      "temperature": 0, "stream": True})
+            r = await c.post(
+                "/v1/completions", json={"prompt": "w5 w6 w7 w8", "max_tokens": 4, "temperature": 0, "stream": True}
+            )
             chunks = [line for line in (await r.text()).splitlines() if line.startswith("data: {")]
             kv = await (await c.get("/v1/debug/kv")).json()
             text = await (await c.get("/metrics")).text()
@@ -169,8 +179,9 @@ def test_repeated_long_prefix_goes_to_the_replica_that_cached_it(dp2):
 
     async def scenario():
         # a long request occupies replica 0, so the first prefix request lands on replica 1
-        filler = await engine.add_request("filler", {"prompt_token_ids": [4, 5, 6]},
-                                          SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        filler = await engine.add_request(
+            "filler", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        )
         first = await engine.add_request("first", {"prompt_token_ids": prefix + [1, 2]}, GREEDY)
         await asyncio.gather(_collect(filler), _collect(first))
         hits_before = engine.replicas[first.replica].load.prefix_cache.get("hits", 0)

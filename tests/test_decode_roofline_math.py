@@ -25,4 +25,3 @@ def test_decode_roofline_device_split():
     # kernels longer than the pipelined step (overlap across steps): never negative idle
     assert device_split(1200.0, 1.0, 0.5)["device_idle_fraction"] == 0.0
     assert device_split(0.0, 1.0, 0.5) == {}  # a CPU run: no device kernels
-

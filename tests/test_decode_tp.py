@@ -8,10 +8,32 @@ from benchmarks.decode_tp import device_kind_for
 
 def _run(tmp_path, tp: int) -> dict:
     out = tmp_path / f"tp{tp}.json"
-    return decode_roofline.main([
-        "--shape", "tiny", "--batch-sizes", "1,2", "--context-lens", "16,64", "--warmup", "1", "--iters", "2",
-        "--bandwidth-mib", "16", "--cuda-graphs", "off", "--device", "cpu", "--placement", "ray",
-        "--tensor-parallel-size", str(tp), "--output", str(out)])
+    return decode_roofline.main(
+        [
+            "--shape",
+            "tiny",
+            "--batch-sizes",
+            "1,2",
+            "--context-lens",
+            "16,64",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--bandwidth-mib",
+            "16",
+            "--cuda-graphs",
+            "off",
+            "--device",
+            "cpu",
+            "--placement",
+            "ray",
+            "--tensor-parallel-size",
+            str(tp),
+            "--output",
+            str(out),
+        ]
+    )
 
 
 def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
@@ -44,16 +66,20 @@ def test_decode_benchmark_tp2_shards_per_rank(ray_local, tmp_path):
 
 
 def _tput(tp, prompts, seqs, tok_s, engine_seqs=None):
-    r = {"benchmark": "throughput", "output_tokens_per_second": tok_s,
-         "args": {"tensor_parallel_size": None if tp == 1 else tp, "num_prompts": prompts, "max_num_seqs": seqs}}
+    r = {
+        "benchmark": "throughput",
+        "output_tokens_per_second": tok_s,
+        "args": {"tensor_parallel_size": None if tp == 1 else tp, "num_prompts": prompts, "max_num_seqs": seqs},
+    }
     if engine_seqs is not None:  # what the engine ran with (its config: defaults applied)
         r["config"] = {"engine_config": {"scheduler": {"max_num_seqs": engine_seqs}}}
     return r
 
 
 def test_tp_scaling_throughput_pairs_only_equal_per_gpu_load():
-    rows = tp_scaling.throughput_rows([_tput(1, 256, 256, 1000.0), _tput(2, 512, 512, 1500.0),
-                                       _tput(4, 512, 512, 2000.0)])
+    rows = tp_scaling.throughput_rows(
+        [_tput(1, 256, 256, 1000.0), _tput(2, 512, 512, 1500.0), _tput(4, 512, 512, 2000.0)]
+    )
     by_tp = {r["tp"]: r for r in rows}
     assert by_tp[2]["efficiency"] == pytest.approx(1500 / 2000)
     assert "efficiency" not in by_tp[4] and "efficiency" not in by_tp[1]  # TP=4 ran 2x, not 4x, the load
@@ -78,5 +104,15 @@ def test_decode_tp_rejects_bad_sizes(tmp_path):
     with pytest.raises(SystemExit, match="must be >= 1"):
         decode_roofline.main(["--shape", "tiny", "--tensor-parallel-size", "0", "--output", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="drop --placement local"):
-        decode_roofline.main(["--shape", "tiny", "--tensor-parallel-size", "2", "--placement", "local",
-                              "--output", str(tmp_path / "x.json")])
+        decode_roofline.main(
+            [
+                "--shape",
+                "tiny",
+                "--tensor-parallel-size",
+                "2",
+                "--placement",
+                "local",
+                "--output",
+                str(tmp_path / "x.json"),
+            ]
+        )

@@ -20,8 +20,18 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     "arch,extra",
     [
         ("llama", {}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                }
+            },
+        ),
         ("qwen2", {}),
         ("qwen3", {"tie_word_embeddings": True}),
     ],
@@ -32,11 +42,14 @@ def test_greedy_matches_transformers(ray_local, ckpt_dir, arch, extra):
     prompts = _prompts(8, 256)
     expected = hf_greedy(model, prompts, MAX_NEW)
     # small chunks force chunked prefill; few blocks force preemption
-    llm = LLM(model=str(model), block_size=8, num_kv_blocks=24, max_num_batched_tokens=20,
-              max_num_seqs=6, max_model_len=256)
+    llm = LLM(
+        model=str(model), block_size=8, num_kv_blocks=24, max_num_batched_tokens=20, max_num_seqs=6, max_model_len=256
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        )
         got = [o.outputs[0].token_ids for o in outs]
         assert got == expected
         assert llm.engine.scheduler.num_preemptions > 0, "the cache should have forced preemption"
@@ -52,8 +65,9 @@ def test_sharded_checkpoint_and_gqa_ratios(ray_local, ckpt_dir):
     expected = hf_greedy(model, prompts, 8)
     llm = LLM(model=str(model), block_size=16, max_model_len=256)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
         assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
         llm.shutdown()

@@ -39,7 +39,6 @@ def test_pairs_mlp_equals_stacked(m):
     y_p, r_p = ops.linear(x, pairs, residual=res, norm_weight=nw, act="silu_and_mul_pairs")
     torch.testing.assert_close(y_p, y_s)
     assert torch.equal(r_p, r_s)
-    torch.testing.assert_close(ops.silu_and_mul(x @ pairs.T, pairs=True),
-                               ops.silu_and_mul(x @ stacked.T))
+    torch.testing.assert_close(ops.silu_and_mul(x @ pairs.T, pairs=True), ops.silu_and_mul(x @ stacked.T))
     y_wrong, _ = ops.linear(x, stacked, residual=res, norm_weight=nw, act="silu_and_mul_pairs")
     assert not torch.allclose(y_wrong, y_s, atol=1e-3)

@@ -27,12 +27,19 @@ def _hf_greedy(model_dir, prompts, n, dtype=torch.bfloat16):
     outs, logits = [], []
     with torch.no_grad():
         for p in prompts:
-            g = m.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
-                           pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-            toks = g.sequences[0, len(p):].tolist()
+            g = m.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            toks = g.sequences[0, len(p) :].tolist()
             steps = [step[0].float() for step in g.logits]
             assert len(toks) == n and toks == [int(s.argmax()) for s in steps], (
-                "transformers' greedy tokens are not the argmax of its own logits")
+                "transformers' greedy tokens are not the argmax of its own logits"
+            )
             outs.append(toks)
             logits.append(steps)
     return outs, logits
@@ -89,15 +96,22 @@ def assert_greedy_equal(prompts, got, expected, hf_logits, dtype, num_layers):
         )
         if j < EARLY_TOKENS:
             early.append(i)
-    assert len(early) <= len(prompts) // 3, (
-        f"prompts {early} diverged within the first {EARLY_TOKENS} tokens")
+    assert len(early) <= len(prompts) // 3, f"prompts {early} diverged within the first {EARLY_TOKENS} tokens"
 
 
 @pytest.fixture(scope="module")
 def gpu_ckpt(tmp_path_factory):
     # a small vocabulary keeps top-2 logit gaps above bf16 noise on random weights
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-llama"), "llama", hidden=256, heads=8, kv_heads=2,
-                            layers=2, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-llama"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 def _prompts():
@@ -108,24 +122,44 @@ def _prompts():
 
 
 @cuda
-@pytest.mark.parametrize("eager,dtype,max_seqs,kernels", [
-    (True, "bfloat16", 16, {}), (False, "bfloat16", 16, {}), (False, "float32", 16, {}),
-    (False, "bfloat16", 1, {}),  # every decode step at batch 1: the persistent GEMV entries
-    # the same with the kernel options off their defaults (shipped to the worker in its config)
-    (False, "bfloat16", 1, dict(pdl="off", norm_handoff=False, rope_in_attention=False)),
-    (True, "bfloat16", 16, dict(pdl="on", tile_gemm=False)),  # ... PDL in every eager pass
-], ids=["bf16-eager", "bf16-cuda-graphs", "fp32-cuda-graphs", "bf16-cuda-graphs-batch1",
-        "bf16-cuda-graphs-batch1-kernel-options-off", "bf16-eager-pdl-on-cublas"])
+@pytest.mark.parametrize(
+    "eager,dtype,max_seqs,kernels",
+    [
+        (True, "bfloat16", 16, {}),
+        (False, "bfloat16", 16, {}),
+        (False, "float32", 16, {}),
+        (False, "bfloat16", 1, {}),  # every decode step at batch 1: the persistent GEMV entries
+        # the same with the kernel options off their defaults (shipped to the worker in its config)
+        (False, "bfloat16", 1, dict(pdl="off", norm_handoff=False, rope_in_attention=False)),
+        (True, "bfloat16", 16, dict(pdl="on", tile_gemm=False)),  # ... PDL in every eager pass
+    ],
+    ids=[
+        "bf16-eager",
+        "bf16-cuda-graphs",
+        "fp32-cuda-graphs",
+        "bf16-cuda-graphs-batch1",
+        "bf16-cuda-graphs-batch1-kernel-options-off",
+        "bf16-eager-pdl-on-cublas",
+    ],
+)
 def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_seqs, kernels):
     from cluster import LLM, SamplingParams
 
     prompts = _prompts()
     expected, hf_logits = _hf_greedy(gpu_ckpt, prompts, 32, getattr(torch, dtype))
-    llm = LLM(model=str(gpu_ckpt), dtype=dtype, enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=max_seqs, **kernels)
+    llm = LLM(
+        model=str(gpu_ckpt),
+        dtype=dtype,
+        enforce_eager=eager,
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_seqs=max_seqs,
+        **kernels,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        )
         got = [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
@@ -137,16 +171,30 @@ def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
     """Mixed prefill/decode, preemption and aborts with sync_check='error': no sync errors."""
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(gpu_ckpt), dtype="bfloat16", sync_check="error", async_scheduling=True,
-              max_model_len=1024, num_kv_blocks=40, block_size=16, max_num_batched_tokens=128,
-              max_num_seqs=8)
+    llm = LLM(
+        model=str(gpu_ckpt),
+        dtype="bfloat16",
+        sync_check="error",
+        async_scheduling=True,
+        max_model_len=1024,
+        num_kv_blocks=40,
+        block_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+    )
     eng = llm.engine
     try:
         prompts = _prompts() * 3
         for i, p in enumerate(prompts):
-            sp = SamplingParams(temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i, max_tokens=24,
-                                ignore_eos=True, logprobs=2 if i % 3 == 0 else None,
-                                presence_penalty=0.5 if i % 4 == 0 else 0.0)
+            sp = SamplingParams(
+                temperature=0.0 if i % 2 else 0.8,
+                top_p=0.9,
+                seed=i,
+                max_tokens=24,
+                ignore_eos=True,
+                logprobs=2 if i % 3 == 0 else None,
+                presence_penalty=0.5 if i % 4 == 0 else 0.0,
+            )
             eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
         steps = 0
         finished = {}
@@ -173,12 +221,28 @@ def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt):
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(gpu_ckpt), dtype="bfloat16", async_scheduling=True, max_model_len=1024,
-              num_kv_blocks=60, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
+    llm = LLM(
+        model=str(gpu_ckpt),
+        dtype="bfloat16",
+        async_scheduling=True,
+        max_model_len=1024,
+        num_kv_blocks=60,
+        block_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+    )
     try:
-        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12, ignore_eos=True,
-                                 logprobs=2 if i % 3 == 0 else None,
-                                 presence_penalty=0.5 if i % 4 == 0 else 0.0) for i in range(12)]
+        params = [
+            SamplingParams(
+                temperature=0.0 if i % 2 else 0.8,
+                seed=i,
+                max_tokens=12,
+                ignore_eos=True,
+                logprobs=2 if i % 3 == 0 else None,
+                presence_penalty=0.5 if i % 4 == 0 else 0.0,
+            )
+            for i in range(12)
+        ]
         llm.generate([{"prompt_token_ids": p} for p in _prompts() * 2], params, use_tqdm=False)
         stats = ray.get([w.stats.remote() for w in llm.engine.executor.workers], timeout=60)
     finally:
@@ -195,16 +259,20 @@ def test_planted_sync_is_caught(gpu_ckpt):
     from workers.model_runner import ModelRunner
     from workers.sync_check import SyncCheck, SyncError
 
-    cfg = EngineConfig.from_options(model=str(gpu_ckpt), dtype="bfloat16", num_kv_blocks=16,
-                                    enforce_eager=True, max_num_seqs=4)
+    cfg = EngineConfig.from_options(
+        model=str(gpu_ckpt), dtype="bfloat16", num_kv_blocks=16, enforce_eager=True, max_num_seqs=4
+    )
     runner = ModelRunner(cfg, str(gpu_ckpt), torch.device("cuda", 0), TPGroup(), 1024)
     runner.init_kv_cache(16)
     opts = SamplingOptions(0.0, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
     check = SyncCheck("error")
 
     def plan(step, new):
-        return StepPlan(step_id=step, new_requests=[NewRequest(1, [5, 6, 7], [], opts, [0])] if new else [],
-                        rows=[ScheduledRow(1, 3 if new else 1, 3 if new else 4, [], True)])
+        return StepPlan(
+            step_id=step,
+            new_requests=[NewRequest(1, [5, 6, 7], [], opts, [0])] if new else [],
+            rows=[ScheduledRow(1, 3 if new else 1, 3 if new else 4, [], True)],
+        )
 
     with check.armed():
         runner.finish(runner.launch(plan(1, True)))  # clean step: no error

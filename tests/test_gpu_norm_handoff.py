@@ -18,29 +18,32 @@ def _case(k_in, hidden, n_out, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, k_in, device="cuda", generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(hidden, k_in, device="cuda", generator=g) / k_in ** 0.5).to(**bf)
+    w1 = (torch.randn(hidden, k_in, device="cuda", generator=g) / k_in**0.5).to(**bf)
     res = torch.randn(1, hidden, device="cuda", generator=g).to(**bf)
     gamma = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(**bf)
-    w2 = (torch.randn(n_out, hidden, device="cuda", generator=g) / hidden ** 0.5).to(**bf)
+    w2 = (torch.randn(n_out, hidden, device="cuda", generator=g) / hidden**0.5).to(**bf)
     return x, w1, res, gamma, w2
 
 
-@pytest.mark.parametrize("k_in,hidden,n_out,act", [
-    (4096, 4096, 28672, "silu_and_mul_pairs"),  # o_proj -> gate|up
-    (14336, 4096, 6144, None),  # down -> QKV
-])
+@pytest.mark.parametrize(
+    "k_in,hidden,n_out,act",
+    [
+        (4096, 4096, 28672, "silu_and_mul_pairs"),  # o_proj -> gate|up
+        (14336, 4096, 6144, None),  # down -> QKV
+    ],
+)
 @pytest.mark.parametrize("graph", [False, True])
 def test_handoff_matches_reference_and_fused_path(k_in, hidden, n_out, act, graph, monkeypatch):
-    from kernels import ops, reference
+    from kernels import fused_norm_ops, ops, reference
 
     use_kernel_settings(monkeypatch, pdl="on")
     x, w1, res, gamma, w2 = _case(k_in, hidden, n_out, seed=hidden + n_out)
     eps = 1e-5
 
     def handoff():
-        handed = ops.linear_handoff(x, w1, res, gamma, eps, w2, act)
+        handed = fused_norm_ops.linear_handoff(x, w1, res, gamma, eps, w2, act)
         assert handed is not None, "the 8B batch-1 shapes take the handoff"
-        return ops.linear_prenormed(handed[0], w2, act=act), handed[1]
+        return fused_norm_ops.linear_prenormed(handed[0], w2, act=act), handed[1]
 
     def fused():
         o, _ = ops.linear(x, w1)
@@ -58,9 +61,9 @@ def test_handoff_matches_reference_and_fused_path(k_in, hidden, n_out, act, grap
         y_f, res_f = fused()
     torch.cuda.synchronize()
     o64 = torch.nn.functional.linear(x.double(), w1.double()).to(torch.bfloat16)
-    y_ref, res_ref = reference.skinny_linear_reference(o64.double(), w2.double(),
-                                                       residual=res.double(),
-                                                       norm_weight=gamma.double(), eps=eps, act=act)
+    y_ref, res_ref = reference.skinny_linear_reference(
+        o64.double(), w2.double(), residual=res.double(), norm_weight=gamma.double(), eps=eps, act=act
+    )
     assert torch.equal(new_res, res_f)
     torch.testing.assert_close(new_res.double(), res_ref, atol=2e-2, rtol=2e-2)
     err = (y.double() - y_ref).abs().max() / y_ref.abs().max()

@@ -13,16 +13,23 @@ pytestmark = pytest.mark.gpu
 def test_piecewise_steps_match_eager(tmp_path, arch):
     from cluster import LLM, SamplingParams
 
-    ckpt = write_checkpoint(tmp_path / arch, arch, hidden=256, heads=8, kv_heads=2, layers=4,
-                            vocab_size=1024, max_pos=1024)
+    ckpt = write_checkpoint(
+        tmp_path / arch, arch, hidden=256, heads=8, kv_heads=2, layers=4, vocab_size=1024, max_pos=1024
+    )
     # prompts of many lengths under a small token budget: chunked prefill, mixed steps
-    prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 1000 + 2 for j in range(5 + 37 * i)]}
-               for i in range(10)]
+    prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 1000 + 2 for j in range(5 + 37 * i)]} for i in range(10)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=eager, max_num_batched_tokens=96,
-                  max_num_seqs=8, async_scheduling=True, sync_check="error")
+        llm = LLM(
+            model=str(ckpt),
+            dtype="float32",
+            enforce_eager=eager,
+            max_num_batched_tokens=96,
+            max_num_seqs=8,
+            async_scheduling=True,
+            sync_check="error",
+        )
         try:
             outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
             if not eager:

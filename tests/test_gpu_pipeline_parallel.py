@@ -25,8 +25,16 @@ def _gpus() -> int:
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-pp-llama"), "llama", hidden=256, heads=8, kv_heads=2,
-                            layers=LAYERS, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-pp-llama"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=LAYERS,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 def _generate(model, prompts, **options) -> tuple[list[list[int]], list[dict]]:
@@ -34,11 +42,21 @@ def _generate(model, prompts, **options) -> tuple[list[list[int]], list[dict]]:
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(model), dtype="float32", async_scheduling=True, sync_check="error",
-              max_model_len=1024, kv_cache_memory_bytes=256 << 20, **options)
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        async_scheduling=True,
+        sync_check="error",
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 << 20,
+        **options,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert llm.engine.dead is None
         ex = llm.engine.executor
         stats = ray.get([w.stats.remote() for w in ex.workers], timeout=60)
@@ -79,5 +97,5 @@ def test_chained_stages_equal_the_whole_model_on_one_gpu(llama_ckpt, dtype):
         scale = ref.abs().max().item()
         err = (got - ref).abs().max().item()
         print(f"{dtype} max |diff| {err:.3g} of max |logit| {scale:.3g}")
-        assert err <= (1e-5 if dtype == torch.float32 else 2 ** -6) * scale, (err, scale)
+        assert err <= (1e-5 if dtype == torch.float32 else 2**-6) * scale, (err, scale)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -15,8 +15,16 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-prefix"), "llama", hidden=256, heads=8, kv_heads=2,
-                            layers=2, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-prefix"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 def _prompts():
@@ -31,9 +39,19 @@ def _prompts():
 def _run(ckpt, caching: bool):
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(ckpt), device="cuda", dtype="float32", sync_check="error", async_scheduling=True,
-              max_model_len=512, max_num_seqs=8, num_kv_blocks=160, block_size=BLOCK, max_num_batched_tokens=96,
-              enable_prefix_caching=caching)
+    llm = LLM(
+        model=str(ckpt),
+        device="cuda",
+        dtype="float32",
+        sync_check="error",
+        async_scheduling=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        num_kv_blocks=160,
+        block_size=BLOCK,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=caching,
+    )
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     try:
         prompts = _prompts()

@@ -23,8 +23,16 @@ def ray_gpu():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-spec"), "llama", hidden=256, heads=8, kv_heads=2,
-                            layers=2, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-spec"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 def _prompts():
@@ -39,15 +47,32 @@ def _prompts():
 def _run(ckpt, **opts):
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(ckpt), device="cuda", dtype="float32", sync_check="error", max_model_len=512,
-              max_num_seqs=8, num_kv_blocks=256, **opts)
+    llm = LLM(
+        model=str(ckpt),
+        device="cuda",
+        dtype="float32",
+        sync_check="error",
+        max_model_len=512,
+        max_num_seqs=8,
+        num_kv_blocks=256,
+        **opts,
+    )
     try:
-        greedy = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
-                              SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
-        sampled = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
-                               SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ignore_eos=True),
-                               use_tqdm=False)
-        return [o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in sampled], dict(llm.engine.stats)
+        greedy = llm.generate(
+            [{"prompt_token_ids": p} for p in _prompts()],
+            SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+            use_tqdm=False,
+        )
+        sampled = llm.generate(
+            [{"prompt_token_ids": p} for p in _prompts()],
+            SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ignore_eos=True),
+            use_tqdm=False,
+        )
+        return (
+            [o.outputs[0].token_ids for o in greedy],
+            [o.outputs[0].token_ids for o in sampled],
+            dict(llm.engine.stats),
+        )
     finally:
         llm.shutdown()
 
@@ -57,8 +82,10 @@ def test_spec_on_gpu_equals_plain_greedy_with_sync_check(ray_gpu, ckpt):
     """float32 so that verify (k+1 tokens per row) and plain decode agree exactly;
     sync_check='error' turns any implicit host<->device sync into a failure."""
     plain, _, _ = _run(ckpt, async_scheduling=True)
-    for spec in ({"speculative_method": "draft_model", "speculative_model": str(ckpt), "num_speculative_tokens": 3},
-                 {"speculative_method": "ngram", "num_speculative_tokens": 5}):
+    for spec in (
+        {"speculative_method": "draft_model", "speculative_model": str(ckpt), "num_speculative_tokens": 3},
+        {"speculative_method": "ngram", "num_speculative_tokens": 5},
+    ):
         greedy, sampled, stats = _run(ckpt, async_scheduling=True, **spec)
         assert greedy == plain, spec
         assert all(len(s) == 32 for s in sampled)

@@ -8,7 +8,6 @@ Runs with CUDA graphs, async scheduling and the sync check in ``error`` mode, so
 collective that synchronised the host would fail the run.
 """
 
-
 import pytest
 import torch
 
@@ -26,16 +25,33 @@ def _gpus() -> int:
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-tp-llama"), "llama", hidden=256, heads=8, kv_heads=2,
-                            layers=2, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-tp-llama"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen2_ckpt(tmp_path_factory):
     # one KV head (replicated on every rank), qkv bias, an odd vocabulary (the last vocab
     # shard is padded), tied embeddings
-    return write_checkpoint(tmp_path_factory.mktemp("gpu-tp-qwen2"), "qwen2", hidden=256, heads=8, kv_heads=1,
-                            layers=2, vocab_size=95, max_pos=1024, tie_word_embeddings=True)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("gpu-tp-qwen2"),
+        "qwen2",
+        hidden=256,
+        heads=8,
+        kv_heads=1,
+        layers=2,
+        vocab_size=95,
+        max_pos=1024,
+        tie_word_embeddings=True,
+    )
 
 
 def _generate(model, prompts, tp: int, **options) -> tuple[list[list[int]], list[dict]]:
@@ -43,11 +59,22 @@ def _generate(model, prompts, tp: int, **options) -> tuple[list[list[int]], list
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(model), dtype="float32", tensor_parallel_size=tp, async_scheduling=True,
-              sync_check="error", max_model_len=1024, kv_cache_memory_bytes=256 << 20, **options)
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        async_scheduling=True,
+        sync_check="error",
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 << 20,
+        **options,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert llm.engine.dead is None
         ex = llm.engine.executor
         stats = ray.get([w.stats.remote() for w in ex.workers], timeout=60)
@@ -65,11 +92,15 @@ def _check_nccl_ranks(info: list[dict], tp: int) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-@pytest.mark.parametrize("options", [
-    {"max_num_seqs": 16},
-    {"max_num_seqs": 1},  # every decode step at batch 1: the GEMV entries on sharded weights
-    {"max_num_seqs": 16, "max_num_batched_tokens": 128, "ubatch_token_threshold": 32},  # overlapped halves
-], ids=["batch16", "batch1", "ubatch"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_seqs": 16},
+        {"max_num_seqs": 1},  # every decode step at batch 1: the GEMV entries on sharded weights
+        {"max_num_seqs": 16, "max_num_batched_tokens": 128, "ubatch_token_threshold": 32},  # overlapped halves
+    ],
+    ids=["batch16", "batch1", "ubatch"],
+)
 def test_gpu_tp_matches_tp1_llama(ray_local, llama_ckpt, tp, options):
     if _gpus() < tp:
         pytest.skip(f"TP={tp} needs {tp} GPUs; this host has {_gpus()}")

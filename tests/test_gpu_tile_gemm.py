@@ -15,29 +15,30 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _cfg(bm, bn, bk, split, warps=4, stages=3):
-    return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
-                num_stages=stages)
+    return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
 
 
 @cuda
 @pytest.mark.parametrize("m", [32, 128, 200])
-@pytest.mark.parametrize("n,k,cfg,mode", [
-    (4096, 1024, _cfg(64, 64, 64, 1), "plain"),           # qkv
-    (1024, 2048, _cfg(64, 64, 128, 4), "plain"),          # o_proj, split-K
-    (1024, 2048, _cfg(128, 64, 64, 8, warps=8), "add_norm"),
-    (6144, 1024, _cfg(64, 128, 64, 1, warps=8), "act"),   # gate|up row pairs, act in the GEMM
-    (6144, 1024, _cfg(64, 64, 64, 2), "act"),             # ... in the split sum
-    (1024, 3072, _cfg(32, 32, 128, 2), "add_norm"),       # down
-    (151936, 1024, _cfg(128, 128, 64, 1, warps=8), "logits"),
-])
+@pytest.mark.parametrize(
+    "n,k,cfg,mode",
+    [
+        (4096, 1024, _cfg(64, 64, 64, 1), "plain"),  # qkv
+        (1024, 2048, _cfg(64, 64, 128, 4), "plain"),  # o_proj, split-K
+        (1024, 2048, _cfg(128, 64, 64, 8, warps=8), "add_norm"),
+        (6144, 1024, _cfg(64, 128, 64, 1, warps=8), "act"),  # gate|up row pairs, act in the GEMM
+        (6144, 1024, _cfg(64, 64, 64, 2), "act"),  # ... in the split sum
+        (1024, 3072, _cfg(32, 32, 128, 2), "add_norm"),  # down
+        (151936, 1024, _cfg(128, 128, 64, 1, warps=8), "logits"),
+    ],
+)
 def test_tile_gemm_gpu_matches_reference(m, n, k, cfg, mode):
     from kernels import reference as ref
-    from kernels.tile_gemm import (tile_linear_add_norm_triton, tile_linear_reference,
-                                   tile_linear_triton)
+    from kernels.tile_gemm import tile_linear_add_norm_triton, tile_linear_reference, tile_linear_triton
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
     tol = dict(atol=2e-2, rtol=2e-2)
     if mode == "add_norm":
         res = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
@@ -50,6 +51,7 @@ def test_tile_gemm_gpu_matches_reference(m, n, k, cfg, mode):
         # bit); the normalised output within one rounding (the sum of squares may reduce in
         # another order)
         from kernels.rms_norm import rms_norm_triton
+
         o2, r2 = rms_norm_triton(tile_linear_triton(x, w, cfg), nw, 1e-6, res)
         assert torch.equal(new_res, r2)
         torch.testing.assert_close(out, o2, atol=1e-2, rtol=8e-3)
@@ -67,8 +69,16 @@ def test_tile_gemm_gpu_matches_reference(m, n, k, cfg, mode):
 @pytest.fixture(scope="module")
 def tile_ckpt(tmp_path_factory):
     # the engine tests' checkpoint (small vocabulary: top-2 gaps above bf16 noise)
-    return write_checkpoint(tmp_path_factory.mktemp("tile-llama"), "llama", hidden=256, heads=8,
-                            kv_heads=2, layers=2, vocab_size=96, max_pos=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("tile-llama"),
+        "llama",
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        vocab_size=96,
+        max_pos=1024,
+    )
 
 
 def _tile_table(path, classes=(32,)):
@@ -76,15 +86,17 @@ def _tile_table(path, classes=(32,)):
     heads, intermediate 512, vocabulary 96): every path of the dispatch, split or not."""
     entries = {}
     for mc in classes:
-        entries.update({
-            f"m{mc}|384x256": _cfg(32, 32, 64, 1),               # qkv
-            f"m{mc}|256x256": _cfg(32, 32, 64, 2),               # o_proj (unfused use)
-            f"add_norm|m{mc}|256x256": _cfg(32, 32, 64, 4),      # o_proj + post-attn norm
-            f"m{mc}|1024x256": _cfg(32, 64, 64, 2),              # gate|up, act in the split sum
-            f"m{mc}|256x512": _cfg(32, 32, 128, 1),              # down of the last layer
-            f"add_norm|m{mc}|256x512": _cfg(32, 32, 64, 2),      # down + next input norm
-            f"m{mc}|96x256": _cfg(32, 32, 64, 1),                # logits (float32)
-        })
+        entries.update(
+            {
+                f"m{mc}|384x256": _cfg(32, 32, 64, 1),  # qkv
+                f"m{mc}|256x256": _cfg(32, 32, 64, 2),  # o_proj (unfused use)
+                f"add_norm|m{mc}|256x256": _cfg(32, 32, 64, 4),  # o_proj + post-attn norm
+                f"m{mc}|1024x256": _cfg(32, 64, 64, 2),  # gate|up, act in the split sum
+                f"m{mc}|256x512": _cfg(32, 32, 128, 1),  # down of the last layer
+                f"add_norm|m{mc}|256x512": _cfg(32, 32, 64, 2),  # down + next input norm
+                f"m{mc}|96x256": _cfg(32, 32, 64, 1),  # logits (float32)
+            }
+        )
     path.write_text(json.dumps({"entries": entries}))
     return str(path)
 
@@ -92,10 +104,10 @@ def _tile_table(path, classes=(32,)):
 @cuda
 def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
     """In-process, 24 rows at the test checkpoint's shapes: ``ops.linear`` and
-    ``ops.mlp_block`` take every tile kernel the table names (the down projection handing
+    ``fused_norm_ops.mlp_block`` take every tile kernel the table names (the down projection handing
     the next layer a ``Normed`` input), with the cuBLAS path's results within bf16
     tolerance; ``tile_gemm=False`` takes none."""
-    from kernels import ops, tile_gemm
+    from kernels import fused_norm_ops, ops, tile_gemm
     from kernels.ops import build_kernel_settings
     from kernels.settings import overridden
     from metadata.config import KernelConfig
@@ -109,6 +121,7 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
         def wrapped(*a, **kw):
             calls[kind] += 1
             return fn(*a, **kw)
+
         return wrapped
 
     monkeypatch.setattr(tile_gemm, "tile_linear_triton", count("plain", plain))
@@ -125,16 +138,16 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
 
     def run():
         qkv, r1 = ops.linear(x, w_qkv, residual=res, norm_weight=nw1, eps=1e-6)
-        h, r2 = ops.mlp_block(attn, w_o, r1, nw2, 1e-6, w_gu, w_down, act="silu_and_mul_pairs",
-                              handoff_to=(nw1, 1e-6, w_qkv))
+        h, r2 = fused_norm_ops.mlp_block(
+            attn, w_o, r1, nw2, 1e-6, w_gu, w_down, act="silu_and_mul_pairs", handoff_to=(nw1, 1e-6, w_qkv)
+        )
         if not isinstance(h, Normed):  # cuBLAS path: the next layer's add + norm still to do
             normed, r2 = rms_norm_triton(h, nw1, 1e-6, r2)
             h = Normed(normed)
         logits, _ = ops.linear(h.x, w_lm, out_dtype=torch.float32)
         return qkv, h.x, r2, logits
 
-    table = build_kernel_settings(
-        KernelConfig(tile_gemm_tuning=_tile_table(tmp_path / "t.json"))).tile_table
+    table = build_kernel_settings(KernelConfig(tile_gemm_tuning=_tile_table(tmp_path / "t.json"))).tile_table
     with torch.no_grad():
         with overridden(tile_table={}):  # tile_gemm=False
             base = run()
@@ -145,8 +158,7 @@ def test_layer_ops_take_the_tile_path(tmp_path, monkeypatch):
     assert calls == {"plain": 3, "add_norm": 2}, calls
     for a, b in zip(got, base):
         assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a.float(), b.float(), atol=0.03 * b.abs().max().item(),
-                                   rtol=0.03)
+        torch.testing.assert_close(a.float(), b.float(), atol=0.03 * b.abs().max().item(), rtol=0.03)
 
 
 @cuda
@@ -155,19 +167,26 @@ def test_precompile_launches_each_selected_variant(tmp_path, monkeypatch):
 
     table = tile_gemm.load_table(_tile_table(tmp_path / "t.json", classes=(32, 128)))
     w = lambda n, k: torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    uses = [(w(384, 256), "plain"), (w(1024, 256), "act"), (w(256, 512), "add_norm"),
-            (w(96, 256), "logits"), (w(100, 256), "plain"),  # no entry
-            (w(384, 256), "plain")]  # a second layer's twin: launched once
+    uses = [
+        (w(384, 256), "plain"),
+        (w(1024, 256), "act"),
+        (w(256, 512), "add_norm"),
+        (w(96, 256), "logits"),
+        (w(100, 256), "plain"),  # no entry
+        (w(384, 256), "plain"),
+    ]  # a second layer's twin: launched once
     assert tile_gemm.precompile(uses, table=table) == 4 * 2
     assert tile_gemm.precompile(uses, max_rows=20, max_logit_rows=16, table=table) == 3  # class 32
     assert tile_gemm.precompile(uses, table={}) == 0  # tile_gemm=False
 
 
 @cuda
-@pytest.mark.parametrize("eager,num,mc", [(False, 24, 32), (True, 24, 32), (False, 8, 16)],
-                         ids=["cuda-graphs", "eager", "cuda-graphs-16-rows"])
-def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tmp_path,
-                                                        monkeypatch, eager, num, mc):
+@pytest.mark.parametrize(
+    "eager,num,mc",
+    [(False, 24, 32), (True, 24, 32), (False, 8, 16)],
+    ids=["cuda-graphs", "eager", "cuda-graphs-16-rows"],
+)
+def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tmp_path, monkeypatch, eager, num, mc):
     """``num`` concurrent requests (decode steps in the ``mc``-row class; the 16-row class
     takes the tile path over the skinny GEMM) with the test table: the o_proj/down split sums
     do the norms between layers; greedy equal to transformers."""
@@ -179,14 +198,21 @@ def test_gpu_greedy_matches_transformers_with_tile_gemm(ray_local, tile_ckpt, tm
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 96) for _ in range(rng.randrange(4, 120))] for _ in range(num)]
     expected, hf_logits = _hf_greedy(tile_ckpt, prompts, 24)
-    llm = LLM(model=str(tile_ckpt), dtype="bfloat16", enforce_eager=eager, max_model_len=1024,
-              kv_cache_memory_bytes=256 << 20, max_num_seqs=mc, tile_gemm_tuning=table)
+    llm = LLM(
+        model=str(tile_ckpt),
+        dtype="bfloat16",
+        enforce_eager=eager,
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_seqs=mc,
+        tile_gemm_tuning=table,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        )
         got = [o.outputs[0].token_ids for o in outs]
-        stats = ray_local.get([w.stats.remote() for w in llm.engine.executor.workers],
-                              timeout=60)
+        stats = ray_local.get([w.stats.remote() for w in llm.engine.executor.workers], timeout=60)
     finally:
         llm.shutdown()
     assert_greedy_equal(prompts, got, expected, hf_logits, torch.bfloat16, num_layers=2)

@@ -10,12 +10,27 @@ def test_host_sections_times_the_step_and_restores_the_functions(tmp_path):
     nest (launch >= build_step_inputs >= prepare_inputs), and the wrapped functions are the
     originals again afterwards."""
     from benchmarks import host_sections
-    from workers.model_runner import ModelRunner, PendingStep
+    from workers.model_runner import ModelRunner
+    from workers.pending_step import PendingStep
 
     launch, start_copy = ModelRunner.launch, PendingStep.start_copy
     out = tmp_path / "hs.json"
-    res = host_sections.main(["--shape", "tiny", "--batch-sizes", "1,3", "--context-lens", "16",
-                              "--warmup", "1", "--iters", "4", "--output", str(out)])
+    res = host_sections.main(
+        [
+            "--shape",
+            "tiny",
+            "--batch-sizes",
+            "1,3",
+            "--context-lens",
+            "16",
+            "--warmup",
+            "1",
+            "--iters",
+            "4",
+            "--output",
+            str(out),
+        ]
+    )
     assert ModelRunner.launch is launch and PendingStep.start_copy is start_copy
     assert json.loads(out.read_text())["cells"] == json.loads(json.dumps(res["cells"]))
     assert [c["batch_size"] for c in res["cells"]] == [1, 3]
@@ -37,8 +52,21 @@ def test_driver_sections_time_schedule_update_and_outputs(tmp_path):
 
     write_tokenizer(tmp_path, 64)
     out = tmp_path / "drv.json"
-    res = host_sections.main(["--driver", "--tokenizer", str(tmp_path), "--batch-sizes", "2,4",
-                              "--context-lens", "8", "--iters", "5", "--output", str(out)])
+    res = host_sections.main(
+        [
+            "--driver",
+            "--tokenizer",
+            str(tmp_path),
+            "--batch-sizes",
+            "2,4",
+            "--context-lens",
+            "8",
+            "--iters",
+            "5",
+            "--output",
+            str(out),
+        ]
+    )
     cells = res["cells"]
     assert json.loads(out.read_text())["cells"] == json.loads(json.dumps(cells))
     assert [c["batch_size"] for c in cells] == [2, 4]

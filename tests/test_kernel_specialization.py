@@ -55,9 +55,13 @@ def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
     qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)  # strided views, as in the model
     q = qkv[:, : hq * d].view(n, hq, d)
     if fused_rope:
-        opts["rope"] = DecodeRope(torch.arange(n), qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d),
-                                  qkv[:, (hq + hkv) * d:].view(n, hkv, d),
-                                  torch.randn(bound, d, generator=g), torch.arange(n))
+        opts["rope"] = DecodeRope(
+            torch.arange(n),
+            qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
+            qkv[:, (hq + hkv) * d :].view(n, hkv, d),
+            torch.randn(bound, d, generator=g),
+            torch.arange(n),
+        )
     k_cache = torch.randn(4 * bound // 16, 16, hkv, d, generator=g)
     block_table = torch.zeros(r, bound // 16, dtype=torch.int32)
     seq_lens = torch.full((r,), bound - 8, dtype=torch.int32)
@@ -66,8 +70,9 @@ def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
     attn, red = _Recorder(ATTENTION), _Recorder(REDUCE)
     monkeypatch.setattr(paged_attention, "_paged_attention_kernel", attn)
     monkeypatch.setattr(attention_splits, "_reduce_splits_kernel", red)
-    paged_attention.paged_attention_triton(q, k_cache, k_cache, block_table, seq_lens, qsl,
-                                           max(q_lens), bound, d ** -0.5, **opts)
+    paged_attention.paged_attention_triton(
+        q, k_cache, k_cache, block_table, seq_lens, qsl, max(q_lens), bound, d**-0.5, **opts
+    )
     return [(rec.fn, call) for rec in (attn, red) for call in rec.calls]
 
 
@@ -111,8 +116,9 @@ def test_mixed_batches_with_the_reduce_launch_share_variants(monkeypatch, hq, hk
     """Prefill-shaped steps of 5-24 tokens with forced splits: the separate reduce launch."""
     launches = []
     for extra in range(20):
-        launches += _launches(monkeypatch, [5] + [1] * extra, hq, hkv, d, 512, eager=True,
-                              num_splits=3, fused_reduce=False)
+        launches += _launches(
+            monkeypatch, [5] + [1] * extra, hq, hkv, d, 512, eager=True, num_splits=3, fused_reduce=False
+        )
     assert any(fn is REDUCE for fn, _ in launches)  # the reduce launch is covered
     _assert_one_variant_per_constexpr_set(launches)
 

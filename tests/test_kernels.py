@@ -37,8 +37,9 @@ def test_kernels_are_interpreted():
 # ----------------------------------------------------------------- paged attention
 
 
-def make_attention_case(q_lens, seq_lens, hq, hkv, d=32, bs=16, dtype=torch.float32,
-                        pad_tokens=0, bound_slack=0, seed=0):
+def make_attention_case(
+    q_lens, seq_lens, hq, hkv, d=32, bs=16, dtype=torch.float32, pad_tokens=0, bound_slack=0, seed=0
+):
     """Random paged KV and queries; unused block-table entries are -1 so a kernel
     that dereferences them reads out of bounds. ``max_seq_len_upper_bound`` is
     ``max(seq_lens) + bound_slack`` (async scheduling over-estimates)."""
@@ -51,25 +52,49 @@ def make_attention_case(q_lens, seq_lens, hq, hkv, d=32, bs=16, dtype=torch.floa
     perm = torch.randperm(num_blocks, generator=g)[: len(q_lens) * width]
     block_table = perm.view(len(q_lens), width).to(torch.int32)
     for r, s in enumerate(seq_lens):
-        block_table[r, triton.cdiv(s, bs):] = -1
+        block_table[r, triton.cdiv(s, bs) :] = -1
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     q = torch.randn(int(qsl[-1]) + pad_tokens, hq, d, generator=g).to(dtype)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
-                max_query_len=max(q_lens), max_seq_len_upper_bound=ub, scale=d ** -0.5)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        max_query_len=max(q_lens),
+        max_seq_len_upper_bound=ub,
+        scale=d**-0.5,
+    )
 
 
 def run_attention(c, num_splits=None, scale=None, fused_reduce=None):
     out = pa.paged_attention_triton(
-        c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
-        c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
-        c["scale"] if scale is None else scale, num_splits=num_splits,
-        fused_reduce=fused_reduce)
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        c["block_table"],
+        c["seq_lens"],
+        c["query_start_loc"],
+        c["max_query_len"],
+        c["max_seq_len_upper_bound"],
+        c["scale"] if scale is None else scale,
+        num_splits=num_splits,
+        fused_reduce=fused_reduce,
+    )
     bt = c["block_table"].clamp(min=0)  # the reference gathers (then masks) every column
     expect = ref.paged_attention_reference(
-        c["q"], c["k_cache"], c["v_cache"], bt, c["seq_lens"], c["query_start_loc"],
-        c["query_start_loc"], c["max_seq_len_upper_bound"], c["scale"])
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        bt,
+        c["seq_lens"],
+        c["query_start_loc"],
+        c["query_start_loc"],
+        c["max_seq_len_upper_bound"],
+        c["scale"],
+    )
     n = int(c["query_start_loc"][-1])
     return out[:n].float(), expect[:n].float()
 
@@ -84,8 +109,7 @@ DECODE_LENS = [1, 15, 16, 17, 64, 65, 100]
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])  # GQA ratios 1, 4, 8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_decode(hq, hkv, dtype):
-    c = make_attention_case([1] * len(DECODE_LENS), DECODE_LENS, hq, hkv, dtype=dtype,
-                            pad_tokens=3, bound_slack=5)
+    c = make_attention_case([1] * len(DECODE_LENS), DECODE_LENS, hq, hkv, dtype=dtype, pad_tokens=3, bound_slack=5)
     out, expect = run_attention(c, num_splits=1)
     torch.testing.assert_close(out, expect, **TOL[dtype])
 
@@ -94,8 +118,7 @@ def test_paged_attention_decode(hq, hkv, dtype):
 @pytest.mark.parametrize("num_splits", [2, 5])  # 5 splits > tiles of short rows: neutral
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
 def test_paged_attention_decode_split_kv(hq, hkv, num_splits, fused_reduce):
-    c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv,
-                            pad_tokens=2, bound_slack=40)
+    c = make_attention_case([1] * (len(DECODE_LENS) + 1), DECODE_LENS + [200], hq, hkv, pad_tokens=2, bound_slack=40)
     out, expect = run_attention(c, num_splits=num_splits, fused_reduce=fused_reduce)
     torch.testing.assert_close(out, expect, **TOL[torch.float32])
     if fused_reduce:  # every arrival counter was re-armed for the next launch
@@ -107,8 +130,7 @@ def test_paged_attention_decode_split_kv(hq, hkv, num_splits, fused_reduce):
 def test_paged_attention_fused_reduce_spec_verify_rows():
     # q_len > 1 per request (spec-decode verify) with splits: each program merges
     # GROUP x q_len rows; an empty request never arrives at its counter.
-    c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3,
-                            bound_slack=9, seed=8)
+    c = make_attention_case([3, 1, 0, 4, 2], [40, 90, 7, 130, 3], 8, 2, bs=8, pad_tokens=3, bound_slack=9, seed=8)
     for splits in (3, 4):
         out, expect = run_attention(c, num_splits=splits, fused_reduce=True)
         torch.testing.assert_close(out, expect, **TOL[torch.float32])
@@ -124,8 +146,9 @@ MIXED = dict(q_lens=[1, 20, 1, 3, 33, 1, 0], seq_lens=[17, 20, 64, 50, 80, 1, 9]
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_mixed_batch(hq, hkv, num_splits):
     dtype = torch.bfloat16 if hkv == 2 else torch.float32
-    c = make_attention_case(MIXED["q_lens"], MIXED["seq_lens"], hq, hkv, dtype=dtype,
-                            pad_tokens=4, bound_slack=7, seed=1)
+    c = make_attention_case(
+        MIXED["q_lens"], MIXED["seq_lens"], hq, hkv, dtype=dtype, pad_tokens=4, bound_slack=7, seed=1
+    )
     out, expect = run_attention(c, num_splits=num_splits)
     torch.testing.assert_close(out, expect, **TOL[dtype])
 
@@ -154,11 +177,17 @@ def test_paged_attention_keys_capped_by_bound_and_table():
     # reference, and nothing past the block table is read.
     g = torch.Generator().manual_seed(7)
     k_cache, v_cache = (torch.randn(1, 16, 2, 32, generator=g) for _ in range(2))
-    c = dict(q=torch.randn(40, 4, 32, generator=g), k_cache=k_cache, v_cache=v_cache,
-             block_table=torch.zeros(1, 1, dtype=torch.int32),
-             seq_lens=torch.tensor([40], dtype=torch.int32),
-             query_start_loc=torch.tensor([0, 40], dtype=torch.int32),
-             max_query_len=40, max_seq_len_upper_bound=1, scale=32 ** -0.5)
+    c = dict(
+        q=torch.randn(40, 4, 32, generator=g),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.tensor([40], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 40], dtype=torch.int32),
+        max_query_len=40,
+        max_seq_len_upper_bound=1,
+        scale=32**-0.5,
+    )
     out, expect = run_attention(c, num_splits=1)
     torch.testing.assert_close(out, expect, **TOL[torch.float32])
 
@@ -183,8 +212,8 @@ def test_write_kv_skips_padded_slots(dtype):
     nb, bs, h, d, t = 6, 16, 2, 32, 9
     # key/value as strided views of one fused projection output, like a QKV split
     fused = torch.randn(t, 3 * h * d, generator=g).to(dtype)
-    key = fused[:, h * d: 2 * h * d].view(t, h, d)
-    value = fused[:, 2 * h * d:].view(t, h, d)
+    key = fused[:, h * d : 2 * h * d].view(t, h, d)
+    value = fused[:, 2 * h * d :].view(t, h, d)
     slots = torch.tensor([0, 15, 16, -1, 17, 47, -1, 95, 33], dtype=torch.int64)
     k_cache = torch.randn(nb, bs, h, d, generator=g).to(dtype)
     v_cache = torch.randn(nb, bs, h, d, generator=g).to(dtype)
@@ -234,7 +263,7 @@ def test_rotary_embedding(dtype):
     t, hq, hk, d = 6, 4, 2, 32
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as split from a fused QKV
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     positions = torch.tensor([0, 5, 17, 3, 63, 1], dtype=torch.int64)
     cache = cos_sin_cache(64, d)
     q_out, k_out = rot.rotary_embedding_triton(positions, q, k, cache)
@@ -259,8 +288,7 @@ def test_silu_and_mul(dtype, t, inter):
     assert out.shape == (t, inter) and out.dtype == dtype
     torch.testing.assert_close(out, expect, **TOL[dtype])
     swapped = torch.cat([x[:, inter:], x[:, :inter]], dim=1)  # gate/up halves must not swap
-    assert not torch.allclose(act.silu_and_mul_triton(swapped).float(), expect.float(),
-                              atol=1e-2, rtol=1e-2)
+    assert not torch.allclose(act.silu_and_mul_triton(swapped).float(), expect.float(), atol=1e-2, rtol=1e-2)
     # the row-interleaved layout: (gate j, up j) at columns (2j, 2j + 1)
     pairs = torch.stack([x[:, :inter], x[:, inter:]], dim=2).reshape(t, 2 * inter)
     torch.testing.assert_close(act.silu_and_mul_triton(pairs, pairs=True), expect, **TOL[dtype])
@@ -278,8 +306,8 @@ def test_rope_and_write_kv(qk_norm, hq, hk, dtype):
     t, d, nb, bs = 9, 32, 6, 16
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)  # fused projection rows
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
-    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
     positions = torch.tensor([0, 5, 17, 3, 63, 1, 40, 16, 15])
     # ragged slots across block boundaries; -1 = CUDA-graph padding, never written
     slots = torch.tensor([0, 15, 16, -1, 17, 47, -1, 95, 33], dtype=torch.int64)
@@ -289,11 +317,9 @@ def test_rope_and_write_kv(qk_norm, hq, hk, dtype):
     k_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
     v_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
     k_exp, v_exp = k_cache.clone(), v_cache.clone()
-    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw,
-                                            1e-6)
+    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw, 1e-6)
     before = k_cache.clone()
-    q_out = rkv.rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw, kw,
-                                         1e-6)
+    q_out = rkv.rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw, kw, 1e-6)
     tol = TOL[dtype]
     torch.testing.assert_close(q_out, q_exp, **tol)
     torch.testing.assert_close(k_cache, k_exp, **tol)
@@ -301,21 +327,23 @@ def test_rope_and_write_kv(qk_norm, hq, hk, dtype):
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(k_cache.view(nb * bs, hk, d)[untouched], before.view(nb * bs, hk, d)[untouched])
-    q_bad = rkv.rope_and_write_kv_triton(positions + 1, q, k, v, cache, k_cache.clone(),
-                                         v_cache.clone(), slots, qw, kw, 1e-6)
+    q_bad = rkv.rope_and_write_kv_triton(
+        positions + 1, q, k, v, cache, k_cache.clone(), v_cache.clone(), slots, qw, kw, 1e-6
+    )
     assert not torch.allclose(q_bad.float(), q_exp.float(), atol=1e-2, rtol=1e-2)
 
 
 # ----------------------------------------------------------------- exponential race
 
 
-@pytest.mark.parametrize("rows,vocab,splits,block", [(5, 1000, None, 128), (3, 4099, 3, 256), (1, 777, 1, 64),
-                                                     (6, 300, 2, 64)])
+@pytest.mark.parametrize(
+    "rows,vocab,splits,block", [(5, 1000, None, 128), (3, 4099, 3, 256), (1, 777, 1, 64), (6, 300, 2, 64)]
+)
 def test_exponential_race(rows, vocab, splits, block):
     """Same draws as the torch reference (bit-identical noise), across vocab splits and ragged tiles."""
     g = torch.Generator().manual_seed(rows * vocab)
     probs = torch.rand(rows, vocab, generator=g) ** 4
-    probs[0, vocab // 2:] = 0.0  # zero mass never wins against non-zero mass
+    probs[0, vocab // 2 :] = 0.0  # zero mass never wins against non-zero mass
     seeds = torch.randint(0, 2**62, (rows,), generator=g)
     pos = torch.randint(0, 5000, (rows,), generator=g)
     got = smp.exponential_race_triton(probs, seeds, pos, block=block, num_splits=splits)
@@ -340,7 +368,6 @@ def test_exponential_race_ties_and_strides():
         got = smp.exponential_race_triton(p, seeds, pos, block=64, num_splits=3)
         assert got.tolist() == ref.exponential_race_reference(p, seeds, pos).tolist()
         assert got[0] == 0 and got[1] == 123 and got[2] in (7, 400)  # all-zero row: lowest id, as argmax
-
 
 
 def test_exponential_race_u_that_rounds_to_one_in_float32():

@@ -12,8 +12,9 @@ else:
     am = None  # only the child touches triton
 
 
-@pytest.mark.parametrize("rows,vocab,splits,block", [(5, 1000, None, 128), (3, 4099, 3, 256),
-                                                     (1, 777, 1, 64), (6, 300, 5, 64)])
+@pytest.mark.parametrize(
+    "rows,vocab,splits,block", [(5, 1000, None, 128), (3, 4099, 3, 256), (1, 777, 1, 64), (6, 300, 5, 64)]
+)
 def test_argmax_matches_torch(rows, vocab, splits, block):
     g = torch.Generator().manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, generator=g)

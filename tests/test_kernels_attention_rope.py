@@ -32,38 +32,66 @@ def make_case(seq_lens, hq, hkv, d, dtype, qk_norm, pad_reqs=0, bs=16, seed=0, d
     qsl = torch.tensor([min(i, n) for i in range(n + pad_reqs + 1)], dtype=torch.int32)
     seq = torch.tensor(list(seq_lens) + [0] * pad_reqs, dtype=torch.int32)
     positions = torch.tensor([s - 1 for s in seq_lens] + [0], dtype=torch.int64)  # + a pad token
-    slots = torch.tensor([int(table[r, (s - 1) // bs]) * bs + (s - 1) % bs
-                          for r, s in enumerate(seq_lens)] + [-1], dtype=torch.int64)
+    slots = torch.tensor(
+        [int(table[r, (s - 1) // bs]) * bs + (s - 1) % bs for r, s in enumerate(seq_lens)] + [-1], dtype=torch.int64
+    )
     qkv = torch.randn(n + 1, (hq + 2 * hkv) * d, generator=g).to(dtype)
     q = qkv[:, : hq * d].view(n + 1, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].view(n + 1, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(n + 1, hkv, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n + 1, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(n + 1, hkv, d)
     qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
     kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None
-    case = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, table=table, qsl=qsl, seq=seq,
-                positions=positions, slots=slots, cs=cos_sin_cache(max(seq_lens) + 8, d),
-                qw=qw, kw=kw)
+    case = dict(
+        q=q,
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        table=table,
+        qsl=qsl,
+        seq=seq,
+        positions=positions,
+        slots=slots,
+        cs=cos_sin_cache(max(seq_lens) + 8, d),
+        qw=qw,
+        kw=kw,
+    )
     case = {name: t.to(device) if t is not None else None for name, t in case.items()}
-    return dict(case, bound=max(seq_lens) + 5, scale=d ** -0.5)
+    return dict(case, bound=max(seq_lens) + 5, scale=d**-0.5)
 
 
 def expected(c):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
-    q_rot = ref.rope_and_write_kv_reference(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc,
-                                            vc, c["slots"], c["qw"], c["kw"], 1e-6)
-    out = ref.paged_attention_reference(q_rot, kc, vc, c["table"].clamp(min=0), c["seq"],
-                                        c["qsl"], c["qsl"], c["bound"], c["scale"])
+    q_rot = ref.rope_and_write_kv_reference(
+        c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc, c["slots"], c["qw"], c["kw"], 1e-6
+    )
+    out = ref.paged_attention_reference(
+        q_rot, kc, vc, c["table"].clamp(min=0), c["seq"], c["qsl"], c["qsl"], c["bound"], c["scale"]
+    )
     return out, kc, vc
 
 
 def fused(c, num_splits=None, fused_reduce=None, positions=None, block_n=None, eager=False):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
-    rope = DecodeRope(c["positions"] if positions is None else positions, c["k"], c["v"], c["cs"],
-                      c["slots"], c["qw"], c["kw"], 1e-6)
-    out = pa.paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, c["bound"],
-                                    c["scale"], num_splits=num_splits, fused_reduce=fused_reduce,
-                                    rope=rope, config=dict(block_n=block_n) if block_n else None,
-                                    eager=eager)
+    rope = DecodeRope(
+        c["positions"] if positions is None else positions, c["k"], c["v"], c["cs"], c["slots"], c["qw"], c["kw"], 1e-6
+    )
+    out = pa.paged_attention_triton(
+        c["q"],
+        kc,
+        vc,
+        c["table"],
+        c["seq"],
+        c["qsl"],
+        1,
+        c["bound"],
+        c["scale"],
+        num_splits=num_splits,
+        fused_reduce=fused_reduce,
+        rope=rope,
+        config=dict(block_n=block_n) if block_n else None,
+        eager=eager,
+    )
     return out, kc, vc
 
 
@@ -77,8 +105,7 @@ LENS = [1, 16, 17, 64, 65, 100, 129, 257]
 @pytest.mark.parametrize("splits,fused_reduce", [(1, None), (3, True), (3, False)])
 @pytest.mark.parametrize("block_n", [None, 16])  # 16: a tile a page, many tiles a split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, splits,
-                                                              fused_reduce, block_n, dtype):
+def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, splits, fused_reduce, block_n, dtype):
     c = make_case(LENS, hq, hkv, 32, dtype, qk_norm, pad_reqs=2)
     out, kc, vc = fused(c, num_splits=splits, fused_reduce=fused_reduce, block_n=block_n)
     exp, kc_exp, vc_exp = expected(c)
@@ -89,8 +116,7 @@ def test_decode_attention_with_rope_matches_unfused_reference(qk_norm, hq, hkv, 
     assert torch.equal(vc, vc_exp)  # values are copied; nothing else is touched
 
 
-@pytest.mark.parametrize("lens,bound,splits", [(LENS, None, 1), (LENS, 600, 4),
-                                               ([1, 129, 257], 2048, 16)])
+@pytest.mark.parametrize("lens,bound,splits", [(LENS, None, 1), (LENS, 600, 4), ([1, 129, 257], 2048, 16)])
 def test_eager_decode_attention_shapes_match_reference(lens, bound, splits):
     """The eager one-token launch (``enforce_eager``: one fixed tile, power-of-four split
     counts from the bound) against the reference, at bounds far above the real lengths."""
@@ -154,21 +180,40 @@ def test_ops_routes_small_decode_batches_into_attention(monkeypatch):
     # key_cap: ROPE_IN_ATTENTION_MAX_TOKEN_KEYS as a multiple of this case's rows x bound
     from kernels.settings import overridden
 
-    for n, on, key_cap, want in ((3, True, 1, True),
-                                 (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, True, None, False),
-                                 (3, False, None, False), (3, True, 0.99, False)):
+    for n, on, key_cap, want in (
+        (3, True, 1, True),
+        (ops.ROPE_IN_ATTENTION_MAX_TOKENS + 1, True, None, False),
+        (3, False, None, False),
+        (3, True, 0.99, False),
+    ):
         c = make_case([5 + 9 * i for i in range(n)], 4, 2, 32, torch.float32, qk_norm=True)
         if key_cap is not None:  # exactly at the cap (fused) or just under it (not)
             rows = c["q"].shape[0]  # padded rows count too
-            monkeypatch.setattr(ops, "ROPE_IN_ATTENTION_MAX_TOKEN_KEYS",
-                                int(key_cap * rows * c["bound"]))
+            monkeypatch.setattr(ops, "ROPE_IN_ATTENTION_MAX_TOKEN_KEYS", int(key_cap * rows * c["bound"]))
         exp, kc_exp, _ = expected(c)
         kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
         calls.clear()
         with overridden(rope_in_attention=on):  # the rope_in_attention option
-            out = ops.rope_and_attention(c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc,
-                                         c["slots"], c["table"], c["seq"], c["qsl"], c["qsl"], 1,
-                                         c["bound"], c["scale"], c["qw"], c["kw"], 1e-6)
+            out = ops.rope_and_attention(
+                c["positions"],
+                c["q"],
+                c["k"],
+                c["v"],
+                c["cs"],
+                kc,
+                vc,
+                c["slots"],
+                c["table"],
+                c["seq"],
+                c["qsl"],
+                c["qsl"],
+                1,
+                c["bound"],
+                c["scale"],
+                c["qw"],
+                c["kw"],
+                1e-6,
+            )
         assert calls == [want]
         torch.testing.assert_close(out[:n], exp[:n], **TOL[torch.float32])
         torch.testing.assert_close(kc, kc_exp, **TOL[torch.float32])
@@ -195,8 +240,9 @@ def test_decode_attention_with_rope_needs_one_query_token():
     c = make_case([5], 4, 2, 32, torch.float32, qk_norm=False)
     rope = DecodeRope(c["positions"], c["k"], c["v"], c["cs"], c["slots"])
     with pytest.raises(AssertionError, match="one query token"):
-        pa.paged_attention_triton(c["q"], c["k_cache"], c["v_cache"], c["table"], c["seq"],
-                                  c["qsl"], 2, c["bound"], c["scale"], rope=rope)
+        pa.paged_attention_triton(
+            c["q"], c["k_cache"], c["v_cache"], c["table"], c["seq"], c["qsl"], 2, c["bound"], c["scale"], rope=rope
+        )
 
 
 delegate_all(globals(), __file__)

@@ -25,11 +25,14 @@ def make_case(n, k, dtype, spec, seed):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,block_k,programs", [
-    (40, 96, 32, 3),   # 10 row blocks over 3 programs (4/3/3 rounds), K in 3 exact chunks
-    (38, 96, 64, 4),   # ragged last row block, a masked K tail, 2-3 rounds
-    (24, 64, 64, 64),  # more programs allowed than row blocks: one block each, one K chunk
-])
+@pytest.mark.parametrize(
+    "n,k,block_k,programs",
+    [
+        (40, 96, 32, 3),  # 10 row blocks over 3 programs (4/3/3 rounds), K in 3 exact chunks
+        (38, 96, 64, 4),  # ragged last row block, a masked K tail, 2-3 rounds
+        (24, 64, 64, 64),  # more programs allowed than row blocks: one block each, one K chunk
+    ],
+)
 def test_gemv_matches_reference(case, dtype, n, k, block_k, programs):
     spec = CASES[case]
     x, w, kw = make_case(n * (2 if spec.get("act") else 1), k, dtype, spec, seed=n + k)
@@ -52,16 +55,15 @@ def test_gemv_every_output_row_written_once():
     # flat (row block, K chunk) walk shows up as a wrong row, not only as a tolerance miss.
     x, w, kw = make_case(52, 128, torch.float32, {}, seed=3)
     for programs in (1, 2, 5, 13, 100):
-        y, _ = gemv.gemv_triton(x, w, config=dict(block_n=4, block_k=32, num_warps=1),
-                                max_programs=programs)
+        y, _ = gemv.gemv_triton(x, w, config=dict(block_n=4, block_k=32, num_warps=1), max_programs=programs)
         torch.testing.assert_close(y, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_gemv_grid_size_balances_rounds():
-    assert gemv.grid_size(1536, 528) == 512   # 3 rounds each, not 2.9
+    assert gemv.grid_size(1536, 528) == 512  # 3 rounds each, not 2.9
     assert gemv.grid_size(10, 3) == 3
     assert gemv.grid_size(5, 64) == 5
-    assert gemv.grid_size(3584, 528) == 512   # 7 rounds each
+    assert gemv.grid_size(3584, 528) == 512  # 7 rounds each
     for n_blocks in range(1, 200):
         for cap in (1, 7, 64):
             p = gemv.grid_size(n_blocks, cap)

@@ -22,8 +22,7 @@ pytestmark = [
 ]
 
 BF16 = dict(atol=2e-2, rtol=2e-2)
-TOL = {torch.bfloat16: BF16, torch.float16: dict(atol=5e-3, rtol=5e-3),
-       torch.float32: dict(atol=1e-4, rtol=1e-4)}
+TOL = {torch.bfloat16: BF16, torch.float16: dict(atol=5e-3, rtol=5e-3), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
 def use_kernel_settings(monkeypatch, **changes):
@@ -45,8 +44,9 @@ def no_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def make_attention_case(q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfloat16,
-                        pad_tokens=0, bound=None, seed=0):
+def make_attention_case(
+    q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfloat16, pad_tokens=0, bound=None, seed=0
+):
     """Random paged KV on CUDA; unused block-table entries are -1 (must never be read)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     ub = bound or max(seq_lens)
@@ -58,14 +58,22 @@ def make_attention_case(q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfl
     perm = torch.randperm(num_blocks, generator=g, device="cuda")[: len(q_lens) * width]
     block_table = perm.view(len(q_lens), width).to(torch.int32)
     for r, s in enumerate(seq_lens):
-        block_table[r, triton.cdiv(s, bs):] = -1
+        block_table[r, triton.cdiv(s, bs) :] = -1
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     q = torch.randn(int(qsl[-1]) + pad_tokens, hq, d, generator=g, device="cuda").to(dtype)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-                qsl_cpu=qsl, query_start_loc=qsl.cuda(), max_query_len=max(q_lens),
-                max_seq_len_upper_bound=ub, scale=d ** -0.5)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        qsl_cpu=qsl,
+        query_start_loc=qsl.cuda(),
+        max_query_len=max(q_lens),
+        max_seq_len_upper_bound=ub,
+        scale=d**-0.5,
+    )
 
 
 def triton_attention(c, num_splits=None, scale=None, fused_reduce=None):
@@ -73,16 +81,32 @@ def triton_attention(c, num_splits=None, scale=None, fused_reduce=None):
 
     with no_sync():
         return paged_attention_triton(
-            c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
-            c["query_start_loc"], c["max_query_len"], c["max_seq_len_upper_bound"],
-            c["scale"] if scale is None else scale, num_splits=num_splits,
-            fused_reduce=fused_reduce)
+            c["q"],
+            c["k_cache"],
+            c["v_cache"],
+            c["block_table"],
+            c["seq_lens"],
+            c["query_start_loc"],
+            c["max_query_len"],
+            c["max_seq_len_upper_bound"],
+            c["scale"] if scale is None else scale,
+            num_splits=num_splits,
+            fused_reduce=fused_reduce,
+        )
 
 
 def reference_attention(c):
     return ref.paged_attention_reference(
-        c["q"], c["k_cache"], c["v_cache"], c["block_table"].clamp(min=0), c["seq_lens"],
-        c["query_start_loc"], c["qsl_cpu"], c["max_seq_len_upper_bound"], c["scale"])
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        c["block_table"].clamp(min=0),
+        c["seq_lens"],
+        c["query_start_loc"],
+        c["qsl_cpu"],
+        c["max_seq_len_upper_bound"],
+        c["scale"],
+    )
 
 
 def check_attention(c, num_splits=None, fused_reduce=None):
@@ -153,8 +177,17 @@ def test_paged_attention_cuda_graph_decode(num_splits):
 
     def step():
         return paged_attention_triton(
-            c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
-            c["query_start_loc"], 1, bound, c["scale"], num_splits=num_splits)
+            c["q"],
+            c["k_cache"],
+            c["v_cache"],
+            c["block_table"],
+            c["seq_lens"],
+            c["query_start_loc"],
+            1,
+            bound,
+            c["scale"],
+            num_splits=num_splits,
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -178,7 +211,7 @@ def test_write_kv():
 
     t, h, d, nb, bs = 37, 8, 128, 40, 16
     fused = torch.randn(t, 48 * d, device="cuda", dtype=torch.bfloat16)  # QKV-like rows
-    key, value = fused[:, 32 * d: 40 * d].view(t, h, d), fused[:, 40 * d:].view(t, h, d)
+    key, value = fused[:, 32 * d : 40 * d].view(t, h, d), fused[:, 40 * d :].view(t, h, d)
     slots = torch.randperm(nb * bs, device="cuda")[:t]
     slots[::5] = -1
     k_cache = torch.randn(nb, bs, h, d, device="cuda", dtype=torch.bfloat16)
@@ -211,7 +244,7 @@ def test_rotary_embedding():
 
     t, hq, hk, d = 37, 32, 8, 128
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
-    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
     f = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
     cache = torch.cat([f.cos(), f.sin()], dim=-1)
@@ -230,12 +263,20 @@ def test_decode_bandwidth_report(batch, seq):
 
     hq, hkv, d = 32, 8, 128
     c = make_attention_case([1] * batch, [seq] * batch, hq, hkv, d=d, seed=4)
-    args = (c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"],
-            c["query_start_loc"], 1, seq, c["scale"])
+    args = (
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        c["block_table"],
+        c["seq_lens"],
+        c["query_start_loc"],
+        1,
+        seq,
+        c["scale"],
+    )
     ms = triton.testing.do_bench(lambda: paged_attention_triton(*args))
     kv_bytes = batch * seq * hkv * d * 2 * c["k_cache"].element_size()
-    print(f"\ndecode batch={batch} seq={seq}: {ms * 1e3:.1f} us, "
-          f"{kv_bytes / ms / 1e9:.0f} GB/s KV read")
+    print(f"\ndecode batch={batch} seq={seq}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e9:.0f} GB/s KV read")
     if batch * seq <= 65536:
         check_attention(c)
 
@@ -256,16 +297,15 @@ def test_silu_and_mul(t, inter):
     torch.testing.assert_close(out, ref.silu_and_mul_reference(x), atol=1e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("hq,hk,qk_norm", [(32, 8, False), (16, 8, True), (8, 8, False),
-                                           (64, 8, True)])
+@pytest.mark.parametrize("hq,hk,qk_norm", [(32, 8, False), (16, 8, True), (8, 8, False), (64, 8, True)])
 def test_rope_and_write_kv(hq, hk, qk_norm):
     from kernels.rope_kv import rope_and_write_kv_triton
 
     t, d, nb, bs = 45, 128, 40, 16
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
-    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
     inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
     f = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
     cache = torch.cat([f.cos(), f.sin()], dim=-1)
@@ -277,27 +317,29 @@ def test_rope_and_write_kv(hq, hk, qk_norm):
     k_cache = torch.randn(nb, bs, hk, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     k_exp, v_exp = k_cache.clone(), v_cache.clone()
-    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw,
-                                            1e-6)
+    q_exp = ref.rope_and_write_kv_reference(positions, q, k, v, cache, k_exp, v_exp, slots, qw, kw, 1e-6)
     with no_sync():
-        q_out = rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw,
-                                         kw, 1e-6)
+        q_out = rope_and_write_kv_triton(positions, q, k, v, cache, k_cache, v_cache, slots, qw, kw, 1e-6)
     torch.testing.assert_close(q_out, q_exp, **BF16)
     torch.testing.assert_close(k_cache, k_exp, **BF16)
     assert torch.equal(v_cache, v_exp)
 
 
 SKINNY_SHAPES = {  # (N, K, variant) of the decode projections of Llama-3.1-8B and Qwen3-0.6B
-    "8b_qkv": (6144, 4096, "norm_res"), "8b_o": (4096, 4096, "plain"),
-    "8b_gate_up": (28672, 4096, "norm_res_act"), "8b_down": (4096, 14336, "plain"),
-    "06b_qkv": (4096, 1024, "norm_res"), "06b_gate_up": (6144, 1024, "norm_res_act"),
-    "06b_o": (1024, 2048, "plain"), "odd": (1000, 1000, "norm_act_bias"),
+    "8b_qkv": (6144, 4096, "norm_res"),
+    "8b_o": (4096, 4096, "plain"),
+    "8b_gate_up": (28672, 4096, "norm_res_act"),
+    "8b_down": (4096, 14336, "plain"),
+    "06b_qkv": (4096, 1024, "norm_res"),
+    "06b_gate_up": (6144, 1024, "norm_res_act"),
+    "06b_o": (1024, 2048, "plain"),
+    "odd": (1000, 1000, "norm_act_bias"),
 }
 
 
 def skinny_inputs(m, n, k, variant, dtype=torch.bfloat16):
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     kw = {}
     if "norm" in variant:
         kw["norm_weight"] = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
@@ -386,8 +428,13 @@ def test_skinny_tuned_entries_on_their_shapes():
     if not TUNING_FILE.exists():
         pytest.skip("no kernels/skinny_tuning.json")
     entries = json.loads(TUNING_FILE.read_text())["entries"]
-    variant = {"plain": "plain", "plain_f32": "plain", "norm": "norm_res", "norm_act": "norm_res_act",
-               "norm_act_pairs": "norm_res_act_pairs"}
+    variant = {
+        "plain": "plain",
+        "plain_f32": "plain",
+        "norm": "norm_res",
+        "norm_act": "norm_res_act",
+        "norm_act_pairs": "norm_res_act_pairs",
+    }
     from kernels.gemv import gemv_triton
 
     for key, cfg in entries.items():

@@ -42,8 +42,9 @@ PREFETCH = 4096  # bytes of each row (K = 1000 rows are shorter: whole rows)
 
 
 @pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias",
-                                     "norm_res_act_pairs", "norm_act_bias_pairs"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias", "norm_res_act_pairs", "norm_act_bias_pairs"]
+)
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (2 * 1042, 4096)])
 def test_skinny_linear_with_l2_prefetch(n, k, variant, m):
     """The prefetch only hints the cache: results equal the reference (ragged last rows too)."""
@@ -112,9 +113,14 @@ def test_prepare_inputs_matches_reference(q_lens, short):
         assert g_.dtype == w.dtype and torch.equal(g_, w)
 
 
-@pytest.mark.parametrize("cfg", [dict(block_n=4, block_k=1024, num_warps=4, ctas_per_sm=2),
-                                 dict(block_n=8, block_k=512, num_warps=8, ctas_per_sm=4),
-                                 dict(block_n=2, block_k=2048, num_warps=8, ctas_per_sm=4)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_n=4, block_k=1024, num_warps=4, ctas_per_sm=2),
+        dict(block_n=8, block_k=512, num_warps=8, ctas_per_sm=4),
+        dict(block_n=2, block_k=2048, num_warps=8, ctas_per_sm=4),
+    ],
+)
 @pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (1000, 1000), (2 * 1042, 14336)])
 def test_persistent_gemv_matches_fp64(n, k, variant, cfg):
@@ -137,7 +143,7 @@ def test_persistent_gemv_pdl_chain_in_cuda_graph(monkeypatch):
 
     use_kernel_settings(monkeypatch, pdl="on")
     n = 2048
-    ws = [(torch.randn(n, n, device="cuda") / n ** 0.5).to(torch.bfloat16) for _ in range(4)]
+    ws = [(torch.randn(n, n, device="cuda") / n**0.5).to(torch.bfloat16) for _ in range(4)]
     x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
 
     def chain(h):
@@ -173,8 +179,9 @@ def test_decode_attention_with_rope_matches_reference(qk_norm, hq, hkv, lens):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     rope = DecodeRope(c["positions"], c["k"], c["v"], c["cs"], c["slots"], c["qw"], c["kw"], 1e-6)
     with no_sync():
-        out = paged_attention_triton(c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1,
-                                     c["bound"], c["scale"], rope=rope)
+        out = paged_attention_triton(
+            c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, c["bound"], c["scale"], rope=rope
+        )
     exp, kc_exp, vc_exp = expected(c)
     n = len(lens)
     torch.testing.assert_close(out[:n].float(), exp[:n].float(), atol=2e-2, rtol=2e-2)
@@ -200,10 +207,11 @@ def test_decode_attention_with_rope_graph_chain(monkeypatch):
         x = qkv
         for _ in range(3):
             t = x.shape[0]
-            q, k, v = x[:, :nq].view(t, 32, 128), x[:, nq:nq + nk].view(t, 8, 128), x[:, nq + nk:].view(t, 8, 128)
+            q, k, v = x[:, :nq].view(t, 32, 128), x[:, nq : nq + nk].view(t, 8, 128), x[:, nq + nk :].view(t, 8, 128)
             rope = DecodeRope(c["positions"], k, v, c["cs"], c["slots"], c["qw"], c["kw"], 1e-6)
-            o = paged_attention_triton(q, c["k_cache"], c["v_cache"], c["table"], c["seq"],
-                                       c["qsl"], 1, c["bound"], c["scale"], rope=rope)
+            o = paged_attention_triton(
+                q, c["k_cache"], c["v_cache"], c["table"], c["seq"], c["qsl"], 1, c["bound"], c["scale"], rope=rope
+            )
             x = torch.cat([o.flatten(1), x[:, nq:]], 1)  # the next layer's q: this output
         return x
 
@@ -212,8 +220,11 @@ def test_decode_attention_with_rope_graph_chain(monkeypatch):
     with torch.cuda.graph(g):
         out = layers()
     for seed in range(2):
-        qkv.copy_(torch.randn(qkv.shape, generator=torch.Generator(device="cuda").manual_seed(seed),
-                              device="cuda").to(qkv.dtype))
+        qkv.copy_(
+            torch.randn(qkv.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda").to(
+                qkv.dtype
+            )
+        )
         c["k_cache"].copy_(kc0)
         c["v_cache"].copy_(vc0)
         g.replay()
@@ -222,8 +233,9 @@ def test_decode_attention_with_rope_graph_chain(monkeypatch):
         ref_c = dict(c, k_cache=kc0.clone(), v_cache=vc0.clone())
         for _ in range(3):
             t = x.shape[0]
-            ref_c.update(q=x[:, :nq].view(t, 32, 128), k=x[:, nq:nq + nk].view(t, 8, 128),
-                         v=x[:, nq + nk:].view(t, 8, 128))
+            ref_c.update(
+                q=x[:, :nq].view(t, 32, 128), k=x[:, nq : nq + nk].view(t, 8, 128), v=x[:, nq + nk :].view(t, 8, 128)
+            )
             o, ref_c["k_cache"], ref_c["v_cache"] = expected(ref_c)
             x = torch.cat([o.flatten(1), x[:, nq:]], 1)
         n = 3

@@ -35,8 +35,9 @@ def make_case(q_lens, bs=4, seed=0, width_slack=3, short_capacity=False):
     return (starts, rows, token_req, offsets, q, capacity, token_ids, block_table, bs)
 
 
-@pytest.mark.parametrize("q_lens,block,short", [([1], 256, False), ([1] * 7, 4, False),
-                                                ([3, 1, 17, 5], 8, False), ([2, 9, 1], 256, True)])
+@pytest.mark.parametrize(
+    "q_lens,block,short", [([1], 256, False), ([1] * 7, 4, False), ([3, 1, 17, 5], 8, False), ([2, 9, 1], 256, True)]
+)
 def test_prepare_inputs_matches_reference(q_lens, block, short):
     case = make_case(q_lens, seed=len(q_lens), short_capacity=short)
     got = ip.prepare_inputs_triton(*case, block=block)
@@ -66,11 +67,13 @@ def test_prepare_inputs_reads_starts_from_num_computed_by_row():
     """``starts`` None: request r starts at ``num_computed[rows[r]]`` (rows are a permutation
     of a longer table, so indexing by request instead of by row would differ)."""
     starts, rows, token_req, offsets, q, cap, token_ids, bt, bs = make_case([2, 1, 4], seed=5)
-    num_computed = torch.randint(0, 30, (token_ids.shape[0],), dtype=torch.int32,
-                                 generator=torch.Generator().manual_seed(1))
+    num_computed = torch.randint(
+        0, 30, (token_ids.shape[0],), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    )
     num_computed[rows] = starts
-    got = ip.prepare_inputs_triton(None, rows, token_req, offsets, q, cap, token_ids, bt, bs,
-                                   block=4, num_computed=num_computed)
+    got = ip.prepare_inputs_triton(
+        None, rows, token_req, offsets, q, cap, token_ids, bt, bs, block=4, num_computed=num_computed
+    )
     want = ref.prepare_inputs_reference(starts, rows, token_req, offsets, q, cap, token_ids, bt, bs)
     for g_, w in zip(got, want):
         assert torch.equal(g_, w)
@@ -83,8 +86,12 @@ def test_prepare_inputs_writes_into_given_buffers():
     longer buffers, and nothing past them is touched; a wrong dtype is refused."""
     case = make_case([1] * 5, seed=9)
     n, t = 5, 5
-    bufs = [torch.full((t + 3,), -7, dtype=torch.int64), torch.full((t + 3,), -7, dtype=torch.int64),
-            torch.full((n + 3,), -7, dtype=torch.int32), torch.full((t + 3,), -7, dtype=torch.int64)]
+    bufs = [
+        torch.full((t + 3,), -7, dtype=torch.int64),
+        torch.full((t + 3,), -7, dtype=torch.int64),
+        torch.full((n + 3,), -7, dtype=torch.int32),
+        torch.full((t + 3,), -7, dtype=torch.int64),
+    ]
     out = (bufs[0][:t], bufs[1][:t], bufs[2][:n], bufs[3][:t])
     got = ip.prepare_inputs_triton(*case, block=4, out=out)
     for g_, o, w in zip(got, out, ref.prepare_inputs_reference(*case)):

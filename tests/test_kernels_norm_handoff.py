@@ -9,19 +9,19 @@ from kernels import reference as ref
 from tests.interpreted import INTERPRETED, delegate_all
 
 if INTERPRETED:
-    from kernels import ops
+    from kernels import fused_norm_ops
     from kernels import skinny_gemm as sg
 else:
-    ops = sg = None  # only the child touches triton
+    fused_norm_ops = sg = None  # only the child touches triton
 
 
 def _chain(m, k_in, hidden, n_out, dtype, seed, act=None, bias=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k_in, generator=g).to(dtype)
-    w1 = (torch.randn(hidden, k_in, generator=g) / k_in ** 0.5).to(dtype)
+    w1 = (torch.randn(hidden, k_in, generator=g) / k_in**0.5).to(dtype)
     res = torch.randn(m, hidden, generator=g).to(dtype)
     gamma = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
-    w2 = (torch.randn(n_out, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(n_out, hidden, generator=g) / hidden**0.5).to(dtype)
     b2 = torch.randn(n_out if act is None else n_out, generator=g).to(dtype) if bias else None
     return x, w1, res, gamma, w2, b2
 
@@ -34,18 +34,15 @@ def test_handoff_equals_the_unfused_chain(act, dtype, block_n):
     """Producer epilogue (residual add, s * g, sum-of-squares partials) + consumer (plain
     stream, rstd at the end) == linear, RMSNorm with the residual, linear (+ act)."""
     m, k_in, hidden, n_out, eps = 1, 96, 40, 48, 1e-5
-    x, w1, res, gamma, w2, b2 = _chain(m, k_in, hidden, n_out, dtype, seed=21, act=act,
-                                       bias=act is None)
+    x, w1, res, gamma, w2, b2 = _chain(m, k_in, hidden, n_out, dtype, seed=21, act=act, bias=act is None)
     cfg1 = dict(use_dot=False, block_n=block_n, block_k=32, num_warps=2, num_stages=1)
     pn, new_res = sg.linear_handoff_triton(x, w1, res, gamma, eps, cfg1)
     assert pn.ss.shape == (m, -(-hidden // block_n))
     cfg2 = dict(use_dot=False, block_n=8, block_k=32, num_warps=2, num_stages=1)
-    y, _ = sg.skinny_linear_triton(pn.sg, w2, b2, act=act, eps=pn.eps, config=cfg2,
-                                   prenormed_ss=pn.ss)
+    y, _ = sg.skinny_linear_triton(pn.sg, w2, b2, act=act, eps=pn.eps, config=cfg2, prenormed_ss=pn.ss)
 
     o = torch.nn.functional.linear(x, w1)
-    y_exp, res_exp = ref.skinny_linear_reference(o, w2, b2, residual=res, norm_weight=gamma,
-                                                 eps=eps, act=act)
+    y_exp, res_exp = ref.skinny_linear_reference(o, w2, b2, residual=res, norm_weight=gamma, eps=eps, act=act)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(new_res, res_exp, **tol)
     torch.testing.assert_close(y, y_exp, **tol)
@@ -65,8 +62,7 @@ def test_handoff_consumer_matches_the_fused_prologue():
     cfg = dict(use_dot=False, block_n=8, block_k=32, num_warps=2, num_stages=1)
     pn, new_res = sg.linear_handoff_triton(x, w1, res, gamma, eps, cfg)
     o, _ = sg.skinny_linear_triton(x, w1, config=cfg)
-    y_fused, res_fused = sg.skinny_linear_triton(o, w2, residual=res, norm_weight=gamma,
-                                                 eps=eps, config=cfg)
+    y_fused, res_fused = sg.skinny_linear_triton(o, w2, residual=res, norm_weight=gamma, eps=eps, config=cfg)
     y, _ = sg.skinny_linear_triton(pn.sg, w2, eps=eps, config=cfg, prenormed_ss=pn.ss)
     assert torch.equal(new_res, res_fused)
     torch.testing.assert_close(y, y_fused, atol=2e-2, rtol=2e-2)
@@ -80,7 +76,7 @@ def test_handoff_applies_only_on_cuda():
     """Off CUDA (and under the interpreter) the producer declines: the model keeps the
     fused-prologue path, which is the reference on the CPU."""
     x, w1, res, gamma, w2, _ = _chain(1, 32, 32, 32, torch.bfloat16, seed=3)
-    assert ops.linear_handoff(x, w1, res, gamma, 1e-6, w2) is None
+    assert fused_norm_ops.linear_handoff(x, w1, res, gamma, 1e-6, w2) is None
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

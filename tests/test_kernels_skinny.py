@@ -16,20 +16,21 @@ else:
     sg = None  # only the child touches triton
 
 SKINNY_CASES = {  # name -> kwargs of skinny_linear (besides x, weight)
-    "plain": {}, "bias": {"bias": True}, "norm": {"norm": True},
+    "plain": {},
+    "bias": {"bias": True},
+    "norm": {"norm": True},
     "norm_residual": {"norm": True, "residual": True},
     "norm_residual_act": {"norm": True, "residual": True, "act": "silu_and_mul"},
     "act_bias_fp32_out": {"bias": True, "act": "silu_and_mul", "out_dtype": torch.float32},
     "norm_residual_act_pairs": {"norm": True, "residual": True, "act": "silu_and_mul_pairs"},
-    "act_pairs_bias_fp32_out": {"bias": True, "act": "silu_and_mul_pairs",
-                                "out_dtype": torch.float32},
+    "act_pairs_bias_fp32_out": {"bias": True, "act": "silu_and_mul_pairs", "out_dtype": torch.float32},
 }
 
 
 def skinny_case(m, n, k, dtype, spec, seed=11):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     kw = {"act": spec.get("act"), "out_dtype": spec.get("out_dtype")}
     if spec.get("bias"):
         kw["bias"] = torch.randn(n, generator=g).to(dtype)
@@ -62,15 +63,20 @@ def test_skinny_linear_dot(case, m, dtype):
 # W tiles loaded in the loop, register double-buffered, or the first one peeled (as
 # before a PDL wait)
 @pytest.mark.parametrize("w_tiles", ["loop", "prefetch", "preload", "preload2"])
-@pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out",
-                                  "norm_residual_act_pairs"])
+@pytest.mark.parametrize("case", ["plain", "norm_residual_act", "act_bias_fp32_out", "norm_residual_act_pairs"])
 # K=96: 32 divides it (no K mask), 64 leaves a tail, 128 is one masked chunk
 @pytest.mark.parametrize("block_k", [32, 64, 128])
 def test_skinny_linear_fma_batch_of_one(case, block_k, w_tiles):
     x, w, kw = skinny_case(1, 24, 96, torch.float32, SKINNY_CASES[case], seed=12)
-    cfg = dict(use_dot=False, block_n=8, block_k=block_k, num_warps=2, num_stages=1,
-               prefetch=w_tiles == "prefetch",
-               preload={"preload": 1, "preload2": 2}.get(w_tiles, 0))
+    cfg = dict(
+        use_dot=False,
+        block_n=8,
+        block_k=block_k,
+        num_warps=2,
+        num_stages=1,
+        prefetch=w_tiles == "prefetch",
+        preload={"preload": 1, "preload2": 2}.get(w_tiles, 0),
+    )
     y, new_res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, **TOL[torch.float32])
@@ -101,8 +107,7 @@ def test_skinny_peeled_second_chunk_past_k_is_skipped(case, m):
 def test_skinny_linear_dot_first_chunks_peeled(case, block_k, preload):
     # K=96: with 2 chunks peeled, 32 leaves a loop, 64 peels all, 128 has no second chunk
     x, w, kw = skinny_case(5, 40, 96, torch.bfloat16, SKINNY_CASES[case], seed=13)
-    cfg = dict(use_dot=True, block_n=16, block_k=block_k, num_warps=4, num_stages=2,
-               preload=preload)
+    cfg = dict(use_dot=True, block_n=16, block_k=block_k, num_warps=4, num_stages=2, preload=preload)
     y, new_res = sg.skinny_linear_triton(x, w, config=cfg, **kw)
     y_exp, res_exp = ref.skinny_linear_reference(x, w, **kw)
     torch.testing.assert_close(y, y_exp, atol=3e-2, rtol=3e-2)
@@ -114,8 +119,9 @@ def test_skinny_linear_dot_first_chunks_peeled(case, block_k, preload):
 def test_skinny_preload_rejects_bad_values(bad):
     x, w, kw = skinny_case(1, 8, 32, torch.float32, {}, seed=14)
     with pytest.raises(ValueError, match="preload must be one of"):
-        sg.skinny_linear_triton(x, w, config=dict(use_dot=False, block_n=8, block_k=32,
-                                                  num_warps=1, num_stages=1, preload=bad))
+        sg.skinny_linear_triton(
+            x, w, config=dict(use_dot=False, block_n=8, block_k=32, num_warps=1, num_stages=1, preload=bad)
+        )
 
 
 def test_skinny_config_selection_uses_cpu_shapes_only():

@@ -17,15 +17,18 @@ def _cfg(bm, bn, bk, split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,cfg", [
-    (20, 48, 64, _cfg(16, 16, 32, 1)),    # ragged M and N tiles, K in two chunks
-    (33, 40, 128, _cfg(32, 32, 32, 2)),   # split-K: two slices of two chunks, ragged N
-    (17, 64, 192, _cfg(16, 32, 16, 4)),   # four slices of three chunks
-])
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (20, 48, 64, _cfg(16, 16, 32, 1)),  # ragged M and N tiles, K in two chunks
+        (33, 40, 128, _cfg(32, 32, 32, 2)),  # split-K: two slices of two chunks, ragged N
+        (17, 64, 192, _cfg(16, 32, 16, 4)),  # four slices of three chunks
+    ],
+)
 def test_tile_gemm_matches_reference(dtype, m, n, k, cfg):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     y = tile_gemm.tile_linear_triton(x, w, cfg)
     y_ref = tile_gemm.tile_linear_reference(x, w)
     assert y.shape == (m, n) and y.dtype == dtype
@@ -45,8 +48,7 @@ def test_tile_gemm_float32_logits_are_rounded_then_widened(split):
     assert y.dtype == torch.float32
     # every value is a bf16 value (rounded before widening), as linear(...).to(float32) gives
     assert torch.equal(y, y.to(torch.bfloat16).float())
-    torch.testing.assert_close(y, tile_gemm.tile_linear_reference(x, w, torch.float32),
-                               atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(y, tile_gemm.tile_linear_reference(x, w, torch.float32), atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -110,7 +112,7 @@ def test_tile_gemm_fp16_rounding_points_are_the_unfused_ops(split):
     assert torch.equal(new_res, res_exp)
     # the sum of squares may reduce in another order: at most one rounding apart, rarely
     diff = (out.float() - out_exp.float()).abs()
-    ulp = torch.finfo(torch.float16).eps * out_exp.float().abs().clamp_min(2 ** -14)
+    ulp = torch.finfo(torch.float16).eps * out_exp.float().abs().clamp_min(2**-14)
     assert bool((diff <= ulp).all()) and int((diff > 0).sum()) <= out.numel() // 100
 
 
@@ -119,8 +121,7 @@ def test_tile_gemm_every_output_tile_written():
     x = torch.eye(40, 96)[:, :96] + torch.arange(96.0)[None, :] / 96
     w = torch.randn(72, 96, generator=torch.Generator().manual_seed(5))
     for cfg in (_cfg(16, 16, 16, 1), _cfg(16, 32, 16, 3), _cfg(32, 16, 32, 3)):
-        torch.testing.assert_close(tile_gemm.tile_linear_triton(x, w, cfg), x @ w.T,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tile_gemm.tile_linear_triton(x, w, cfg), x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_tile_gemm_bad_config():
@@ -132,15 +133,26 @@ def test_tile_gemm_bad_config():
     with pytest.raises(ValueError, match="unknown activation"):
         tile_gemm.tile_linear_triton(x, w, _cfg(16, 16, 32, 1), act="silu_and_mul")
     with pytest.raises(ValueError, match="even N"):
-        tile_gemm.tile_linear_triton(x, torch.randn(15, 64), _cfg(16, 16, 32, 1),
-                                     act="silu_and_mul_pairs")
+        tile_gemm.tile_linear_triton(x, torch.randn(15, 64), _cfg(16, 16, 32, 1), act="silu_and_mul_pairs")
     with pytest.raises(ValueError, match="positive int 'split_k'"):
         tile_gemm.tile_linear_triton(x, w, dict(_cfg(16, 16, 32, 1), split_k=0))
 
 
 def test_tile_gemm_m_classes():
     assert [tile_gemm.m_class(m) for m in (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257)] == [
-        None, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256, None]
+        None,
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+        128,
+        256,
+        256,
+        None,
+    ]
     assert [tile_gemm.smallest_rows(c) for c in tile_gemm.M_CLASSES] == [2, 17, 33, 65, 129]
 
 
@@ -153,14 +165,13 @@ def test_tile_gemm_tuning_selects_per_class_and_shape(tmp_path):
     cfg = _cfg(64, 32, 64, 2)
     path = tmp_path / "t.json"
     small = _cfg(16, 32, 64, 4)
-    path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None,
-                                            "m16|1024x2048": small}}))
+    path.write_text(json.dumps({"entries": {"m64|1024x2048": cfg, "m128|1024x2048": None, "m16|1024x2048": small}}))
     table = build_kernel_settings(KernelConfig(tile_gemm_tuning=str(path))).tile_table
-    assert tile_gemm.select_config(40, 1024, 2048, table=table) == cfg     # class 64
-    assert tile_gemm.select_config(100, 1024, 2048, table=table) is None   # null: cuBLAS won
-    assert tile_gemm.select_config(40, 2048, 1024, table=table) is None    # no entry for the shape
-    assert tile_gemm.select_config(8, 1024, 2048, table=table) == small    # class 16: 2-16 rows
-    assert tile_gemm.select_config(1, 1024, 2048, table=table) is None     # batch 1: the GEMV's
+    assert tile_gemm.select_config(40, 1024, 2048, table=table) == cfg  # class 64
+    assert tile_gemm.select_config(100, 1024, 2048, table=table) is None  # null: cuBLAS won
+    assert tile_gemm.select_config(40, 2048, 1024, table=table) is None  # no entry for the shape
+    assert tile_gemm.select_config(8, 1024, 2048, table=table) == small  # class 16: 2-16 rows
+    assert tile_gemm.select_config(1, 1024, 2048, table=table) is None  # batch 1: the GEMV's
     off = build_kernel_settings(KernelConfig(tile_gemm=False)).tile_table  # cuBLAS everywhere
     assert off == {} and tile_gemm.select_config(40, 1024, 2048, table=off) is None
 
@@ -193,24 +204,39 @@ def test_tuning_table_keeps_only_clear_wins():
     cfg = dict(_cfg(32, 64, 64, 4), us=1.0)
     rows = [
         {"shape": "a", "m": 32, "n": 1024, "k": 2048, "cublas_us": 2.0, "best": cfg},
-        {"shape": "b", "m": 128, "n": 1024, "k": 2048, "cublas_us": 1.0 * WIN_MARGIN,
-         "best": cfg},  # only as fast as the margin: cuBLAS stays
+        {
+            "shape": "b",
+            "m": 128,
+            "n": 1024,
+            "k": 2048,
+            "cublas_us": 1.0 * WIN_MARGIN,
+            "best": cfg,
+        },  # only as fast as the margin: cuBLAS stays
         {"shape": "c", "m": 48, "n": 1024, "k": 2048, "cublas_us": 9.0, "best": cfg},  # no class
-        {"shape": "d", "m": 256, "n": 4096, "k": 1024, "cublas_us": 5.0, "best": None,
-         "add_norm": {"cublas_norm_us": 9.0, "best": cfg}},
+        {
+            "shape": "d",
+            "m": 256,
+            "n": 4096,
+            "k": 1024,
+            "cublas_us": 5.0,
+            "best": None,
+            "add_norm": {"cublas_norm_us": 9.0, "best": cfg},
+        },
     ]
     entries = tuning_table(rows, device="test")["entries"]
-    assert entries == {"m32|1024x2048": _cfg(32, 64, 64, 4), "m128|1024x2048": None,
-                       "m256|4096x1024": None, "add_norm|m256|4096x1024": _cfg(32, 64, 64, 4)}
+    assert entries == {
+        "m32|1024x2048": _cfg(32, 64, 64, 4),
+        "m128|1024x2048": None,
+        "m256|4096x1024": None,
+        "add_norm|m256|4096x1024": _cfg(32, 64, 64, 4),
+    }
     assert tile_gemm.tuning_key(256, 4096, 1024, "add_norm") == "add_norm|m256|4096x1024"
 
 
-
-
-@pytest.mark.parametrize("rows,entry,want", [(8, True, "tile"), (8, False, "skinny"),
-                                             (1, True, "skinny"), (16, True, "tile")])
-def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monkeypatch, rows,
-                                                                 entry, want):
+@pytest.mark.parametrize(
+    "rows,entry,want", [(8, True, "tile"), (8, False, "skinny"), (1, True, "skinny"), (16, True, "tile")]
+)
+def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monkeypatch, rows, entry, want):
     """At 2-16 rows a tile-table entry for the shape wins over the skinny GEMM's config; batch 1
     and shapes without an entry keep the skinny path. The chosen kernel really runs (interpreter)
     and matches the reference."""
@@ -224,12 +250,10 @@ def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monke
 
     from kernels import settings
 
-    monkeypatch.setattr(settings, "_installed",
-                        replace(settings.current(), tile_table=tile_gemm.load_table(str(path))))
+    monkeypatch.setattr(settings, "_installed", replace(settings.current(), tile_table=tile_gemm.load_table(str(path))))
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     took = []
-    for mod, name, tag in ((skinny_gemm, "skinny_linear_triton", "skinny"),
-                           (tile_gemm, "tile_linear_triton", "tile")):
+    for mod, name, tag in ((skinny_gemm, "skinny_linear_triton", "skinny"), (tile_gemm, "tile_linear_triton", "tile")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _t=tag, **k: took.append(_t) or _r(*a, **k))
     g = torch.Generator().manual_seed(rows)
@@ -237,8 +261,7 @@ def test_linear_prefers_a_16_row_tile_entry_over_the_skinny_gemm(tmp_path, monke
     w = (torch.randn(64, 128, generator=g) / 8).to(torch.bfloat16)
     y, _ = ops.linear(x, w)
     assert took == [want]
-    torch.testing.assert_close(y.float(), reference.skinny_linear_reference(x, w)[0].float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y.float(), reference.skinny_linear_reference(x, w)[0].float(), atol=2e-2, rtol=2e-2)
 
 
 delegate_all(globals(), __file__)

@@ -32,12 +32,7 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
     """Module -> the project modules it imports (``from a import b`` names module ``a.b``
     where that is a module, else ``a``)."""
-    files = {
-        _module_name(root, p): p
-        for pkg in packages
-        if (root / pkg).is_dir()
-        for p in (root / pkg).rglob("*.py")
-    }
+    files = {_module_name(root, p): p for pkg in packages if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -52,14 +47,9 @@ def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = mod.split(".")[
-                        : len(mod.split(".")) - node.level + (1 if is_pkg else 0)
-                    ]
+                    anchor = mod.split(".")[: len(mod.split(".")) - node.level + (1 if is_pkg else 0)]
                     base = ".".join(anchor + ([base] if base else []))
-                names = [
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
-                    for a in node.names
-                ]
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
                 continue
             for name in names:
@@ -143,9 +133,7 @@ def test_the_checks_see_cycles_and_back_arrows(tmp_path):
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("")
     (tmp_path / "kernels" / "ops.py").write_text("from kernels import leaf\n")
-    (tmp_path / "kernels" / "leaf.py").write_text(
-        "def f():\n    from . import ops\n    from workers.x import y\n"
-    )
+    (tmp_path / "kernels" / "leaf.py").write_text("def f():\n    from . import ops\n    from workers.x import y\n")
     (tmp_path / "workers").mkdir()
     (tmp_path / "workers" / "__init__.py").write_text("")
     (tmp_path / "workers" / "x.py").write_text(

@@ -1,6 +1,6 @@
 """Output processing leaves the path from a result to the next plan (async scheduling).
 
-The real ``EngineCore`` over the simulated worker of ``tests/test_scheduler.py``; an
+The real ``EngineCore`` over the simulated worker of ``tests/sim_worker.py``; an
 ordering log records when plans are submitted, results collected and outputs built.
 Under async scheduling the next plan goes out between a result's collection and its
 outputs; a request that hits a stop string may have that one extra step scheduled,
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from cluster import SamplingParams
-from tests import test_scheduler
-from tests.test_scheduler import reference
+from tests import sim_worker
+from tests.sim_worker import reference
 
-fake_model_dir = test_scheduler.fake_model_dir  # the simulated worker's fixtures
-make_engine = test_scheduler.make_engine
+fake_model_dir = sim_worker.fake_model_dir  # the simulated worker's fixtures
+make_engine = sim_worker.make_engine
 
 
 def _log_events(engine) -> list[tuple]:
@@ -26,8 +26,15 @@ def _log_events(engine) -> list[tuple]:
     submit, collect, process = ex.submit, ex.collect, outputs.process
 
     def logged_submit(plan):
-        log.append(("submit", plan.step_id, [r.handle for r in plan.rows], list(plan.finished_handles),
-                    [n.handle for n in plan.new_requests]))
+        log.append(
+            (
+                "submit",
+                plan.step_id,
+                [r.handle for r in plan.rows],
+                list(plan.finished_handles),
+                [n.handle for n in plan.new_requests],
+            )
+        )
         return submit(plan)
 
     def logged_collect(refs):
@@ -50,18 +57,25 @@ def _windows(log):
     for i, ev in enumerate(log):
         if ev[0] == "collect":
             j = next(k for k in range(i + 1, len(log)) if log[k][0] == "outputs")
-            out.append((ev[1], [e for e in log[i + 1:j] if e[0] == "submit"], log[j][1]))
+            out.append((ev[1], [e for e in log[i + 1 : j] if e[0] == "submit"], log[j][1]))
     return out
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_the_next_plan_is_sent_before_outputs_are_built(make_engine, async_scheduling):
-    engine = make_engine(async_scheduling=async_scheduling, block_size=4, num_kv_blocks=64,
-                         max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64)
+    engine = make_engine(
+        async_scheduling=async_scheduling,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=64,
+    )
     log = _log_events(engine)
     for i in range(3):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [5 + i, 6, 7]},
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", {"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
     while engine.has_unfinished():
         engine.step()
     windows = _windows(log)
@@ -73,16 +87,16 @@ def test_the_next_plan_is_sent_before_outputs_are_built(make_engine, async_sched
     # before its own outputs are built
     sent = [(n, [s[1] for s in subs]) for n, subs, _ in windows]
     assert all(ids == [n + 3] for n, ids in sent[:5]), sent
-    assert all(e[0] != "submit" or e[1] <= 3 for e in log[:log.index(("collect", 1))])
+    assert all(e[0] != "submit" or e[1] <= 3 for e in log[: log.index(("collect", 1))])
 
 
 def test_a_stop_string_under_async_scheduling_ends_the_request_exactly(make_engine):
-    cfg = {"block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 8,
-           "max_model_len": 64}
+    cfg = {"block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 8, "max_model_len": 64}
     engine = make_engine(async_scheduling=True, **cfg)
     probe = make_engine(async_scheduling=False, **cfg)  # to pick a stop string that occurs
-    probe.add_request("p", {"prompt_token_ids": [9, 10, 11]},
-                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    probe.add_request(
+        "p", {"prompt_token_ids": [9, 10, 11]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     while probe.has_unfinished():
         probe.step()
     words = probe.output("p").outputs[0].text.split()
@@ -90,8 +104,9 @@ def test_a_stop_string_under_async_scheduling_ends_the_request_exactly(make_engi
     log = _log_events(engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
     engine.add_request("s", {"prompt_token_ids": [9, 10, 11]}, params)
-    engine.add_request("t", {"prompt_token_ids": [12, 13]}, SamplingParams(temperature=0, max_tokens=12,
-                                                                            ignore_eos=True))
+    engine.add_request(
+        "t", {"prompt_token_ids": [12, 13]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     req = engine.groups["s"][0]
     handle = req.handle if req.handle > 0 else None
     streamed = ""
@@ -101,8 +116,9 @@ def test_a_stop_string_under_async_scheduling_ends_the_request_exactly(make_engi
                 streamed += d.text
     out = engine.output("s").outputs[0]
     blocks = engine.scheduler.blocks
-    exp_ids, exp_text, exp_reason, exp_stop = reference(engine.tokenizer, req, engine.max_model_len,
-                                                        blocks.num_blocks * blocks.block_size)
+    exp_ids, exp_text, exp_reason, exp_stop = reference(
+        engine.tokenizer, req, engine.max_model_len, blocks.num_blocks * blocks.block_size
+    )
     assert exp_reason == "stop" and exp_stop == stop and len(exp_ids) < 12
     assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (exp_ids, exp_text, "stop", stop)
     assert streamed == out.text
@@ -110,15 +126,21 @@ def test_a_stop_string_under_async_scheduling_ends_the_request_exactly(make_engi
     assert not engine.scheduler.by_handle and not engine.in_flight
     # the result whose outputs found the stop string: the plan sent before them still ran it,
     # and a later plan released its row
-    (n, subs, _), = [w for w in _windows(log) if any(d.request_id == "s" and d.stop_reason == stop for d in w[2])]
+    ((n, subs, _),) = [w for w in _windows(log) if any(d.request_id == "s" and d.stop_reason == stop for d in w[2])]
     handle = handle or next(e[4][0] for e in log if e[0] == "submit" and e[4])
     assert subs and handle in subs[0][2]
-    assert any(e[0] == "submit" and handle in e[3] for e in log[log.index(("collect", n)):])
+    assert any(e[0] == "submit" and handle in e[3] for e in log[log.index(("collect", n)) :])
 
 
 def test_requests_arriving_mid_step_join_the_plan_sent_before_outputs(make_engine):
-    engine = make_engine(async_scheduling=True, block_size=4, num_kv_blocks=64, max_num_batched_tokens=32,
-                         max_num_seqs=8, max_model_len=64)
+    engine = make_engine(
+        async_scheduling=True,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=64,
+    )
     log = _log_events(engine)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, greedy)
@@ -133,8 +155,9 @@ def test_requests_arriving_mid_step_join_the_plan_sent_before_outputs(make_engin
     engine.intake = intake
     engine.step()
     new = [e for e in log if e[0] == "submit" and e[4]]
-    assert len(new) == 2 and log.index(new[1]) < next(i for i, e in enumerate(log) if e[0] == "outputs"
-                                                        and i > arrived[0])
+    assert len(new) == 2 and log.index(new[1]) < next(
+        i for i, e in enumerate(log) if e[0] == "outputs" and i > arrived[0]
+    )
     engine.intake = None
     while engine.has_unfinished():
         engine.step()
@@ -150,15 +173,23 @@ def test_the_server_loop_takes_only_leading_additions_mid_step(make_engine):
 
     from cluster.async_engine import AsyncEngine
 
-    engine = make_engine(async_scheduling=True, block_size=4, num_kv_blocks=64, max_num_batched_tokens=32,
-                         max_num_seqs=8, max_model_len=64)
+    engine = make_engine(
+        async_scheduling=True,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=64,
+    )
     server = AsyncEngine(engine.cfg)
     server.loop = asyncio.new_event_loop()
     try:
         greedy = SamplingParams(temperature=0, max_tokens=2)
-        cmds = [("add", "a", {"prompt_token_ids": [5, 6]}, greedy, None, server.loop.create_future()),
-                ("abort", "a"),
-                ("add", "b", {"prompt_token_ids": [7, 8]}, greedy, None, server.loop.create_future())]
+        cmds = [
+            ("add", "a", {"prompt_token_ids": [5, 6]}, greedy, None, server.loop.create_future()),
+            ("abort", "a"),
+            ("add", "b", {"prompt_token_ids": [7, 8]}, greedy, None, server.loop.create_future()),
+        ]
         for c in cmds:
             server._cmds.put(c)
         server._intake(engine)
@@ -211,13 +242,20 @@ def test_a_stop_string_inside_accepted_drafts_truncates_the_request(fake_model_d
     from metadata.wire import SampledRow, StepResult
 
     tok = AutoTokenizer.from_pretrained(fake_model_dir)
-    cfg = EngineConfig.from_options(block_size=4, num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=4,
-                                    max_model_len=64, speculative_method="ngram", num_speculative_tokens=3,
-                                    enable_prefix_caching=True)
+    cfg = EngineConfig.from_options(
+        block_size=4,
+        num_kv_blocks=32,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=64,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        enable_prefix_caching=True,
+    )
     sched, outputs = Scheduler(cfg, 32, 64), OutputProcessor(tok)
     (req,) = InputProcessor(tok, (1,), 64, 64, 64, True, 0).make_requests(
-        "a", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=20, stop=["w31 w32"]),
-        1 << 20)
+        "a", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=20, stop=["w31 w32"]), 1 << 20
+    )
     outputs.add(req)
     sched.add(req)
     step = sched.schedule()

@@ -26,10 +26,19 @@ def _weights(layers: int, g: torch.Generator):
     def r(*shape, scale):
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
-    return [dict(qkv=r((HQ + 2 * HKV) * D, H, scale=H ** -0.5), o=r(H, HQ * D, scale=(HQ * D) ** -0.5),
-                 gate_up=r(2 * INTER, H, scale=H ** -0.5), down=r(H, INTER, scale=INTER ** -0.5),
-                 n1=1 + r(H, scale=0.1), n2=1 + r(H, scale=0.1),
-                 qn=1 + r(D, scale=0.1), kn=1 + r(D, scale=0.1)) for _ in range(layers)]
+    return [
+        dict(
+            qkv=r((HQ + 2 * HKV) * D, H, scale=H**-0.5),
+            o=r(H, HQ * D, scale=(HQ * D) ** -0.5),
+            gate_up=r(2 * INTER, H, scale=H**-0.5),
+            down=r(H, INTER, scale=INTER**-0.5),
+            n1=1 + r(H, scale=0.1),
+            n2=1 + r(H, scale=0.1),
+            qn=1 + r(D, scale=0.1),
+            kn=1 + r(D, scale=0.1),
+        )
+        for _ in range(layers)
+    ]
 
 
 def _chain(x, ws, st):
@@ -43,12 +52,30 @@ def _chain(x, ws, st):
         k = qkv[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D)
         v = qkv[:, (HQ + HKV) * D :].view(t, HKV, D)
         kc, vc = st["kv"][li]
-        o = ops.rope_and_attention(st["pos"], q, k, v, st["cos_sin"], kc, vc, st["slots"],
-                                   st["bt"], st["seq_lens"], st["qsl"], st["qsl_cpu"], 1,
-                                   st["bound"], D ** -0.5, w["qn"], w["kn"], 1e-6)
+        o = ops.rope_and_attention(
+            st["pos"],
+            q,
+            k,
+            v,
+            st["cos_sin"],
+            kc,
+            vc,
+            st["slots"],
+            st["bt"],
+            st["seq_lens"],
+            st["qsl"],
+            st["qsl_cpu"],
+            1,
+            st["bound"],
+            D**-0.5,
+            w["qn"],
+            w["kn"],
+            1e-6,
+        )
         h = ops.linear(o.reshape(t, HQ * D), w["o"])[0]
-        act, residual = ops.linear(h, w["gate_up"], residual=residual, norm_weight=w["n2"],
-                                   eps=1e-6, act="silu_and_mul")
+        act, residual = ops.linear(
+            h, w["gate_up"], residual=residual, norm_weight=w["n2"], eps=1e-6, act="silu_and_mul"
+        )
         h = ops.linear(act, w["down"])[0]
     return h
 
@@ -74,15 +101,27 @@ def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeyp
     seq = torch.randint(bound // 2, bound, (batch,), generator=g, device="cuda", dtype=torch.int32)
     bt = torch.arange(batch * blocks_per, device="cuda", dtype=torch.int32).view(batch, blocks_per)
     pos = (seq - 1).long()
-    slots = (bt.gather(1, (pos // BS).view(-1, 1).int()).view(-1).long() * BS + pos % BS)
+    slots = bt.gather(1, (pos // BS).view(-1, 1).int()).view(-1).long() * BS + pos % BS
     qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
     from workers.models.rope import cos_sin_cache
 
-    st = dict(pos=pos, slots=slots, bt=bt, seq_lens=seq, qsl=qsl_cpu.cuda(), qsl_cpu=qsl_cpu,
-              bound=bound, cos_sin=cos_sin_cache(D, 2 * bound, 1e6, None, torch.float32).cuda())
-    kv0 = [(torch.randn(num_blocks, BS, HKV, D, generator=g, device="cuda").to(torch.bfloat16),
-            torch.randn(num_blocks, BS, HKV, D, generator=g, device="cuda").to(torch.bfloat16))
-           for _ in range(layers)]
+    st = dict(
+        pos=pos,
+        slots=slots,
+        bt=bt,
+        seq_lens=seq,
+        qsl=qsl_cpu.cuda(),
+        qsl_cpu=qsl_cpu,
+        bound=bound,
+        cos_sin=cos_sin_cache(D, 2 * bound, 1e6, None, torch.float32).cuda(),
+    )
+    kv0 = [
+        (
+            torch.randn(num_blocks, BS, HKV, D, generator=g, device="cuda").to(torch.bfloat16),
+            torch.randn(num_blocks, BS, HKV, D, generator=g, device="cuda").to(torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
     x = torch.randn(batch, H, generator=g, device="cuda").to(torch.bfloat16)
 
     use_kernel_settings(monkeypatch, pdl="off")

@@ -18,8 +18,9 @@ from workers.pipeline import stage_layers
 
 MAX_NEW = 8
 BLOCK = 8
-COMMON = dict(block_size=BLOCK, max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64,
-              worker_start_timeout_s=90.0)
+COMMON = dict(
+    block_size=BLOCK, max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64, worker_start_timeout_s=90.0
+)
 
 
 def _prompts() -> list[list[int]]:
@@ -28,7 +29,8 @@ def _prompts() -> list[list[int]]:
     rng = random.Random(11)
     shared = [rng.randrange(3, 256) for _ in range(2 * BLOCK)]
     return [shared + [rng.randrange(3, 256) for _ in range(n)] for n in (3, 9)] + [
-        [rng.randrange(3, 256) for _ in range(n)] for n in (45, 1, 6)]
+        [rng.randrange(3, 256) for _ in range(n)] for n in (45, 1, 6)
+    ]
 
 
 PROMPTS = _prompts()
@@ -50,8 +52,9 @@ def three_nodes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": True, "dashboard_port": port})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_port": port}
+    )
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2)
@@ -91,8 +94,13 @@ def _run(model, prompts, rounds: int = 1, **options) -> dict:
         ex = eng.executor
         stats = ray.get([w.stats.remote() for w in ex.workers], timeout=60)
         actor_nodes = _alive_worker_nodes(ray.get_runtime_context().gcs_address, {i["pid"] for i in ex.info})
-        return {"tokens": tokens, "info": ex.info, "stats": stats, "actor_nodes": actor_nodes,
-                "prefix": eng.scheduler.prefix_cache_stats()}
+        return {
+            "tokens": tokens,
+            "info": ex.info,
+            "stats": stats,
+            "actor_nodes": actor_nodes,
+            "prefix": eng.scheduler.prefix_cache_stats(),
+        }
     finally:
         llm.shutdown()
 
@@ -109,7 +117,7 @@ def _by_stage(run: dict, tp: int) -> list[set[str]]:
     """Node ids of each stage's ranks, from the state API (ranks are stage * tp + tp_rank)."""
     nodes = [run["actor_nodes"][i["pid"]] for i in sorted(run["info"], key=lambda i: i["rank"])]
     assert len(nodes) == len(run["info"]), run
-    return [set(nodes[s * tp:(s + 1) * tp]) for s in range(len(nodes) // tp)]
+    return [set(nodes[s * tp : (s + 1) * tp]) for s in range(len(nodes) // tp)]
 
 
 def test_pp2_stages_on_distinct_nodes_equal_one_worker(model, one_worker):
@@ -142,8 +150,15 @@ def test_uneven_split_async_sync_check_and_prefix_cache(model, one_worker):
     """Stage 0 runs 3 layers, stage 1 one; async scheduling keeps P + 2 plans queued; the sync
     check is armed in every step of every rank (a no-op for gloo on the CPU, but the same
     path); the second round hits the prefix cache the first filled."""
-    run = _run(model, PROMPTS, rounds=2, pipeline_parallel_size=2, pipeline_layer_split=[3, 1],
-               async_scheduling=True, sync_check="error")
+    run = _run(
+        model,
+        PROMPTS,
+        rounds=2,
+        pipeline_parallel_size=2,
+        pipeline_layer_split=[3, 1],
+        async_scheduling=True,
+        sync_check="error",
+    )
     assert run["tokens"] == one_worker
     assert [s["pp_layers"] for s in run["stats"]] == [[0, 3], [3, 4]]
     assert [s["num_layers"] for s in run["stats"]] == [3, 1]
@@ -167,12 +182,16 @@ def test_layer_split_must_fit_the_model(three_nodes, model):
         LLM(model=str(model), pipeline_parallel_size=5, **COMMON)
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(speculative_method="ngram"), "speculative_method='ngram' with pipeline_parallel_size=2 is not supported"),
-    (dict(speculative_method="draft_model", speculative_model="/x"), "accepted count, which only the last stage"),
-    (dict(pipeline_layer_split=[4]), r"pipeline_layer_split \[4\] has 1 entries; it needs one per pipeline stage"),
-    (dict(pipeline_layer_split=[0, 4]), "every stage needs at least one layer"),
-], ids=["ngram", "draft", "split-length", "split-empty-stage"])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(speculative_method="ngram"), "speculative_method='ngram' with pipeline_parallel_size=2 is not supported"),
+        (dict(speculative_method="draft_model", speculative_model="/x"), "accepted count, which only the last stage"),
+        (dict(pipeline_layer_split=[4]), r"pipeline_layer_split \[4\] has 1 entries; it needs one per pipeline stage"),
+        (dict(pipeline_layer_split=[0, 4]), "every stage needs at least one layer"),
+    ],
+    ids=["ngram", "draft", "split-length", "split-empty-stage"],
+)
 def test_refused_combinations(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_options(pipeline_parallel_size=2, **options)

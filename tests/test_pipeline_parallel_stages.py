@@ -18,15 +18,18 @@ BS = 8
 GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
 
 
-def chained_vs_whole(ckpt, split: list[int], device: torch.device, dtype: torch.dtype,
-                     prompt_len: int = 13) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def chained_vs_whole(
+    ckpt, split: list[int], device: torch.device, dtype: torch.dtype, prompt_len: int = 13
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(whole-model logits, chained-stages logits) of a prefill and the decode step after it."""
     from workers import kv_cache
 
     whole, arch = load_model(ckpt, SINGLE, dtype, device, 128)
     bounds = stage_layers(arch.num_layers, len(split), split)
-    stages = [load_model(ckpt, SINGLE, dtype, device, 128, stage=PipelineStage(i, len(split), a, b))[0]
-              for i, (a, b) in enumerate(bounds)]
+    stages = [
+        load_model(ckpt, SINGLE, dtype, device, 128, stage=PipelineStage(i, len(split), a, b))[0]
+        for i, (a, b) in enumerate(bounds)
+    ]
     assert [len(s.layers) for s in stages] == split
     assert stages[0].lm_head is None and stages[-1].embed_tokens is None
     kv_heads = whole.layers[0].self_attn.num_kv_heads
@@ -38,9 +41,14 @@ def chained_vs_whole(ckpt, split: list[int], device: torch.device, dtype: torch.
     st = DeviceState(4, 64, 8, arch.vocab_size, device)
     prompt = [3 + (7 * i) % (arch.vocab_size - 3) for i in range(prompt_len)]
     n_blocks = -(-(prompt_len + 1) // BS)
-    plans = [StepPlan(step_id=1, new_requests=[NewRequest(0, prompt, [], GREEDY, list(range(n_blocks)))],
-                      rows=[ScheduledRow(0, prompt_len, prompt_len, [], True)]),
-             StepPlan(step_id=2, rows=[ScheduledRow(0, 1, prompt_len + 1, [], True)])]
+    plans = [
+        StepPlan(
+            step_id=1,
+            new_requests=[NewRequest(0, prompt, [], GREEDY, list(range(n_blocks)))],
+            rows=[ScheduledRow(0, prompt_len, prompt_len, [], True)],
+        ),
+        StepPlan(step_id=2, rows=[ScheduledRow(0, 1, prompt_len + 1, [], True)]),
+    ]
     out = []
     with torch.inference_mode():
         for plan in plans:
@@ -59,11 +67,15 @@ def chained_vs_whole(ckpt, split: list[int], device: torch.device, dtype: torch.
     return out
 
 
-@pytest.mark.parametrize("arch,kw,split", [
-    ("llama", {}, [2, 2]),
-    ("qwen2", {"tie_word_embeddings": True, "kv_heads": 1}, [1, 3]),  # the last stage's own head
-    ("qwen3", {}, [1, 2, 1]),  # a middle stage with neither embedding nor head
-], ids=["llama-even", "qwen2-tied-uneven", "qwen3-three-stages"])
+@pytest.mark.parametrize(
+    "arch,kw,split",
+    [
+        ("llama", {}, [2, 2]),
+        ("qwen2", {"tie_word_embeddings": True, "kv_heads": 1}, [1, 3]),  # the last stage's own head
+        ("qwen3", {}, [1, 2, 1]),  # a middle stage with neither embedding nor head
+    ],
+    ids=["llama-even", "qwen2-tied-uneven", "qwen3-three-stages"],
+)
 def test_chained_stages_equal_the_whole_model(ckpt_dir, arch, kw, split):
     ckpt = ckpt_dir(arch, layers=4, **kw)
     for ref, got in chained_vs_whole(ckpt, split, torch.device("cpu"), torch.float32):
@@ -71,7 +83,8 @@ def test_chained_stages_equal_the_whole_model(ckpt_dir, arch, kw, split):
 
 
 def test_a_later_stage_needs_the_previous_hidden_states(ckpt_dir):
-    model, _ = load_model(ckpt_dir("llama", layers=4), SINGLE, torch.float32, torch.device("cpu"), 64,
-                          stage=PipelineStage(1, 2, 2, 4))
+    model, _ = load_model(
+        ckpt_dir("llama", layers=4), SINGLE, torch.float32, torch.device("cpu"), 64, stage=PipelineStage(1, 2, 2, 4)
+    )
     with pytest.raises(ValueError, match="pipeline stage 1 needs the previous stage's hidden states"):
         model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None, [])

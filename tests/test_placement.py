@@ -32,11 +32,16 @@ def test_ranks_are_stable_by_node():
     # driver on nC: its stage gets ranks 0-1, then the others by IP (10.0.0.3 < 10.0.0.12)
     slots = assign_ranks(groups, ips, "nC", lay)
     assert [(s.rank, s.stage, s.tp_rank, s.node_id) for s in slots] == [
-        (0, 0, 0, "nC"), (1, 0, 1, "nC"), (2, 1, 0, "nB"), (3, 1, 1, "nB"), (4, 2, 0, "nA"), (5, 2, 1, "nA")]
+        (0, 0, 0, "nC"),
+        (1, 0, 1, "nC"),
+        (2, 1, 0, "nB"),
+        (3, 1, 1, "nB"),
+        (4, 2, 0, "nA"),
+        (5, 2, 1, "nA"),
+    ]
     # the same landing in a different creation order gives the same ranks per node
     again = assign_ranks([groups[2], groups[0], groups[1]], ips, "nC", lay)
-    assert [(s.rank, s.node_id, s.bundle_index) for s in again] == [(s.rank, s.node_id, s.bundle_index)
-                                                                       for s in slots]
+    assert [(s.rank, s.node_id, s.bundle_index) for s in again] == [(s.rank, s.node_id, s.bundle_index) for s in slots]
     # bundles keep index order inside a TP group
     assert [s.bundle_index for s in slots[:2]] == [0, 1]
     with pytest.raises(ValueError):
@@ -87,6 +92,5 @@ def test_engine_reports_missing_resources(ray_local, ckpt_dir):
 
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="tensor_parallel_size=32"):
-        LLM(model=str(ckpt_dir("llama")), tensor_parallel_size=32,
-            worker_start_timeout_s=1.0)
+        LLM(model=str(ckpt_dir("llama")), tensor_parallel_size=32, worker_start_timeout_s=1.0)
     assert time.monotonic() - t0 < 30

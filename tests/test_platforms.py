@@ -54,14 +54,21 @@ def test_cpu_sets_nothing():
     assert CpuPlatform().runtime_env_vars() == {}
 
 
-@pytest.mark.parametrize("platform,env,words", [
-    (CudaPlatform(), {**CUDA_OFF, "CUDA_VISIBLE_DEVICES": "0,1"}, ["CUDA_VISIBLE_DEVICES='0,1'", "GPU 3"]),
-    (RocmPlatform(), {**HIP_OFF, "HIP_VISIBLE_DEVICES": "0"}, ["HIP_VISIBLE_DEVICES='0'", "GPU 3"]),
-    (RocmPlatform(), {**HIP_OFF, "ROCR_VISIBLE_DEVICES": "0,1"}, ["ROCR_VISIBLE_DEVICES='0,1'", "unset"]),
-    (CudaPlatform(), {}, ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "two parties"]),
-    (RocmPlatform(), {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"},
-     ["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"]),
-], ids=["cuda-excludes-assigned", "hip-excludes-assigned", "rocr-set", "cuda-ray-on", "hip-ray-on"])
+@pytest.mark.parametrize(
+    "platform,env,words",
+    [
+        (CudaPlatform(), {**CUDA_OFF, "CUDA_VISIBLE_DEVICES": "0,1"}, ["CUDA_VISIBLE_DEVICES='0,1'", "GPU 3"]),
+        (RocmPlatform(), {**HIP_OFF, "HIP_VISIBLE_DEVICES": "0"}, ["HIP_VISIBLE_DEVICES='0'", "GPU 3"]),
+        (RocmPlatform(), {**HIP_OFF, "ROCR_VISIBLE_DEVICES": "0,1"}, ["ROCR_VISIBLE_DEVICES='0,1'", "unset"]),
+        (CudaPlatform(), {}, ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "two parties"]),
+        (
+            RocmPlatform(),
+            {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"},
+            ["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"],
+        ),
+    ],
+    ids=["cuda-excludes-assigned", "hip-excludes-assigned", "rocr-set", "cuda-ray-on", "hip-ray-on"],
+)
 def test_conflicting_inherited_variables_are_reported(platform, env, words):
     with pytest.raises(DeviceVisibilityError) as e:
         platform.decide_visibility(["3"], env)
@@ -93,8 +100,11 @@ def test_selection_and_actor_env():
     # Ray's own visibility setting off for both GPU kinds; NVLink multicast off (mandatory)
     assert gpu["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
     assert gpu["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] == "1"
-    assert NVLS_OFF_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                            "NVSHMEM_DISABLE_NVLS": "1"}
+    assert NVLS_OFF_ENV == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     assert all(gpu[k] == v for k, v in NVLS_OFF_ENV.items())
     assert "CUDA_VISIBLE_DEVICES" not in gpu and "HIP_VISIBLE_DEVICES" not in gpu
     assert actor_env_vars("cpu") == {}
@@ -110,8 +120,11 @@ def test_cpu_actor_in_ray_sets_no_visibility(ray_local):
 
     from metadata.config import EngineConfig
 
-    a = ray.remote(WorkerActor).options(num_cpus=1).remote(
-        msgspec.msgpack.encode(EngineConfig()), "/nonexistent", 0, 1, 16, "cpu")
+    a = (
+        ray.remote(WorkerActor)
+        .options(num_cpus=1)
+        .remote(msgspec.msgpack.encode(EngineConfig()), "/nonexistent", 0, 1, 16, "cpu")
+    )
     try:
         info = ray.get(a.describe.remote(), timeout=60)
     finally:

@@ -1,6 +1,6 @@
 """Prefix caching without Ray: block hashes, the block pool, and the scheduler against a fake worker.
 
-The engine runs with an in-process fake worker (``tests/test_scheduler.py``'s, extended
+The engine runs with an in-process fake worker (``tests/sim_worker.py``'s, extended
 to honour cache hits and shared blocks) that executes a plan only when the driver
 collects its result, so between steps its KV store holds exactly what finished
 steps wrote. After every step each cached block's KV must equal a confirmed prefix
@@ -22,8 +22,16 @@ import pytest
 from cluster.block_manager import BlockManager
 from cluster.prefix_cache import HASH_ALGOS, BlockHasher, BlockPool, salt_key
 from cluster.request import Request
-from tests.test_scheduler import (CONFIGS, VOCAB, FakeExecutor, FakeWorker, check, fake_model_dir,  # noqa: F401
-                                  random_workload, run)
+from tests.sim_worker import (
+    CONFIGS,
+    VOCAB,
+    FakeExecutor,
+    FakeWorker,
+    check,
+    fake_model_dir,  # noqa: F401
+    random_workload,
+    run,
+)
 
 # ------------------------------------------------------------------ hashing
 HASH_SNIPPET = (
@@ -41,7 +49,7 @@ def _expected_hashes(algo: str, tokens: list[int], bs: int, salt: bytes) -> list
     out, parent = [], b""
     for j in range(len(tokens) // bs):
         extra = salt if j == 0 else b""
-        blk = tokens[j * bs:(j + 1) * bs]
+        blk = tokens[j * bs : (j + 1) * bs]
         data = bytes([len(parent)]) + parent + struct.pack("<I", len(extra)) + extra + struct.pack(f"<{bs}q", *blk)
         parent = digest(data)
         out.append(parent.hex())
@@ -57,8 +65,14 @@ def test_hashes_are_stable_across_processes_and_algorithms():
     assert len({h for hs in here.values() for h in hs}) == 12, "algorithms must give different hashes"
     for seed in ("0", "12345"):  # Python's own hash() is randomised per process: it must not matter
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
-        out = subprocess.run([sys.executable, "-c", HASH_SNIPPET], capture_output=True, text=True, env=env,
-                             cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent), check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", HASH_SNIPPET],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
+            check=True,
+        )
         there = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
         assert {a: v.split(",") for a, v in there.items()} == here
 
@@ -187,7 +201,7 @@ class CachingWorker(FakeWorker):
             self.holders[b].discard(handle)
 
     def execute(self, plan):
-        from tests.test_scheduler import Row
+        from tests.sim_worker import Row
 
         for h in plan.finished_handles + plan.preempted_handles:
             self._release(h)
@@ -199,7 +213,7 @@ class CachingWorker(FakeWorker):
                 assert self.kv[nr.block_ids[p // self.bs]][p % self.bs] == (tokens[p], p), "wrong cache hit"
             for b in nr.block_ids[: hit // self.bs]:
                 self.holders.setdefault(b, set()).add(nr.handle)
-            self._claim(nr.handle, nr.block_ids[hit // self.bs:])
+            self._claim(nr.handle, nr.block_ids[hit // self.bs :])
             self.rows[nr.handle] = Row(tokens, len(nr.prompt_token_ids), nr.sampling, list(nr.block_ids), hit)
         for sr in plan.rows:
             row = self.rows[sr.handle]
@@ -208,8 +222,9 @@ class CachingWorker(FakeWorker):
             for p in range(row.num_computed, row.num_computed + sr.num_scheduled_tokens):
                 b = blocks[p // self.bs]
                 assert b in sr.new_block_ids or self.holders[b] == {sr.handle}, f"KV written into shared block {b}"
-        return super().execute(msgspec.structs.replace(plan, new_requests=[], finished_handles=[],
-                                                       preempted_handles=[]))
+        return super().execute(
+            msgspec.structs.replace(plan, new_requests=[], finished_handles=[], preempted_handles=[])
+        )
 
 
 class DeferredExecutor(FakeExecutor):
@@ -240,7 +255,7 @@ def check_cache(engine) -> int:
         for r in reqs:
             toks = r.prompt_token_ids + r.output_token_ids  # confirmed tokens only
             for j, h in enumerate(blocks.hasher.chain(toks, bs, salt_key(r.params.cache_salt))):
-                expected[h] = [(t, j * bs + i) for i, t in enumerate(toks[j * bs:(j + 1) * bs])]
+                expected[h] = [(t, j * bs + i) for i, t in enumerate(toks[j * bs : (j + 1) * bs])]
     kv = engine.executor.worker.kv
     for b, h in blocks.pool.hash_of.items():
         assert h in expected, f"block {b} is cached under a hash of no confirmed token prefix"
@@ -296,8 +311,12 @@ def shared_prefix_workload(rng: random.Random, n: int, bs: int, max_prompt: int,
             prompt = sys_p + [rng.randrange(3, VOCAB) for _ in range(end)]
         prompt = prompt[:max_prompt]
         seen.append(prompt)
-        kw = dict(max_tokens=rng.choice([1, 2, 5, 9, None]), temperature=rng.choice([0.0, 0.0, 1.0]),
-                  seed=rng.randrange(1 << 20), cache_salt=rng.choice(salts))
+        kw = dict(
+            max_tokens=rng.choice([1, 2, 5, 9, None]),
+            temperature=rng.choice([0.0, 0.0, 1.0]),
+            seed=rng.randrange(1 << 20),
+            cache_salt=rng.choice(salts),
+        )
         if rng.random() < 0.3:
             kw["stop_token_ids"] = [rng.randrange(3, VOCAB)]
         if rng.random() < 0.2:
@@ -320,7 +339,11 @@ def test_workloads_with_prefix_caching_match_reference(make_engine, ci, async_sc
     for trial in range(4):
         rng = random.Random(100 * ci + trial)
         make = shared_prefix_workload if trial % 2 == 0 else random_workload
-        base = make(rng, 16, cfg["block_size"], max_prompt) if make is shared_prefix_workload else make(rng, 12, max_prompt)
+        base = (
+            make(rng, 16, cfg["block_size"], max_prompt)
+            if make is shared_prefix_workload
+            else make(rng, 12, max_prompt)
+        )
         reqs = [(f"t{trial}-{rid}", p, sp) for rid, p, sp in base]
         outs, streamed, toks, aborted = run(engine, reqs, rng, abort_p=0.05 if trial >= 2 else 0.0)
         check(engine, reqs, outs, streamed, toks, aborted)
@@ -403,16 +426,24 @@ def test_retention_interval(make_engine):
 # ------------------------------------------------------- metrics and API
 def test_metrics_and_api_fields():
     from cluster.metrics import ServerMetrics
-    from cluster.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_params,
-                                         completion_params, decode_request)
+    from cluster.openai_protocol import (
+        APIError,
+        ChatCompletionRequest,
+        CompletionRequest,
+        chat_params,
+        completion_params,
+        decode_request,
+    )
     from metadata.sampling_params import SamplingParams, SamplingParamsError
 
     m = ServerMetrics("m")
     m.update_engine({"prefix_cache": BlockManager(4, 4, True).stats() | {"queries": 200, "hits": 50, "hit_rate": 0.25}})
     text = m.render().decode()
-    for line in ('syncless:prefix_cache_queries_total{model_name="m"} 200.0',
-                 'syncless:prefix_cache_hits_total{model_name="m"} 50.0',
-                 'syncless:prefix_cache_hit_rate{model_name="m"} 0.25'):
+    for line in (
+        'syncless:prefix_cache_queries_total{model_name="m"} 200.0',
+        'syncless:prefix_cache_hits_total{model_name="m"} 50.0',
+        'syncless:prefix_cache_hit_rate{model_name="m"} 0.25',
+    ):
         assert line in text
     body = b'{"prompt": "w5 w6", "cache_salt": "tenant-1"}'
     assert completion_params(decode_request(body, CompletionRequest)).cache_salt == "tenant-1"

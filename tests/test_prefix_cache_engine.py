@@ -96,8 +96,9 @@ def test_async_stops_and_seeded_sampling_with_caching(engines, expected):
     """Requests that stop early while later steps are in flight leave only confirmed blocks
     cached: a later request sharing their prefix still gets exactly the reference."""
     on, off = engines["on-async"], engines["off-sync"]
-    stops = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[e[2]])
-             for e in expected]
+    stops = [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[e[2]]) for e in expected
+    ]
     got = _generate(on, PROMPTS, stops)
     assert got == [e[: e.index(e[2]) + 1] for e in expected]
     longer = [p + e[:6] for p, e in zip(PROMPTS, expected)]  # continues past the stopped outputs

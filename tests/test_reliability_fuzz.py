@@ -335,6 +335,29 @@ def test_grpc_every_field(server, grpc_channel, req, field):
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize("method,body", [
+    ("Generate", b"\xff\xff\xff\xff"),  # not protobuf
+    ("Generate", b"\x12\x80\x80\x80\x80\x10"),  # a length past the end
+    ("Generate", b"\x1a\x05\x08"),  # token_ids cut short
+    ("Abort", b"\x0a\xff"),
+    ("GetModelInfo", b"\x08"),
+])
+def test_grpc_malformed_bodies(server, grpc_channel, method, body):
+    md = [("authorization", f"Bearer {server.api_key}")]
+    path = f"/syncless.v1.Generation/{method}"
+    ident = (lambda b: b)  # noqa: E731 - raw bytes both ways
+    call = grpc_channel.unary_stream(path, request_serializer=ident, response_deserializer=ident) \
+        if method == "Generate" else grpc_channel.unary_unary(path, request_serializer=ident,
+                                                                response_deserializer=ident)
+    with pytest.raises(grpc.RpcError) as e:
+        out = call(body, metadata=md, timeout=30)
+        list(out) if method == "Generate" else out
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "not a valid syncless.v1." in e.value.details()
+    health = health_pb2_grpc.HealthStub(grpc_channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_still_serving_after_the_fuzz(server, client, reference):
     """Runs last in this module: the engine was not disturbed by anything above."""
     r = client.post(server.url + CMPL, json=REF)

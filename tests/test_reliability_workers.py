@@ -199,3 +199,46 @@ def test_cancelled_while_validating_is_forgotten(ray_local, serve_model):
             await eng.shutdown(1)
 
     asyncio.run(main())
+
+
+def test_failed_restarts_back_off_then_heal(ray_local, serve_model):
+    """In process: the idle engine notices its killed worker by itself, restarts that fail are
+    retried after 1 s, then 2 s, and the next that succeeds makes the engine healthy again."""
+    import cluster.async_engine as ae
+    from cluster.executor import EngineDeadError
+    from metadata.config import EngineConfig
+    from metadata.sampling_params import SamplingParams
+
+    cfg = EngineConfig.from_options(model=str(serve_model), max_model_len=128, num_kv_blocks=16, block_size=16)
+
+    async def main() -> None:
+        eng = ae.AsyncEngine(cfg)
+        await eng.start()
+        try:
+            ex = eng.core.executor
+            real, tries = ex.restart, []
+
+            def flaky_restart():
+                tries.append(time.monotonic())
+                if len(tries) <= 2:
+                    ex.shutdown()
+                    raise EngineDeadError("no resources for the workers (injected)")
+                real()
+
+            ex.restart = flaky_restart
+            (pid,) = [p["pid"] for p in ray_local.get([w.ping.remote() for w in ex.workers], timeout=30)]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (len(tries) < 3 or not eng.healthy) and time.monotonic() < deadline:
+                assert len(tries) >= 3 or not eng.healthy or not tries, "healthy while restarts fail"
+                await asyncio.sleep(0.05)
+            assert len(tries) == 3 and eng.healthy
+            gaps = [b - a for a, b in zip(tries, tries[1:])]
+            assert 0.9 <= gaps[0] < 1.8 and 1.9 <= gaps[1] < 3.0, gaps
+            out = await (await eng.add_request("after", {"prompt_token_ids": [5, 9]},
+                                               SamplingParams(max_tokens=3))).result()
+            assert len(out.outputs[0].token_ids) == 3
+        finally:
+            await eng.shutdown(1)
+
+    asyncio.run(main())

@@ -23,8 +23,20 @@ N = 40000  # rows (independent seeds) per statistical check
 
 
 # --------------------------------------------------------------------------- reference
-def ref_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, presence=0.0,
-              frequency=0.0, output_counts=None, prompt_mask=None, forbid=None) -> np.ndarray:
+def ref_probs(
+    logits,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    rep=1.0,
+    presence=0.0,
+    frequency=0.0,
+    output_counts=None,
+    prompt_mask=None,
+    forbid=None,
+) -> np.ndarray:
     """The processed next-token distribution, plain numpy (float64), HF/vLLM semantics."""
     x = np.asarray(logits, dtype=np.float64).copy()
     counts = np.zeros(len(x)) if output_counts is None else np.asarray(output_counts, dtype=np.float64)
@@ -61,8 +73,9 @@ def ref_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0
     return q
 
 
-def run_sampler(logits, n=N, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalties=None,
-                forbid=None, seed0=0, position=7) -> np.ndarray:
+def run_sampler(
+    logits, n=N, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalties=None, forbid=None, seed0=0, position=7
+) -> np.ndarray:
     """Sample ``n`` rows of the same logits, each with its own seed; returns token ids."""
     lg = torch.tensor(logits, dtype=torch.float32).repeat(n, 1)
     mask = None
@@ -146,18 +159,19 @@ def test_top_p_one_keeps_tiny_tail():
 def _penalties(counts, pmask, rep, presence, frequency):
     def make(n):
         return PenaltyBatch(
-            repetition=torch.full((n,), rep), presence=torch.full((n,), presence),
+            repetition=torch.full((n,), rep),
+            presence=torch.full((n,), presence),
             frequency=torch.full((n,), frequency),
             output_counts=torch.tensor(counts, dtype=torch.int32).repeat(n, 1),
             prompt_mask=torch.tensor(pmask, dtype=torch.bool).repeat(n, 1),
         )
+
     return make
 
 
 @pytest.mark.parametrize(
     "rep,presence,frequency",
-    [(1.8, 0.0, 0.0), (0.6, 0.0, 0.0), (1.0, 1.2, 0.0), (1.0, 0.0, 0.7), (1.0, -0.8, 0.0),
-     (1.5, 0.5, 0.4)],
+    [(1.8, 0.0, 0.0), (0.6, 0.0, 0.0), (1.0, 1.2, 0.0), (1.0, 0.0, 0.7), (1.0, -0.8, 0.0), (1.5, 0.5, 0.4)],
 )
 def test_penalties_match_reference(rep, presence, frequency):
     counts = [3, 0, 1, 0, 2, 0, 0, 0]
@@ -185,9 +199,17 @@ def test_mixed_greedy_and_random_rows():
     n = 6
     lg = torch.tensor(LOGITS).repeat(n, 1)
     temps = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
-    batch = SamplingBatch(temperature=temps, top_p=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
-                          min_p=torch.zeros(n), seeds=torch.arange(n), positions=torch.zeros(n, dtype=torch.int64),
-                          all_greedy=False, any_top_k_top_p=False, any_min_p=False)
+    batch = SamplingBatch(
+        temperature=temps,
+        top_p=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        min_p=torch.zeros(n),
+        seeds=torch.arange(n),
+        positions=torch.zeros(n, dtype=torch.int64),
+        all_greedy=False,
+        any_top_k_top_p=False,
+        any_min_p=False,
+    )
     toks = sample(lg, batch).token_ids
     assert toks[[0, 2, 4]].tolist() == [0, 0, 0]
 
@@ -201,9 +223,15 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     def batch(idx):
         n = len(idx)
         return SamplingBatch(
-            temperature=torch.full((n,), 1.2), top_p=torch.full((n,), 0.95),
-            top_k=torch.full((n,), 40, dtype=torch.int64), min_p=torch.full((n,), 0.01),
-            seeds=seeds[idx], positions=pos[idx], all_greedy=False, any_top_k_top_p=True, any_min_p=True,
+            temperature=torch.full((n,), 1.2),
+            top_p=torch.full((n,), 0.95),
+            top_k=torch.full((n,), 40, dtype=torch.int64),
+            min_p=torch.full((n,), 0.01),
+            seeds=seeds[idx],
+            positions=pos[idx],
+            all_greedy=False,
+            any_top_k_top_p=True,
+            any_min_p=True,
         )
 
     full = sample(logits, batch(list(range(5)))).token_ids
@@ -236,9 +264,18 @@ def test_logprobs_of_the_sampler():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 32, generator=g)
     n = 3
-    batch = SamplingBatch(temperature=torch.zeros(n), top_p=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
-                          min_p=torch.zeros(n), seeds=torch.arange(n), positions=torch.zeros(n, dtype=torch.int64),
-                          all_greedy=True, any_top_k_top_p=False, any_min_p=False, max_num_logprobs=4)
+    batch = SamplingBatch(
+        temperature=torch.zeros(n),
+        top_p=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        min_p=torch.zeros(n),
+        seeds=torch.arange(n),
+        positions=torch.zeros(n, dtype=torch.int64),
+        all_greedy=True,
+        any_top_k_top_p=False,
+        any_min_p=False,
+        max_num_logprobs=4,
+    )
     out = sample(logits, batch)
     ref = logits.double().log_softmax(-1)
     assert torch.allclose(out.sampled_logprob.double(), ref.max(-1).values, atol=1e-5)

@@ -71,8 +71,13 @@ def eos_setup(base_ckpt, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def llm(ray_local, eos_setup):
-    engine = LLM(model=str(eos_setup["model"]), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
-                 max_num_batched_tokens=64, max_model_len=256)
+    engine = LLM(
+        model=str(eos_setup["model"]),
+        block_size=BLOCK,
+        num_kv_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+    )
     yield engine
     engine.engine.scheduler.blocks.check_all_free()
     engine.shutdown()
@@ -80,7 +85,7 @@ def llm(ray_local, eos_setup):
 
 def cont(tok, prompt, out):
     """The text ``out`` adds after ``prompt`` (what a detokenizer must stream)."""
-    return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+    return tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
 
 
 def _tokens(outs):
@@ -114,8 +119,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     hf = HF(llm.engine.model_dir)
     assert outs[0].outputs[0].token_ids == hf.greedy(others[0]["prompt_token_ids"], MAX_NEW)
 
-    other_seed = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=MAX_NEW,
-                                                  ignore_eos=True))[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate([p], SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=MAX_NEW, ignore_eos=True))[
+            0
+        ]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
     unseeded = _tokens(llm.generate([p, p], SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True)))
     assert unseeded[0] != unseeded[1]
@@ -132,17 +142,24 @@ def test_n_greater_than_one(llm):
     assert len({tuple(s) for s in seqs}) == 3, "the n samples of one request must differ"
     assert all(len(s) == 10 for s in seqs)
     greedy = llm.generate([p], SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True))[0]
-    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == HF(llm.engine.model_dir).greedy(
-        p["prompt_token_ids"], 10)
+    assert (
+        greedy.outputs[0].token_ids
+        == greedy.outputs[1].token_ids
+        == HF(llm.engine.model_dir).greedy(p["prompt_token_ids"], 10)
+    )
 
 
 def test_logprobs_match_transformers(llm):
     hf = HF(llm.engine.model_dir)
     prompts = [_prompt(3, 5), _prompt(4, 17)]
     k = 5
-    outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
-                        [SamplingParams(temperature=0, max_tokens=8, logprobs=k, ignore_eos=True),
-                         SamplingParams(temperature=0.9, seed=3, max_tokens=8, logprobs=0, ignore_eos=True)])
+    outs = llm.generate(
+        [{"prompt_token_ids": q} for q in prompts],
+        [
+            SamplingParams(temperature=0, max_tokens=8, logprobs=k, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=3, max_tokens=8, logprobs=0, ignore_eos=True),
+        ],
+    )
     for q, out, kk in zip(prompts, outs, (k, 0)):
         c = out.outputs[0]
         assert len(c.logprobs) == len(c.token_ids) == 8
@@ -193,8 +210,9 @@ def test_stop_token_ids_and_min_tokens(llm, eos_setup):
     assert c.token_ids == g0[: j + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
     tok = llm.get_tokenizer()
     assert c.text == cont(tok, p0, c.token_ids[:-1])  # the stop token's text is not part of the output
-    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[stop_tok], ignore_eos=True,
-                        include_stop_str_in_output=True)
+    sp = SamplingParams(
+        temperature=0, max_tokens=MAX_NEW, stop_token_ids=[stop_tok], ignore_eos=True, include_stop_str_in_output=True
+    )
     c = llm.generate([p], sp)[0].outputs[0]
     assert c.text == cont(tok, p0, c.token_ids)
 
@@ -216,13 +234,18 @@ def test_max_tokens_and_stop_strings(llm, eos_setup):
     full = cont(tok, p0, g0)
     # a stop string made of the end of token 4's text and the start of token 5's
     a, b = cont(tok, p0, g0[:5]), cont(tok, p0, g0[:6])
-    stop = a[-2:] + b[len(a):len(a) + 2]
+    stop = a[-2:] + b[len(a) : len(a) + 2]
     first = full.find(stop)
     assert first >= 0
     n_tok = next(i for i in range(1, MAX_NEW + 1) if stop in cont(tok, p0, g0[:i]))
     for include in (False, True):
-        sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop, "no such stop"],
-                            include_stop_str_in_output=include)
+        sp = SamplingParams(
+            temperature=0,
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            stop=[stop, "no such stop"],
+            include_stop_str_in_output=include,
+        )
         c = llm.generate([p], sp)[0].outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == stop
         assert c.token_ids == g0[:n_tok]
@@ -233,9 +256,13 @@ def test_penalties_end_to_end_match_transformers(llm):
     """Greedy decoding under repetition/presence/frequency penalties, alone and in a preempting batch:
     the worker's prompt masks and output counts must follow the sequence (also after recompute)."""
     hf = HF(llm.engine.model_dir)
-    cases = [dict(repetition_penalty=1.6), dict(presence_penalty=1.5), dict(frequency_penalty=1.2),
-             dict(repetition_penalty=0.7, frequency_penalty=-0.5),
-             dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.6)]
+    cases = [
+        dict(repetition_penalty=1.6),
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=1.2),
+        dict(repetition_penalty=0.7, frequency_penalty=-0.5),
+        dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.6),
+    ]
     prompts = [_prompt(40 + i, 6 + 5 * i) for i in range(len(cases))]
 
     def expected(prompt, kw):
@@ -245,9 +272,15 @@ def test_penalties_end_to_end_match_transformers(llm):
             counts = np.bincount(out, minlength=len(lg)) if out else np.zeros(len(lg))
             pmask = np.zeros(len(lg), bool)
             pmask[prompt] = True
-            p = ref_probs(lg, temperature=0, rep=kw.get("repetition_penalty", 1.0),
-                          presence=kw.get("presence_penalty", 0.0), frequency=kw.get("frequency_penalty", 0.0),
-                          output_counts=counts, prompt_mask=pmask)
+            p = ref_probs(
+                lg,
+                temperature=0,
+                rep=kw.get("repetition_penalty", 1.0),
+                presence=kw.get("presence_penalty", 0.0),
+                frequency=kw.get("frequency_penalty", 0.0),
+                output_counts=counts,
+                prompt_mask=pmask,
+            )
             out.append(int(np.argmax(p)))
         return out
 

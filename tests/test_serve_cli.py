@@ -11,7 +11,6 @@ import sys
 import time
 
 import grpc
-import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,7 +58,7 @@ def test_help_one_default_and_a_description_per_flag():
 @pytest.mark.parametrize("args,message", [
     (["--block-size", "3"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
-    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size > 1 is not supported"),
+    (["--pipeline-parallel-size", "0"], "pipeline_parallel_size must be in [1, 1024]"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["/nonexistent/model"], "/nonexistent/model"),
     (["/a", "--model", "/b"], "the model is given twice"),

@@ -48,18 +48,33 @@ def greedy_ref(model):
 
 
 def _llm(model, **spec):
-    return LLM(model=str(model), block_size=BLOCK, num_kv_blocks=22, max_num_batched_tokens=24,
-               max_num_seqs=5, max_model_len=160, **spec)
+    return LLM(
+        model=str(model),
+        block_size=BLOCK,
+        num_kv_blocks=22,
+        max_num_batched_tokens=24,
+        max_num_seqs=5,
+        max_model_len=160,
+        **spec,
+    )
 
 
 CASES = [
-    ("ngram", 1, False), ("ngram", 3, True), ("ngram", 5, False), ("ngram", 5, True),
-    ("self", 3, True), ("self", 1, False), ("draft", 5, True), ("draft", 3, False),
+    ("ngram", 1, False),
+    ("ngram", 3, True),
+    ("ngram", 5, False),
+    ("ngram", 5, True),
+    ("self", 3, True),
+    ("self", 1, False),
+    ("draft", 5, True),
+    ("draft", 3, False),
     ("ngram_host", 3, False),
 ]
 
 
-@pytest.mark.parametrize("method,k,async_mode", CASES, ids=[f"{m}-k{k}-{'async' if a else 'sync'}" for m, k, a in CASES])
+@pytest.mark.parametrize(
+    "method,k,async_mode", CASES, ids=[f"{m}-k{k}-{'async' if a else 'sync'}" for m, k, a in CASES]
+)
 def test_greedy_spec_equals_transformers(ray_local, model, draft, greedy_ref, method, k, async_mode):
     spec = {"num_speculative_tokens": k, "async_scheduling": async_mode}
     if method == "self":
@@ -70,8 +85,10 @@ def test_greedy_spec_equals_transformers(ray_local, model, draft, greedy_ref, me
         spec.update(speculative_method=method)
     llm = _llm(model, **spec)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        )
         assert [o.outputs[0].token_ids for o in outs] == greedy_ref
         st = llm.engine.stats
         drafted, accepted = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
@@ -90,8 +107,13 @@ def test_stops_and_aborts_mid_draft(ray_local, model, greedy_ref):
     """Stop tokens/strings that land inside an accepted run of drafts end the output exactly
     where plain decoding ends it; an aborted request leaves nothing behind."""
     plain = _llm(model)
-    spec = _llm(model, speculative_method="draft_model", speculative_model=str(model),
-                num_speculative_tokens=5, async_scheduling=True)
+    spec = _llm(
+        model,
+        speculative_method="draft_model",
+        speculative_model=str(model),
+        num_speculative_tokens=5,
+        async_scheduling=True,
+    )
     try:
         tok = plain.get_tokenizer()
         params = []
@@ -100,8 +122,9 @@ def test_stops_and_aborts_mid_draft(ray_local, model, greedy_ref):
             if i % 2:
                 params.append(SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[stop_tok]))
             else:
-                params.append(SamplingParams(temperature=0, max_tokens=MAX_NEW, stop=[tok.decode([stop_tok])],
-                                             ignore_eos=True))
+                params.append(
+                    SamplingParams(temperature=0, max_tokens=MAX_NEW, stop=[tok.decode([stop_tok])], ignore_eos=True)
+                )
         reqs = [{"prompt_token_ids": p} for p in PROMPTS]
         want = plain.generate(reqs, params)
         got = spec.generate(reqs, params)
@@ -111,8 +134,9 @@ def test_stops_and_aborts_mid_draft(ray_local, model, greedy_ref):
             assert g.outputs[0].finish_reason == w.outputs[0].finish_reason == "stop"
         assert spec.engine.stats["spec_accepted_tokens"] > 0
         core: EngineCore = spec.engine
-        core.add_request("a", {"prompt_token_ids": PROMPTS[4]},
-                         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        core.add_request(
+            "a", {"prompt_token_ids": PROMPTS[4]}, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        )
         for _ in range(4):
             core.step()
         core.abort("a")
@@ -151,8 +175,13 @@ def test_startup_refusals(ray_local, model, ckpt_dir):
         EngineConfig.from_options(num_lookahead_slots=3)
     other_vocab = ckpt_dir("llama", vocab_size=320)
     with pytest.raises(Exception, match="vocab"):
-        LLM(model=str(model), speculative_method="draft_model", speculative_model=str(other_vocab),
-            num_kv_blocks=16, max_model_len=64)
+        LLM(
+            model=str(model),
+            speculative_method="draft_model",
+            speculative_model=str(other_vocab),
+            num_kv_blocks=16,
+            max_model_len=64,
+        )
 
 
 def test_spec_benchmark_runs_on_cpu(ray_local, tmp_path):
@@ -160,8 +189,25 @@ def test_spec_benchmark_runs_on_cpu(ray_local, tmp_path):
 
     assert abs(alpha_from_mean_accepted(0.5 + 0.25 + 0.125, 3) - 0.5) < 1e-6
     assert abs(predicted_speedup(1.0, 3, 0.0) - 4.0) < 1e-9
-    out = main(["--shape", "tiny", "--draft-shape", "tiny-draft", "--self-draft", "--batch-sizes", "1",
-                "--prompt-len", "8", "--output-len", "8", "--device", "cpu", "--output", str(tmp_path / "s.json")])
+    out = main(
+        [
+            "--shape",
+            "tiny",
+            "--draft-shape",
+            "tiny-draft",
+            "--self-draft",
+            "--batch-sizes",
+            "1",
+            "--prompt-len",
+            "8",
+            "--output-len",
+            "8",
+            "--device",
+            "cpu",
+            "--output",
+            str(tmp_path / "s.json"),
+        ]
+    )
     self_row = next(r for r in out["results"] if r["config"] == "spec_self")
     # the target as its own draft: c = 1, so all-accepted k=3 predicts (k+1)/(k+1) = 1
     assert self_row["acceptance_rate"] > 0.9 and abs(self_row["predicted_speedup"] - 1.0) < 0.05

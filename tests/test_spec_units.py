@@ -17,10 +17,19 @@ V, K = 6, 3
 def _rows(logits, drafts, num_drafts, draft_probs, temperature, seeds, positions):
     R = logits.shape[0]
     return SpecRows(
-        logits=logits, draft_tokens=drafts, num_drafts=num_drafts, draft_probs=draft_probs,
-        temperature=temperature, top_k=torch.zeros(R, dtype=torch.int64), top_p=torch.ones(R),
-        min_p=torch.zeros(R), seeds=seeds, positions=positions, all_greedy=bool((temperature == 0).all()),
-        any_top_k_top_p=False, any_min_p=False,
+        logits=logits,
+        draft_tokens=drafts,
+        num_drafts=num_drafts,
+        draft_probs=draft_probs,
+        temperature=temperature,
+        top_k=torch.zeros(R, dtype=torch.int64),
+        top_p=torch.ones(R),
+        min_p=torch.zeros(R),
+        seeds=seeds,
+        positions=positions,
+        all_greedy=bool((temperature == 0).all()),
+        any_top_k_top_p=False,
+        any_min_p=False,
     )
 
 
@@ -29,9 +38,9 @@ def _sample_many(R, probs_q, target_logits, bonus_logits, use_draft_probs):
     seeds = torch.arange(R, dtype=torch.int64) * 7919 + 11
     pos = torch.full((R,), 40, dtype=torch.int64)
     # drafts drawn from q (independent stream), as a draft model would
-    drafts = torch.stack([
-        exponential_race(probs_q[j].expand(R, V), seeds ^ 0xABCDEF, pos + j) for j in range(K)
-    ], dim=1)
+    drafts = torch.stack(
+        [exponential_race(probs_q[j].expand(R, V), seeds ^ 0xABCDEF, pos + j) for j in range(K)], dim=1
+    )
     logits = target_logits.expand(R, K, V).clone()
     draft_probs = probs_q.expand(R, K, V).clone() if use_draft_probs else None
     bonus = exponential_race(bonus_logits.softmax(-1).expand(R, V), seeds, pos + K)
@@ -93,8 +102,9 @@ def test_greedy_verification_matches_argmax_chain():
             drafts[r, bad[r]] = (argmax[r, bad[r]] + 1) % V
     num = torch.randint(0, K + 1, (R,), generator=g)
     bonus = torch.randint(0, V, (R,), generator=g)
-    rows = _rows(logits, drafts, num, None, torch.zeros(R), torch.zeros(R, dtype=torch.int64),
-                 torch.zeros(R, dtype=torch.int64))
+    rows = _rows(
+        logits, drafts, num, None, torch.zeros(R), torch.zeros(R, dtype=torch.int64), torch.zeros(R, dtype=torch.int64)
+    )
     tokens, n_acc = verify_drafts(rows, bonus)
     for r in range(R):
         k = int(num[r])

@@ -19,9 +19,19 @@ GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
 
 
 def _opts(**kw) -> SamplingOptions:
-    base = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=1, repetition_penalty=1.0,
-                presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, min_tokens_stop_ids=[],
-                num_logprobs=-1)
+    base = dict(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        seed=1,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        min_tokens=0,
+        min_tokens_stop_ids=[],
+        num_logprobs=-1,
+    )
     base.update(kw)
     return SamplingOptions(**base)
 
@@ -30,18 +40,29 @@ def _state(spec, max_blocks=9):
     """spec: [(computed, q_len, bound)]; block ids are distinct per row and position."""
     st = DeviceState(8, max_blocks * BS, max_blocks, 50, torch.device("cpu"))
     for h, (computed, q, ub) in enumerate(spec):
-        st.add(NewRequest(h, [3 + (h * 5 + i) % 40 for i in range(computed + q)], [], GREEDY,
-                          [100 * (h + 1) + b for b in range(-(-ub // BS))]))
+        st.add(
+            NewRequest(
+                h,
+                [3 + (h * 5 + i) % 40 for i in range(computed + q)],
+                [],
+                GREEDY,
+                [100 * (h + 1) + b for b in range(-(-ub // BS))],
+            )
+        )
         st.num_computed[st.row_of[h]] = computed
     return st
 
 
-@pytest.mark.parametrize("spec", [
-    [(6, 1, 7)],  # 2 blocks: an even table width
-    [(9, 1, 10), (3, 1, 4)],  # 3 blocks: odd, padded to a whole int64 word
-    [(0, 5, 5), (30, 1, 31), (2, 3, 6)],  # mixed prefill + decode
-    [(35, 1, 36)],  # 9 blocks = the whole table: the pad column lies past its end
-], ids=["even", "odd", "mixed", "full-width"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [(6, 1, 7)],  # 2 blocks: an even table width
+        [(9, 1, 10), (3, 1, 4)],  # 3 blocks: odd, padded to a whole int64 word
+        [(0, 5, 5), (30, 1, 31), (2, 3, 6)],  # mixed prefill + decode
+        [(35, 1, 36)],  # 9 blocks = the whole table: the pad column lies past its end
+    ],
+    ids=["even", "odd", "mixed", "full-width"],
+)
 def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     st = _state(spec)
     copies = []
@@ -49,8 +70,7 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     monkeypatch.setattr(step_inputs, "to_device", lambda t, dev: copies.append(t.numel()) or real(t, dev))
     kernel_args = []
     real_prep = step_inputs.ops.prepare_inputs
-    monkeypatch.setattr(step_inputs.ops, "prepare_inputs",
-                        lambda *a, **k: kernel_args.extend(a) or real_prep(*a, **k))
+    monkeypatch.setattr(step_inputs.ops, "prepare_inputs", lambda *a, **k: kernel_args.extend(a) or real_prep(*a, **k))
     plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
     inp = build_step_inputs(plan, st, BS, True)
     assert len(copies) == 1, "rows, block table, lengths and indices travel in one copy"
@@ -68,8 +88,9 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     token_req = torch.repeat_interleave(torch.arange(len(spec)), q)
     offsets = torch.cat([torch.arange(n) for n in q.tolist()])
     cap = torch.tensor([st.num_blocks_cpu[r] * BS for r in rows_cpu])
-    want = prepare_inputs_reference(st.num_computed[inp.rows].long(), inp.rows, token_req, offsets, q, cap,
-                                    st.token_ids, want_table, BS)
+    want = prepare_inputs_reference(
+        st.num_computed[inp.rows].long(), inp.rows, token_req, offsets, q, cap, st.token_ids, want_table, BS
+    )
     for got, ref in zip((inp.positions, inp.input_ids, inp.meta.seq_lens, inp.meta.slot_mapping), want):
         assert torch.equal(got, ref)
     ends = q.cumsum(0) - 1
@@ -98,9 +119,17 @@ def test_sampling_option_tensors_are_reused_only_for_the_same_requests(monkeypat
 
 
 def _batch(n, **kw):
-    base = dict(temperature=torch.zeros(n), top_p=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
-                min_p=torch.zeros(n), seeds=torch.arange(n), positions=torch.zeros(n, dtype=torch.int64),
-                all_greedy=True, any_top_k_top_p=False, any_min_p=False)
+    base = dict(
+        temperature=torch.zeros(n),
+        top_p=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        min_p=torch.zeros(n),
+        seeds=torch.arange(n),
+        positions=torch.zeros(n, dtype=torch.int64),
+        all_greedy=True,
+        any_top_k_top_p=False,
+        any_min_p=False,
+    )
     base.update(kw)
     return SamplingBatch(**base)
 
@@ -114,9 +143,13 @@ def test_sampler_takes_the_precomputed_argmax_only_for_unmodified_logits():
     forbid[:, logits.argmax(-1)] = True
     masked = sample(logits, _batch(3, min_tokens_mask=forbid), raw_argmax=marker).token_ids
     assert torch.equal(masked, logits.masked_fill(forbid, float("-inf")).argmax(-1))
-    pen = PenaltyBatch(repetition=torch.full((3,), 2.0), presence=torch.zeros(3), frequency=torch.zeros(3),
-                       output_counts=torch.zeros(3, 11, dtype=torch.int32),
-                       prompt_mask=torch.ones(3, 11, dtype=torch.bool))
+    pen = PenaltyBatch(
+        repetition=torch.full((3,), 2.0),
+        presence=torch.zeros(3),
+        frequency=torch.zeros(3),
+        output_counts=torch.zeros(3, 11, dtype=torch.int32),
+        prompt_mask=torch.ones(3, 11, dtype=torch.bool),
+    )
     got = sample(logits, _batch(3, penalties=pen), raw_argmax=marker).token_ids
     assert torch.equal(got, apply_penalties(logits, pen).argmax(-1))
 
@@ -147,7 +180,7 @@ def test_step_inputs_built_into_the_decode_graph_buffers():
 
 
 def test_pinned_pool_reuses_only_returned_buffers_of_the_same_size_and_dtype():
-    from workers.model_runner import PinnedPool
+    from workers.pending_step import PinnedPool
 
     pool = PinnedPool()
     a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.float64)
@@ -167,7 +200,6 @@ def test_packed_extras_come_back_whole_and_aligned():
     st = _state([(9, 1, 10), (3, 2, 5), (0, 3, 3)])
     rows_cpu = [st.row_of[h] for h in range(3)]
     extras = [[7], [1, 2, 3], [4, 5], [9, 8, 7, 6, 5]]  # odd and even lengths
-    win, back, rows = build_window(st, None, rows_cpu, [1, 2, 3], [10, 5, 3], None, BS, True,
-                                   packed_extra=extras)
+    win, back, rows = build_window(st, None, rows_cpu, [1, 2, 3], [10, 5, 3], None, BS, True, packed_extra=extras)
     assert [t.tolist() for t in back] == extras and rows.tolist() == rows_cpu
     assert all(t.data_ptr() % 16 == 0 for t in [*back, rows, win.capacity, win.block_table])

@@ -20,6 +20,5 @@ def test_the_packaged_table_may_be_absent_and_entries_are_checked(tmp_path):
     assert load_entries(str(packaged), packaged, "demo_tuning", "demo") == {}
     packaged.write_text(json.dumps({"entries": {"a": {"n": 1}, "b": None}}))
     seen = []
-    got = load_entries(str(packaged), packaged, "demo_tuning", "demo",
-                       lambda key, cfg: seen.append((key, cfg)))
+    got = load_entries(str(packaged), packaged, "demo_tuning", "demo", lambda key, cfg: seen.append((key, cfg)))
     assert got == {"a": {"n": 1}, "b": None} and seen == [("a", {"n": 1})]

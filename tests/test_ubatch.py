@@ -14,9 +14,20 @@ from workers.ubatch import should_split, slice_metadata, split_metadata, split_p
 
 BS = 8
 GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
-FIELDS = ["query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_upper_bound", "block_table",
-          "slot_mapping", "positions", "num_reqs", "num_actual_tokens", "max_query_len",
-          "max_seq_len_upper_bound", "bounds_are_exact"]
+FIELDS = [
+    "query_start_loc",
+    "query_start_loc_cpu",
+    "seq_lens",
+    "seq_lens_upper_bound",
+    "block_table",
+    "slot_mapping",
+    "positions",
+    "num_reqs",
+    "num_actual_tokens",
+    "max_query_len",
+    "max_seq_len_upper_bound",
+    "bounds_are_exact",
+]
 
 
 def _state(spec):
@@ -24,8 +35,11 @@ def _state(spec):
     st = DeviceState(8, 64, 16, 50, torch.device("cpu"))
     for h, (computed, q, ub) in enumerate(spec):
         n = computed + q
-        st.add(NewRequest(h, [3 + (h * 7 + i) % 40 for i in range(n)], [], GREEDY,
-                          [h * 8 + b for b in range((ub + BS - 1) // BS)]))
+        st.add(
+            NewRequest(
+                h, [3 + (h * 7 + i) % 40 for i in range(n)], [], GREEDY, [h * 8 + b for b in range((ub + BS - 1) // BS)]
+            )
+        )
         st.num_computed[st.row_of[h]] = computed
     return st
 
@@ -59,12 +73,16 @@ def _assert_meta_equal(got, want):
             assert g == w, f"{f}: {g} != {w}"
 
 
-@pytest.mark.parametrize("spec", [
-    [(5, 7, 12), (0, 10, 10), (19, 1, 22)],  # a prefill chunk straddles; the decode row's bound is optimistic
-    [(0, 4, 4), (0, 4, 4)],  # the cut falls on a request boundary
-    [(3, 17, 21)],  # one request split in two
-    [(9, 1, 10), (0, 12, 12), (30, 1, 31), (2, 3, 6)],
-], ids=["straddle", "boundary", "single", "mixed"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [(5, 7, 12), (0, 10, 10), (19, 1, 22)],  # a prefill chunk straddles; the decode row's bound is optimistic
+        [(0, 4, 4), (0, 4, 4)],  # the cut falls on a request boundary
+        [(3, 17, 21)],  # one request split in two
+        [(9, 1, 10), (0, 12, 12), (30, 1, 31), (2, 3, 6)],
+    ],
+    ids=["straddle", "boundary", "single", "mixed"],
+)
 def test_sliced_metadata_equals_direct_build(spec):
     exact = all(computed + q == ub for computed, q, ub in spec)
     st = _state(spec)
@@ -99,13 +117,26 @@ def _plans():
     new = lambda h: NewRequest(h, prompts[h], [], GREEDY, blocks(h))  # noqa: E731
     L = {h: len(p) for h, p in prompts.items()}
     return [
-        StepPlan(1, new_requests=[new(1), new(2), new(3)],
-                 rows=[ScheduledRow(h, L[h], L[h], [], True) for h in (1, 2, 3)]),
-        StepPlan(2, new_requests=[new(4)], rows=[ScheduledRow(1, 1, L[1] + 1, [], True),
-                                                 ScheduledRow(4, 12, 12, [], False),
-                                                 ScheduledRow(2, 1, L[2] + 1, [], True)]),
-        StepPlan(3, rows=[ScheduledRow(4, 8, 20, [], True), ScheduledRow(3, 1, L[3] + 1, [], True),
-                          ScheduledRow(1, 1, L[1] + 2, [], True)]),
+        StepPlan(
+            1, new_requests=[new(1), new(2), new(3)], rows=[ScheduledRow(h, L[h], L[h], [], True) for h in (1, 2, 3)]
+        ),
+        StepPlan(
+            2,
+            new_requests=[new(4)],
+            rows=[
+                ScheduledRow(1, 1, L[1] + 1, [], True),
+                ScheduledRow(4, 12, 12, [], False),
+                ScheduledRow(2, 1, L[2] + 1, [], True),
+            ],
+        ),
+        StepPlan(
+            3,
+            rows=[
+                ScheduledRow(4, 8, 20, [], True),
+                ScheduledRow(3, 1, L[3] + 1, [], True),
+                ScheduledRow(1, 1, L[1] + 2, [], True),
+            ],
+        ),
     ]
 
 

@@ -22,8 +22,14 @@ MAX_LEN = 64
 
 
 def _scheduler(**options) -> Scheduler:
-    opts = {"block_size": 4, "num_kv_blocks": 32, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-            "max_model_len": MAX_LEN, "enable_prefix_caching": False}
+    opts = {
+        "block_size": 4,
+        "num_kv_blocks": 32,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 8,
+        "max_model_len": MAX_LEN,
+        "enable_prefix_caching": False,
+    }
     opts.update(options)
     cfg = EngineConfig.from_options(**opts)
     return Scheduler(cfg, cfg.cache.num_kv_blocks, MAX_LEN)
@@ -31,15 +37,15 @@ def _scheduler(**options) -> Scheduler:
 
 def _add(sched: Scheduler, rid: str, prompt: list[int], **params):
     inputs = InputProcessor(None, (EOS,), 100, MAX_LEN, 64, True, 0)
-    (req,) = inputs.make_requests(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, **params),
-                                  1 << 20)
+    (req,) = inputs.make_requests(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, **params), 1 << 20)
     sched.add(req)
     return req
 
 
 def _result(step, tokens: dict[int, list[int]], **kw) -> StepResult:
-    return StepResult(step_id=step.plan.step_id,
-                      outputs=[SampledRow(handle=h, token_ids=t, **kw) for h, t in tokens.items()])
+    return StepResult(
+        step_id=step.plan.step_id, outputs=[SampledRow(handle=h, token_ids=t, **kw) for h, t in tokens.items()]
+    )
 
 
 def test_tokens_are_appended_and_placeholders_taken_back():
@@ -73,12 +79,15 @@ def test_eos_finishes_and_frees_and_the_next_plan_releases_the_row():
     assert nxt.plan.finished_handles == [handle] and not nxt.plan.rows
 
 
-@pytest.mark.parametrize("params, tokens, reason, stop_reason", [
-    ({"max_tokens": 2}, [9, 10], "length", None),
-    ({"max_tokens": 5, "stop_token_ids": [10]}, [9, 10], "stop", 10),
-    ({"max_tokens": 5, "min_tokens": 2}, [EOS, EOS], "stop", None),  # EOS ignored below min_tokens
-    ({"max_tokens": 5, "ignore_eos": True}, [EOS, 12, 13, 14, 15], "length", None),
-])
+@pytest.mark.parametrize(
+    "params, tokens, reason, stop_reason",
+    [
+        ({"max_tokens": 2}, [9, 10], "length", None),
+        ({"max_tokens": 5, "stop_token_ids": [10]}, [9, 10], "stop", 10),
+        ({"max_tokens": 5, "min_tokens": 2}, [EOS, EOS], "stop", None),  # EOS ignored below min_tokens
+        ({"max_tokens": 5, "ignore_eos": True}, [EOS, 12, 13, 14, 15], "length", None),
+    ],
+)
 def test_token_level_finishes(params, tokens, reason, stop_reason):
     sched = _scheduler()
     req = _add(sched, "a", [5, 6, 7], **params)

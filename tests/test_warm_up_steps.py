@@ -28,8 +28,13 @@ def _runner(model_dir, max_model_len=128):
 def _serve(r):
     """A request on the blocks the scratch request used (0-2), prefill then 3 decode steps."""
     prompt = [5, 9, 17, 33, 2, 41, 7, 11, 13, 60, 3]
-    plans = [StepPlan(1, new_requests=[NewRequest(7, prompt, [], GREEDY, [2, 0, 1])],
-                      rows=[ScheduledRow(7, len(prompt), len(prompt), [], True)])]
+    plans = [
+        StepPlan(
+            1,
+            new_requests=[NewRequest(7, prompt, [], GREEDY, [2, 0, 1])],
+            rows=[ScheduledRow(7, len(prompt), len(prompt), [], True)],
+        )
+    ]
     plans += [StepPlan(2 + k, rows=[ScheduledRow(7, 1, len(prompt) + 1 + k, [], True)]) for k in range(3)]
     return [r.execute(p).outputs[0].token_ids for p in plans]
 

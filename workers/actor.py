@@ -37,8 +37,16 @@ def _assigned_gpus() -> list[str]:
 
 
 class WorkerActor:
-    def __init__(self, config: bytes, model_dir: str, rank: int, world_size: int, max_model_len: int,
-                 device_kind: str = "cpu", tp_size: int | None = None):
+    def __init__(
+        self,
+        config: bytes,
+        model_dir: str,
+        rank: int,
+        world_size: int,
+        max_model_len: int,
+        device_kind: str = "cpu",
+        tp_size: int | None = None,
+    ):
         self.platform = select_platform(device_kind)
         self.gpu_ids = _assigned_gpus() if self.platform.ray_resource == "GPU" else []
         self.visibility = self.platform.configure(self.gpu_ids)  # before torch touches the device
@@ -68,9 +76,13 @@ class WorkerActor:
         import ray
 
         return {
-            "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self.gpu_ids,
-            "visibility": dict(self.visibility.set), "notes": list(self.visibility.notes),
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": self.gpu_ids,
+            "visibility": dict(self.visibility.set),
+            "notes": list(self.visibility.notes),
             "kernels": msgspec.to_builtins(self.cfg.kernels),
             **self.platform.describe(),
         }
@@ -78,16 +90,18 @@ class WorkerActor:
     def stats(self) -> dict:
         model = self.runner.model if self.runner is not None else None
         pp = self.runner.pp if self.runner is not None else None
-        return {**(pp.stats() if pp is not None else {}),
-                "num_layers": len(model.layers) if model is not None else 0,
-                "ubatched_steps": getattr(model, "num_split_steps", 0),
-                "kernel_variants_after_start": len(self.compile_watch.variants),
-                "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
-                "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),
-                "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
-                "tp_all_reduce": self.platform.collective_library,
-                "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
-                "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0)}
+        return {
+            **(pp.stats() if pp is not None else {}),
+            "num_layers": len(model.layers) if model is not None else 0,
+            "ubatched_steps": getattr(model, "num_split_steps", 0),
+            "kernel_variants_after_start": len(self.compile_watch.variants),
+            "tile_gemm_warm_launches": getattr(self.runner, "tile_gemm_warm_launches", 0),
+            "eager_warm_cases": getattr(self.runner, "eager_warm_cases", 0),
+            "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
+            "tp_all_reduce": self.platform.collective_library,
+            "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
+            "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0),
+        }
 
     def clear_launch_times(self) -> None:
         """Forget the recorded launch times (a benchmark's warm-up is not its steady state)."""
@@ -119,10 +133,10 @@ class WorkerActor:
             torch.set_num_threads(self.cfg.kernels.cpu_threads)
         tp = TPGroup(self.rank, self.world_size)
         if self.world_size > 1:
-            tp = init_distributed(self.platform.collective_backend, dist_init_method, self.rank,
-                                  self.world_size, self.tp_size)
-        self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len,
-                                 pp=self._pipeline())
+            tp = init_distributed(
+                self.platform.collective_backend, dist_init_method, self.rank, self.world_size, self.tp_size
+            )
+        self.runner = ModelRunner(self.cfg, self.model_dir, device, tp, self.max_model_len, pp=self._pipeline())
         self._probe_blocks = self.runner.init_kv_cache() if self.cfg.cache.num_kv_blocks is None else None
         return self._probe_blocks or self.cfg.cache.num_kv_blocks
 
@@ -134,8 +148,9 @@ class WorkerActor:
         from workers.models.arch import load_arch
         from workers.pipeline import PipelineComm, pipeline_stage
 
-        stage = pipeline_stage(self.rank, self.tp_size, pp, load_arch(self.model_dir).num_layers,
-                               self.cfg.parallel.pipeline_layer_split)
+        stage = pipeline_stage(
+            self.rank, self.tp_size, pp, load_arch(self.model_dir).num_layers, self.cfg.parallel.pipeline_layer_split
+        )
         return PipelineComm(stage, self.rank, self.tp_size)
 
     def init_cache(self, num_blocks: int) -> None:

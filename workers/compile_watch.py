@@ -54,8 +54,9 @@ class CompileWatch:
         what = describe_variant(kwargs)
         with self._lock:
             self.variants.append(what)
-        logger.warning("rank %d: Triton kernel variant needed after start-up (compiled or loaded "
-                       "mid-serving): %s", self.rank, what)
+        logger.warning(
+            "rank %d: Triton kernel variant needed after start-up (compiled or loaded mid-serving): %s", self.rank, what
+        )
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None  # never skip the compile
@@ -89,7 +90,10 @@ def _describe_compile(name: str, compiled: dict[str, Any]) -> str:
     consts = sorted(f"{arg(p)}={v}" for p, v in (compiled.get("constants") or {}).items())
     attrs = (compiled.get("configs") or [{}])[0] or {}
     divisible = {arg(p) for p, a in attrs.items() if any(x and x[0] == "tt.divisibility" for x in a)}
-    loose = [n for n in names if types[n] != "constexpr" and n not in divisible
-             and (types[n].startswith("*") or types[n][:1] in ("i", "u"))]
+    loose = [
+        n
+        for n in names
+        if types[n] != "constexpr" and n not in divisible and (types[n].startswith("*") or types[n][:1] in ("i", "u"))
+    ]
     opts = ", ".join(f"{k}={compiled[k]}" for k in ("num_warps", "num_stages") if k in compiled)
     return f"{name}[{opts}] {' '.join(consts)}; not 16-divisible: {', '.join(loose) or '-'}"

@@ -42,9 +42,19 @@ def seq_buckets(max_model_len: int) -> list[int]:
 class DecodeGraphs:
     """``logits=True``: a graph returns the logits of every token; else the hidden states."""
 
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 max_blocks: int, device: torch.device, bounds_are_exact: bool,
-                 query_lens: tuple[int, ...] = (1,), logits: bool = True):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        max_blocks: int,
+        device: torch.device,
+        bounds_are_exact: bool,
+        query_lens: tuple[int, ...] = (1,),
+        logits: bool = True,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -63,8 +73,7 @@ class DecodeGraphs:
         self.ub_cpu = torch.ones(b, dtype=torch.int32)
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
         self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int, int],
-                          tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.last_greedy: torch.Tensor | None = None  # argmax of the last replay's logits (q = 1)
         self.pool = None
         self.replays = 0
@@ -73,11 +82,18 @@ class DecodeGraphs:
     def _meta(self, b: int, bound: int, q: int) -> AttentionMetadata:
         n_blk = (bound + self.block_size - 1) // self.block_size
         return AttentionMetadata(
-            query_start_loc=self.qsl[q][: b + 1], query_start_loc_cpu=self.qsl_cpu[q][: b + 1],
-            seq_lens=self.seq_lens[:b], seq_lens_upper_bound=self.ub_cpu[:b],
-            block_table=self.block_table[:b, :n_blk], slot_mapping=self.slots[: b * q],
-            positions=self.positions[: b * q], num_reqs=b, num_actual_tokens=b * q, max_query_len=q,
-            max_seq_len_upper_bound=bound, bounds_are_exact=self.bounds_are_exact,
+            query_start_loc=self.qsl[q][: b + 1],
+            query_start_loc_cpu=self.qsl_cpu[q][: b + 1],
+            seq_lens=self.seq_lens[:b],
+            seq_lens_upper_bound=self.ub_cpu[:b],
+            block_table=self.block_table[:b, :n_blk],
+            slot_mapping=self.slots[: b * q],
+            positions=self.positions[: b * q],
+            num_reqs=b,
+            num_actual_tokens=b * q,
+            max_query_len=q,
+            max_seq_len_upper_bound=bound,
+            bounds_are_exact=self.bounds_are_exact,
             eager=False,  # captured: the tuned exact launch shapes
         )
 
@@ -106,8 +122,13 @@ class DecodeGraphs:
                         self.pool = g.pool()
                     self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",
-                    len(self.graphs), self.sizes, self.buckets, self.query_lens)
+        logger.info(
+            "captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",
+            len(self.graphs),
+            self.sizes,
+            self.buckets,
+            self.query_lens,
+        )
 
     def pick_shape(self, n: int, q_lens: list[int], bound: int) -> tuple[int, int, int] | None:
         q = q_lens[0]
@@ -120,15 +141,23 @@ class DecodeGraphs:
         if b is None or L is None:
             if not self._warned_miss:
                 self._warned_miss = True
-                logger.warning("uniform step (rows %d, query length %d, bound %d) has no CUDA graph "
-                               "(sizes %s, buckets %s, query lengths %s): running eagerly",
-                               n, q, bound, self.sizes, self.buckets, self.query_lens)
+                logger.warning(
+                    "uniform step (rows %d, query length %d, bound %d) has no CUDA graph "
+                    "(sizes %s, buckets %s, query lengths %s): running eagerly",
+                    n,
+                    q,
+                    bound,
+                    self.sizes,
+                    self.buckets,
+                    self.query_lens,
+                )
             return None
         self.replays += 1
         return (b, L, q)
 
-    def pick_step(self, q_lens: list[int], num_drafts: list[int], num_sampling: int,
-                  bound: int) -> tuple[int, int, int] | None:
+    def pick_step(
+        self, q_lens: list[int], num_drafts: list[int], num_sampling: int, bound: int
+    ) -> tuple[int, int, int] | None:
         """A step fits when every row has the same query length and samples at every token
         (plain decode, or verification with the same draft count in every row). Host values
         only, so a step can pick its graph before its inputs are built."""
@@ -150,8 +179,12 @@ class DecodeGraphs:
         b, _, q = key
         m = inputs.meta
         n, t = m.num_reqs, m.num_actual_tokens
-        for dst, src in ((self.input_ids, inputs.input_ids), (self.positions, inputs.positions),
-                         (self.seq_lens, m.seq_lens), (self.slots, m.slot_mapping)):
+        for dst, src in (
+            (self.input_ids, inputs.input_ids),
+            (self.positions, inputs.positions),
+            (self.seq_lens, m.seq_lens),
+            (self.slots, m.slot_mapping),
+        ):
             if src.data_ptr() != dst.data_ptr():  # not already written in place
                 dst[: src.shape[0]].copy_(src)
         self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
@@ -162,5 +195,3 @@ class DecodeGraphs:
         g.replay()
         self.last_greedy = greedy[:n] if greedy is not None else None
         return out[:t]
-
-

@@ -41,13 +41,20 @@ class OptionTensors:
         self.flags: dict = {}
 
     def get(self, opts: list[SamplingOptions], dev: torch.device) -> "OptionTensors":
-        if (self.floats is None or len(opts) != len(self.opts)
-                or any(a is not b for a, b in zip(opts, self.opts))):
-            self.floats = to_device(torch.tensor(
-                [[o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty,
-                  o.frequency_penalty] for o in opts], dtype=torch.float32).T.contiguous(), dev).unbind()
-            self.ints = to_device(torch.tensor([[o.top_k, o.seed, o.min_tokens] for o in opts],
-                                               dtype=torch.int64).T.contiguous(), dev).unbind()
+        if self.floats is None or len(opts) != len(self.opts) or any(a is not b for a, b in zip(opts, self.opts)):
+            self.floats = to_device(
+                torch.tensor(
+                    [
+                        [o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
+                        for o in opts
+                    ],
+                    dtype=torch.float32,
+                ).T.contiguous(),
+                dev,
+            ).unbind()
+            self.ints = to_device(
+                torch.tensor([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=torch.int64).T.contiguous(), dev
+            ).unbind()
             self.opts = list(opts)
             self.flags = dict(
                 all_greedy=all(o.temperature == 0 for o in opts),
@@ -90,8 +97,9 @@ class DeviceState:
         """Host-proposed drafts (``ngram_host``, exact lengths) go where the step reads its inputs."""
         end = min(start + len(drafts), self.token_ids.shape[1])
         if end > start:
-            self.token_ids[row, start:end] = to_device(torch.tensor(drafts[: end - start], dtype=torch.int64),
-                                                       self.device)
+            self.token_ids[row, start:end] = to_device(
+                torch.tensor(drafts[: end - start], dtype=torch.int64), self.device
+            )
 
     # ----------------------------------------------------------- lifecycle
     def add(self, req: NewRequest) -> None:

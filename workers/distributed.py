@@ -70,8 +70,9 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_distributed(backend: str, init_method: str, rank: int, world_size: int, tp_size: int,
-                     timeout_s: float = 300.0) -> TPGroup:
+def init_distributed(
+    backend: str, init_method: str, rank: int, world_size: int, tp_size: int, timeout_s: float = 300.0
+) -> TPGroup:
     """Join the process group of all workers and return this rank's TP group.
 
     Ranks are ``stage * tp_size + tp_rank`` (placement/placement_groups.py). With one
@@ -80,8 +81,9 @@ def init_distributed(backend: str, init_method: str, rank: int, world_size: int,
     """
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
     if tp_size == world_size:
         return TPGroup(rank, world_size)
     mine = None

@@ -31,8 +31,13 @@ def num_blocks_for_budget(cfg: EngineConfig, per_block: int, budget_bytes: int |
 
 
 def allocate(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [

@@ -9,7 +9,7 @@ import torch
 
 from metadata.attention_metadata import AttentionMetadata
 from metadata.config import EngineConfig
-from metadata.wire import SampledRow, StepPlan, StepResult, TokenLogprobs
+from metadata.wire import StepPlan, StepResult
 from kernels.ops import build_kernel_settings, precompile_tile_gemm
 from kernels.settings import install_kernel_settings
 from workers import kv_cache
@@ -17,6 +17,7 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.device_state import DeviceState
 from workers.distributed import TPGroup
 from workers.models.loader import load_model
+from workers.pending_step import PendingStep, PinnedPool
 from workers.pipeline import WHOLE_MODEL, PipelineComm, scratch_model
 from workers.sampler import sample
 from workers.sampling_inputs import build_sampling_batch
@@ -38,8 +39,15 @@ class ModelRunner:
     stage holds only its layers and their KV; the last stage samples and sends the tokens
     to stage 0, which embeds them in the next step (``workers.pipeline``)."""
 
-    def __init__(self, cfg: EngineConfig, model_dir: str, device: torch.device, tp: TPGroup, max_model_len: int,
-                 pp: PipelineComm | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: str,
+        device: torch.device,
+        tp: TPGroup,
+        max_model_len: int,
+        pp: PipelineComm | None = None,
+    ):
         self.cfg = cfg
         self.device = device
         self.tp = tp
@@ -77,26 +85,45 @@ class ModelRunner:
 
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
-        per_block = (kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
-                     * self.num_layers // self.arch.num_layers)
+        per_block = (
+            kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
+            * self.num_layers
+            // self.arch.num_layers
+        )
         draft = self.spec.draft_model if self.spec is not None else None
         if draft is not None:
-            self.spec.proposer = None  # drop a previous draft cache before allocating the new one  # the draft's cache has the same blocks: size both together
-            per_block += kv_cache.bytes_per_block(self.spec.draft_arch, self.spec.draft_num_kv_heads,
-                                                  self.block_size, self.dtype)
+            # drop a previous draft cache before allocating the new one; the draft's cache has the
+            # same blocks: size both together
+            self.spec.proposer = None
+            per_block += kv_cache.bytes_per_block(
+                self.spec.draft_arch, self.spec.draft_num_kv_heads, self.block_size, self.dtype
+            )
         budget = None
         if self.device.type == "cuda" and self.cfg.cache.kv_cache_memory_bytes is None:
             budget = self._profile_free_bytes()
         n = num_blocks or kv_cache.num_blocks_for_budget(self.cfg, per_block, budget)
         self.kv_caches = kv_cache.allocate(
-            self.num_layers, n, self.block_size, self.num_kv_heads, self.arch.head_dim,
-            self.dtype, self.device,
+            self.num_layers,
+            n,
+            self.block_size,
+            self.num_kv_heads,
+            self.arch.head_dim,
+            self.dtype,
+            self.device,
         )
         if draft is not None:
-            self.spec.attach_kv_cache(kv_cache.allocate(
-                self.spec.draft_arch.num_layers, n, self.block_size, self.spec.draft_num_kv_heads,
-                self.spec.draft_arch.head_dim, self.dtype, self.device,
-            ), self.block_size)
+            self.spec.attach_kv_cache(
+                kv_cache.allocate(
+                    self.spec.draft_arch.num_layers,
+                    n,
+                    self.block_size,
+                    self.spec.draft_num_kv_heads,
+                    self.spec.draft_arch.head_dim,
+                    self.dtype,
+                    self.device,
+                ),
+                self.block_size,
+            )
         self.num_blocks = n
         return n
 
@@ -105,8 +132,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        dummy = kv_cache.allocate(self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim,
-                                  self.dtype, self.device)
+        dummy = kv_cache.allocate(
+            self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim, self.dtype, self.device
+        )
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(
@@ -114,11 +142,17 @@ class ModelRunner:
             query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             seq_lens_upper_bound=torch.tensor([n], dtype=torch.int32),
-            block_table=torch.zeros(1, (n + self.block_size - 1) // self.block_size, dtype=torch.int32,
-                                    device=self.device),
+            block_table=torch.zeros(
+                1, (n + self.block_size - 1) // self.block_size, dtype=torch.int32, device=self.device
+            ),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            positions=pos, num_reqs=1, num_actual_tokens=n, max_query_len=n,
-            max_seq_len_upper_bound=n, bounds_are_exact=True, eager=True,
+            positions=pos,
+            num_reqs=1,
+            num_actual_tokens=n,
+            max_query_len=n,
+            max_seq_len_upper_bound=n,
+            bounds_are_exact=True,
+            eager=True,
         )
         sched, spec = self.cfg.scheduler, self.cfg.speculative
         # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
@@ -178,13 +212,17 @@ class ModelRunner:
         eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
         compile them while serving (graph captures already did the decode ones)."""
         draft = self.spec.draft_model if self.spec is not None else None
-        uses = [u for m in (self.model, draft) if m is not None
-                for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])]
+        uses = [
+            u
+            for m in (self.model, draft)
+            if m is not None
+            for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])
+        ]
         sched = self.cfg.scheduler
         with torch.no_grad():  # a draft model's projections too: its steps run eager
             self.tile_gemm_warm_launches = precompile_tile_gemm(
-                uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len),
-                max_logit_rows=sched.max_num_seqs)
+                uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len), max_logit_rows=sched.max_num_seqs
+            )
 
     def _warm_eager_decode(self) -> None:
         """One scratch decode pass per eager one-token attention variant and per batch size,
@@ -194,12 +232,22 @@ class ModelRunner:
 
         n = self.cfg.scheduler.max_num_seqs
         self.eager_warm_cases = warm_eager_decode(
-            scratch_model(self.model, self.pp, self.dtype), self.kv_caches, n, self.max_model_len,
-            self.block_size, self.device)
+            scratch_model(self.model, self.pp, self.dtype),
+            self.kv_caches,
+            n,
+            self.max_model_len,
+            self.block_size,
+            self.device,
+        )
         if self.spec is not None and self.spec.draft_model is not None:
             self.eager_warm_cases += warm_eager_decode(
-                self.spec.draft_model, self.spec.proposer.kv_caches, n, self.spec.max_position,
-                self.block_size, self.device)
+                self.spec.draft_model,
+                self.spec.proposer.kv_caches,
+                n,
+                self.spec.max_position,
+                self.block_size,
+                self.device,
+            )
 
     def _scratch_request_steps(self) -> None:
         from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
@@ -212,8 +260,11 @@ class ModelRunner:
         handle = -1  # the driver's handles are >= 0
         prompt = [i % self.arch.vocab_size for i in range(n)]
         plans = [
-            StepPlan(step_id=-3, new_requests=[NewRequest(handle, prompt, [], greedy, list(range(blocks)))],
-                     rows=[ScheduledRow(handle, n, n, [], True)]),
+            StepPlan(
+                step_id=-3,
+                new_requests=[NewRequest(handle, prompt, [], greedy, list(range(blocks)))],
+                rows=[ScheduledRow(handle, n, n, [], True)],
+            ),
             StepPlan(step_id=-2, rows=[ScheduledRow(handle, 1, n + 1, [], True)]),
             StepPlan(step_id=-1, finished_handles=[handle]),
         ]
@@ -226,17 +277,30 @@ class ModelRunner:
             return  # a pipeline stage runs eagerly: its graphs would need the transfers inside
         k = self.cfg.speculative.num_speculative_tokens if self.spec is not None else 0
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.max_model_len,
-            self.block_size, self.max_blocks_per_req, self.device, self.bounds_are_exact,
+            self.model,
+            self.kv_caches,
+            self.cfg.scheduler.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.max_blocks_per_req,
+            self.device,
+            self.bounds_are_exact,
             query_lens=(1, 1 + k) if k else (1,),
         )
         self.graphs.capture()
         if self.spec is not None and self.spec.draft_model is not None:
             # the draft replays (k + 2)-token windows and then feeds single drafts back
             self.spec.proposer.graphs = DecodeGraphs(
-                self.spec.draft_model, self.spec.proposer.kv_caches, self.cfg.scheduler.max_num_seqs,
-                self.spec.max_position, self.block_size, self.max_blocks_per_req, self.device,
-                self.bounds_are_exact, query_lens=(1, k + 2), logits=False,
+                self.spec.draft_model,
+                self.spec.proposer.kv_caches,
+                self.cfg.scheduler.max_num_seqs,
+                self.spec.max_position,
+                self.block_size,
+                self.max_blocks_per_req,
+                self.device,
+                self.bounds_are_exact,
+                query_lens=(1, k + 2),
+                logits=False,
             )
             self.spec.proposer.graphs.capture()
         self._capture_piecewise()
@@ -253,14 +317,15 @@ class ModelRunner:
         if self.spec is not None and self.spec.draft_model is not None:
             # the draft's window adds each sampling row's newest token to the step's tokens
             self.spec.proposer.piecewise = PiecewiseGraphs(
-                self.spec.draft_model, max_tokens + sched.max_num_seqs, self.device)
+                self.spec.draft_model, max_tokens + sched.max_num_seqs, self.device
+            )
             self.spec.proposer.piecewise.capture()
 
     # ------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
 
-    def launch(self, plan: StepPlan) -> "PendingStep":
+    def launch(self, plan: StepPlan) -> PendingStep:
         """Apply the plan and enqueue the step's device work; returns without waiting."""
         if self._probe_cycles and plan.rows:  # diagnostics: the device is busy for a while
             torch.cuda._sleep(self._probe_cycles)
@@ -286,7 +351,7 @@ class ModelRunner:
         self._probe_cycles = int(ms * 20_000_000 / start.elapsed_time(end))
 
     @torch.inference_mode()
-    def _enqueue(self, plan: StepPlan, t0: float) -> "PendingStep":
+    def _enqueue(self, plan: StepPlan, t0: float) -> PendingStep:
         st = self.state
         for h in plan.finished_handles:
             st.release(h)
@@ -329,8 +394,7 @@ class ModelRunner:
             st.num_computed[s_rows] = (first_pos + n_acc).int()  # p + 1 + accepted
         else:
             tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
-        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc,
-                            count=batch.penalties is not None)
+        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc, count=batch.penalties is not None)
         if self.pp is not None:  # stage 0 embeds them next step: device to device, no host
             self.pp.send_tokens(tokens[:, 0])
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
@@ -370,7 +434,7 @@ class ModelRunner:
         ev.record()
         return ev
 
-    def finish(self, pending: "PendingStep") -> StepResult:
+    def finish(self, pending: PendingStep) -> StepResult:
         return pending.result()
 
     def enable_ubatching(self, threshold: int) -> None:
@@ -380,108 +444,3 @@ class ModelRunner:
 
         self.model = UbatchedModel(self.model, threshold, self.tp)
         self.piecewise = None  # the split halves are the point: those steps run eagerly
-
-
-class PinnedPool:
-    """Pinned host buffers (with their CUDA event) for the sampled tokens' copy, reused step
-    after step: a fresh pinned tensor and event cost the host more than the copy itself. A
-    buffer comes back only from ``PendingStep.result``, after its event was waited for and
-    its contents read, so no copy can still be writing into a buffer handed out again."""
-
-    def __init__(self):
-        self._free: dict[tuple[int, torch.dtype], list] = {}
-
-    def take(self, numel: int, dtype: torch.dtype):
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
-        return torch.empty(numel, dtype=dtype, pin_memory=True), torch.cuda.Event()
-
-    def give(self, buf, event) -> None:
-        free = self._free.setdefault((buf.numel(), buf.dtype), [])
-        if len(free) < 8:  # at most a few steps are in flight; drop the rest
-            free.append((buf, event))
-
-
-class PendingStep:
-    """A launched step whose sampled tokens are being copied to pinned host memory."""
-
-    def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None,
-                 tokens=None, n_acc=None):
-        self.step_id, self.rank, self.t0 = step_id, rank, t0
-        self.handles, self.opts, self.so = handles or [], opts or [], so
-        self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
-        self.event = None
-        self.pool: PinnedPool | None = None  # where host_packed returns once read
-        self.launch_s = 0.0  # host time of launch(), set when it returns
-        self.timeline = None  # (start, end, previous step's end) CUDA events
-
-    def start_copy(self, device: torch.device, pool: PinnedPool) -> None:
-        so = self.so
-        if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
-            tensors = [self.tokens.flatten()]
-            packed = tensors[0]
-        else:
-            tensors = self._packed_parts()
-            packed = torch.cat(tensors)
-        self.sizes = [t.numel() for t in tensors]
-        if device.type == "cpu":
-            self.host_packed = packed
-            return
-        self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
-        self.pool = pool
-        self.host_packed.copy_(packed, non_blocking=True)
-        self.event.record()
-
-    def _packed_parts(self) -> list[torch.Tensor]:
-        """Tokens, accepted counts and logprobs as float64 (exact for ids below 2^53), one copy."""
-        so = self.so
-        tensors = [self.tokens.double().flatten()]
-        if self.n_acc is not None:
-            tensors.append(self.n_acc.double())
-        if so.sampled_logprob is not None:
-            tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
-            if so.top_ids is not None:
-                tensors += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
-        return tensors
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def result(self) -> StepResult:
-        if self.event is not None:
-            from workers.sync_check import allow_sync
-
-            with allow_sync("the sampled tokens' copy to pinned host memory"):
-                self.event.synchronize()  # the step's one deliberate wait
-        out = StepResult(step_id=self.step_id, rank=self.rank)
-        if self.so is not None:
-            host = list(torch.split(self.host_packed, self.sizes))
-            width = self.tokens.shape[1]
-            tok = host[0].long().view(-1, width).tolist()
-            if self.n_acc is not None:
-                n_acc = host.pop(1).long().tolist()
-            else:
-                n_acc = [0] * len(self.handles)
-            kmax = self.so.top_ids.shape[1] if self.so.top_ids is not None else 0
-            for i, h in enumerate(self.handles):
-                lp = None
-                k = self.opts[i].num_logprobs
-                if k >= 0 and len(host) > 1:
-                    top_ids = host[3][i * kmax : i * kmax + k].long().tolist() if k else []
-                    top_lp = host[4][i * kmax : i * kmax + k].tolist() if k else []
-                    lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
-                out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
-            if self.pool is not None:  # waited for and read: the buffer may be reused
-                self.pool.give(self.host_packed, self.event)
-                # they may belong to a later step now: a second result() must fail, not read them
-                self.pool = self.host_packed = self.event = None
-        st = out.stats
-        st.worker_time_s = time.perf_counter() - self.t0
-        st.host_launch_s = self.launch_s
-        if self.timeline is not None:  # all three events have completed: no wait here
-            start, end, prev_end = self.timeline
-            st.device_step_s = start.elapsed_time(end) / 1e3
-            if prev_end is not None:
-                st.device_idle_before_s = prev_end.elapsed_time(start) / 1e3
-        return out

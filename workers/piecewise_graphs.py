@@ -94,8 +94,9 @@ class PiecewiseGraphs:
                     self.pool = g.pool()
                 self.graphs[(t, i)] = g
         torch.cuda.synchronize()
-        logger.info("captured %d piecewise CUDA graphs (%d segments x token buckets %s)",
-                    len(self.graphs), n, self.buckets)
+        logger.info(
+            "captured %d piecewise CUDA graphs (%d segments x token buckets %s)", len(self.graphs), n, self.buckets
+        )
 
     # ---------------------------------------------------------------- replay
     def fits(self, num_tokens: int) -> bool:

@@ -30,22 +30,25 @@ import torch
 from metadata.config import ConfigError
 
 
-def stage_layers(num_layers: int, pipeline_parallel_size: int,
-                 split: list[int] | None = None) -> list[tuple[int, int]]:
+def stage_layers(num_layers: int, pipeline_parallel_size: int, split: list[int] | None = None) -> list[tuple[int, int]]:
     """``[start, end)`` layer range of each stage: ``split`` (layers per stage), or an even
     split with earlier stages taking the remainder (the last stage also runs the LM head
     and sampling). ``ConfigError`` when the split does not fit the model."""
     pp = pipeline_parallel_size
     if split is None:
         if pp > num_layers:
-            raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers: "
-                              "every stage needs at least one layer")
+            raise ConfigError(
+                f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers: "
+                "every stage needs at least one layer"
+            )
         base, extra = divmod(num_layers, pp)
         split = [base + (s < extra) for s in range(pp)]
     elif len(split) != pp or sum(split) != num_layers or min(split) < 1:
-        raise ConfigError(f"pipeline_layer_split {list(split)} must have {pp} entries "
-                          f"(pipeline_parallel_size) of at least 1 layer summing to the model's "
-                          f"{num_layers} layers (sums to {sum(split)})")
+        raise ConfigError(
+            f"pipeline_layer_split {list(split)} must have {pp} entries "
+            f"(pipeline_parallel_size) of at least 1 layer summing to the model's "
+            f"{num_layers} layers (sums to {sum(split)})"
+        )
     bounds, start = [], 0
     for n in split:
         bounds.append((start, start + n))
@@ -77,8 +80,9 @@ class PipelineStage:
 WHOLE_MODEL = PipelineStage()
 
 
-def pipeline_stage(rank: int, tp_size: int, pipeline_parallel_size: int, num_layers: int,
-                   split: list[int] | None = None) -> PipelineStage:
+def pipeline_stage(
+    rank: int, tp_size: int, pipeline_parallel_size: int, num_layers: int, split: list[int] | None = None
+) -> PipelineStage:
     index = rank // tp_size
     start, end = stage_layers(num_layers, pipeline_parallel_size, split)[index]
     return PipelineStage(index, pipeline_parallel_size, start, end)
@@ -104,8 +108,9 @@ class PipelineComm:
         dist.send(torch.stack((hidden, residual)), self.next_rank)
         self.sent_hidden += 1
 
-    def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv_hidden(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
@@ -133,8 +138,7 @@ class PipelineComm:
         later stage first receives the previous stage's ``(hidden, residual)``."""
         if self.stage.is_first:
             return model(inp.input_ids, inp.positions, inp.meta, kv_caches)
-        mid = self.recv_hidden(inp.meta.num_actual_tokens, model.arch.hidden_size, dtype,
-                               inp.input_ids.device)
+        mid = self.recv_hidden(inp.meta.num_actual_tokens, model.arch.hidden_size, dtype, inp.input_ids.device)
         return model(inp.input_ids, inp.positions, inp.meta, kv_caches, mid)
 
     def pass_on(self, out: tuple[torch.Tensor, torch.Tensor], inp, st) -> None:
@@ -152,9 +156,14 @@ class PipelineComm:
             st.token_ids[rows, pos] = self.recv_tokens(len(inp.handles), seq_lens.device)
 
     def stats(self) -> dict:
-        return {"pp_stage": self.stage.index, "pp_layers": [self.stage.start, self.stage.end],
-                "pp_sent_hidden": self.sent_hidden, "pp_received_hidden": self.received_hidden,
-                "pp_sent_tokens": self.sent_tokens, "pp_received_tokens": self.received_tokens}
+        return {
+            "pp_stage": self.stage.index,
+            "pp_layers": [self.stage.start, self.stage.end],
+            "pp_sent_hidden": self.sent_hidden,
+            "pp_received_hidden": self.received_hidden,
+            "pp_sent_tokens": self.sent_tokens,
+            "pp_received_tokens": self.received_tokens,
+        }
 
 
 def scratch_model(model, pp: PipelineComm | None, dtype: torch.dtype):
@@ -179,8 +188,7 @@ class ScratchStage:
         if self.model.embed_tokens is not None:
             out = self.model(input_ids, positions, meta, kv_caches)
         else:
-            zeros = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
-                                device=input_ids.device)
+            zeros = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=input_ids.device)
             out = self.model(input_ids, positions, meta, kv_caches, (zeros, zeros))
         return out[0] if isinstance(out, tuple) else out
 

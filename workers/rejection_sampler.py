@@ -78,8 +78,7 @@ def verify_drafts(rows: SpecRows, bonus_tokens: torch.Tensor) -> tuple[torch.Ten
     at = torch.arange(K + 1, device=dev)[None, :]
     fallback = torch.cat([recovered, bonus_tokens[:, None]], dim=1)
     # slot a: recovered token if a < k (a rejected draft), else the bonus token
-    last = torch.where(num_accepted < rows.num_drafts, fallback.gather(1, num_accepted[:, None])[:, 0],
-                       bonus_tokens)
+    last = torch.where(num_accepted < rows.num_drafts, fallback.gather(1, num_accepted[:, None])[:, 0], bonus_tokens)
     tokens = torch.where(at == num_accepted[:, None], last[:, None], tokens)
     return tokens, num_accepted
 
@@ -87,8 +86,15 @@ def verify_drafts(rows: SpecRows, bonus_tokens: torch.Tensor) -> tuple[torch.Ten
 def _sampled_verify(rows: SpecRows, K: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:
     R_K = rows.logits.shape[0] * K
     flat_logits = rows.logits.reshape(R_K, V)
-    p = sampling_probs(flat_logits, _flat(rows.temperature, K), _flat(rows.top_k, K), _flat(rows.top_p, K),
-                       _flat(rows.min_p, K), rows.any_top_k_top_p, rows.any_min_p)
+    p = sampling_probs(
+        flat_logits,
+        _flat(rows.temperature, K),
+        _flat(rows.top_k, K),
+        _flat(rows.top_p, K),
+        _flat(rows.min_p, K),
+        rows.any_top_k_top_p,
+        rows.any_min_p,
+    )
     p = p / p.sum(dim=-1, keepdim=True)  # min-p leaves the mass unnormalised
     d = rows.draft_tokens.reshape(R_K, 1)
     p_d = p.gather(1, d)[:, 0]
@@ -109,8 +115,14 @@ def _sampled_verify(rows: SpecRows, K: int, V: int) -> tuple[torch.Tensor, torch
     return accept.reshape(-1, K), recovered.reshape(-1, K)
 
 
-def reference_verify(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, num_drafts: int,
-                     bonus_p: torch.Tensor, gen: torch.Generator) -> list[int]:
+def reference_verify(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    num_drafts: int,
+    bonus_p: torch.Tensor,
+    gen: torch.Generator,
+) -> list[int]:
     """Plain-python rejection sampling of one row (test oracle): ``p`` [K, V] normalised
     target probs, ``q`` [K, V] draft probs or None (point mass), ``bonus_p`` [V]."""
     out = []

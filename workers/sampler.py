@@ -77,8 +77,15 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor, any_top_k_top_p: bool, any_min_p: bool) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    any_top_k_top_p: bool,
+    any_min_p: bool,
+) -> torch.Tensor:
     """The distribution a non-greedy row samples from: temperature, top-k/top-p, min-p.
 
     Rows with temperature 0 are computed at temperature 1 (callers pick argmax for them).
@@ -96,8 +103,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (float32). ``raw_argmax``: the argmax of
     these very logits, already computed (inside a decode CUDA graph); used only where no
     penalty or min_tokens mask changes the logits first."""
@@ -113,8 +119,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if batch.all_greedy:
         token_ids = greedy_ids
     else:
-        probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                               batch.any_top_k_top_p, batch.any_min_p)
+        probs = sampling_probs(
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_top_p, batch.any_min_p
+        )
         sampled = exponential_race(probs, batch.seeds, batch.positions)
         token_ids = torch.where(batch.temperature > 0, sampled, greedy_ids)
     out = SamplerOutput(token_ids=token_ids)

@@ -9,8 +9,9 @@ from workers.device_state import DeviceState, to_device
 from workers.sampler import PenaltyBatch, SamplingBatch
 
 
-def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: torch.Tensor,
-                         s_pos: torch.Tensor) -> SamplingBatch:
+def build_sampling_batch(
+    opts: list[SamplingOptions], st: DeviceState, s_rows: torch.Tensor, s_pos: torch.Tensor
+) -> SamplingBatch:
     dev = st.device
     cached = st.option_tensors.get(opts, dev)
     flags = cached.flags
@@ -18,8 +19,13 @@ def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: t
     top_k, seeds, min_tokens = cached.ints
     penalties = None
     if flags["any_penalties"]:
-        penalties = PenaltyBatch(repetition=rep, presence=pres, frequency=freq,
-                                 output_counts=st.output_counts[s_rows], prompt_mask=st.prompt_mask[s_rows])
+        penalties = PenaltyBatch(
+            repetition=rep,
+            presence=pres,
+            frequency=freq,
+            output_counts=st.output_counts[s_rows],
+            prompt_mask=st.prompt_mask[s_rows],
+        )
     mask = None
     if flags["any_min_tokens"]:
         ri, ids = [], []
@@ -33,8 +39,16 @@ def build_sampling_batch(opts: list[SamplingOptions], st: DeviceState, s_rows: t
         out_len = s_pos - st.prompt_len[s_rows].long()  # outputs before this token (device)
         mask &= (out_len < min_tokens)[:, None]
     return SamplingBatch(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seeds=seeds, positions=s_pos,
-        all_greedy=flags["all_greedy"], any_top_k_top_p=flags["any_top_k_top_p"],
-        any_min_p=flags["any_min_p"], penalties=penalties, min_tokens_mask=mask,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seeds=seeds,
+        positions=s_pos,
+        all_greedy=flags["all_greedy"],
+        any_top_k_top_p=flags["any_top_k_top_p"],
+        any_min_p=flags["any_min_p"],
+        penalties=penalties,
+        min_tokens_mask=mask,
         max_num_logprobs=flags["max_num_logprobs"],
     )

@@ -27,8 +27,9 @@ class DraftVocabMismatch(ValueError):
 
 
 class SpecDecoder:
-    def __init__(self, cfg: EngineConfig, target_arch, tp, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int):
+    def __init__(
+        self, cfg: EngineConfig, target_arch, tp, dtype: torch.dtype, device: torch.device, max_model_len: int
+    ):
         sp = cfg.speculative
         self.method = sp.speculative_method
         self.k = sp.num_speculative_tokens
@@ -60,28 +61,45 @@ class SpecDecoder:
         return self.draft_model.layers[0].self_attn.num_kv_heads
 
     def attach_kv_cache(self, kv_caches, block_size: int) -> None:
-        self.proposer = DraftModelProposer(self.draft_model, kv_caches, self.k, block_size,
-                                           bounds_are_exact=False, max_position=self.max_position)
+        self.proposer = DraftModelProposer(
+            self.draft_model, kv_caches, self.k, block_size, bounds_are_exact=False, max_position=self.max_position
+        )
 
     # ------------------------------------------------------------- verify
-    def verify(self, logits_all: torch.Tensor, inp: StepInputs, batch: SamplingBatch, st: DeviceState,
-               s_rows: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self,
+        logits_all: torch.Tensor,
+        inp: StepInputs,
+        batch: SamplingBatch,
+        st: DeviceState,
+        s_rows: torch.Tensor,
+        bonus: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         K = inp.max_drafts
         draft_probs = None
         if self.method == "draft_model" and not batch.all_greedy:
             draft_probs = st.ensure_draft_probs(self.k)[s_rows, :K]
         rows = SpecRows(
-            logits=logits_all[inp.spec_idx].float(), draft_tokens=inp.input_ids[inp.draft_token_idx],
-            num_drafts=inp.num_drafts_d, draft_probs=draft_probs, temperature=batch.temperature,
-            top_k=batch.top_k, top_p=batch.top_p, min_p=batch.min_p, seeds=batch.seeds,
-            positions=batch.positions - inp.num_drafts_d, all_greedy=batch.all_greedy,
-            any_top_k_top_p=batch.any_top_k_top_p, any_min_p=batch.any_min_p,
+            logits=logits_all[inp.spec_idx].float(),
+            draft_tokens=inp.input_ids[inp.draft_token_idx],
+            num_drafts=inp.num_drafts_d,
+            draft_probs=draft_probs,
+            temperature=batch.temperature,
+            top_k=batch.top_k,
+            top_p=batch.top_p,
+            min_p=batch.min_p,
+            seeds=batch.seeds,
+            positions=batch.positions - inp.num_drafts_d,
+            all_greedy=batch.all_greedy,
+            any_top_k_top_p=batch.any_top_k_top_p,
+            any_min_p=batch.any_min_p,
         )
         return verify_drafts(rows, bonus)
 
     # ------------------------------------------------------------ propose
-    def propose(self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor,
-                batch: SamplingBatch) -> None:
+    def propose(
+        self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor, batch: SamplingBatch
+    ) -> None:
         if self.proposer is not None and inp.handles:
             self.proposer.propose(st, inp, s_rows, known, batch)
         elif self.method == "draft_model" and self.proposer is None:

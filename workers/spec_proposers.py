@@ -40,7 +40,7 @@ def ngram_drafts(hist: torch.Tensor, known: torch.Tensor, k: int, n_min: int, n_
         match &= starts + n < known[:, None]  # a continuation exists and it is not the suffix itself
         best = torch.where(match, starts, -1).amax(dim=1)
         take = (best >= 0) & ~found
-        cont = (best.clamp(min=0)[:, None] + n + torch.arange(k, device=dev)[None, :])
+        cont = best.clamp(min=0)[:, None] + n + torch.arange(k, device=dev)[None, :]
         cont = torch.minimum(cont, (known - 1)[:, None]).clamp(min=0)
         drafts = torch.where(take[:, None], hist.gather(1, cont), drafts)
         found |= take
@@ -51,8 +51,9 @@ class NgramProposer:
     def __init__(self, k: int, n_min: int, n_max: int):
         self.k, self.n_min, self.n_max = k, n_min, n_max
 
-    def propose(self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor,
-                draft_sampling=None) -> None:
+    def propose(
+        self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor, draft_sampling=None
+    ) -> None:
         width = min(st.token_ids.shape[1], max(inp.ubs) + 1)  # host bound on every known length
         hist = st.token_ids[s_rows, :width]
         drafts = ngram_drafts(hist, known, self.k, self.n_min, self.n_max)
@@ -61,7 +62,7 @@ class NgramProposer:
 
 def write_drafts(st: DeviceState, s_rows: torch.Tensor, known: torch.Tensor, drafts: torch.Tensor) -> None:
     k = drafts.shape[1]
-    pos = (known.long()[:, None] + torch.arange(k, device=drafts.device)[None, :])
+    pos = known.long()[:, None] + torch.arange(k, device=drafts.device)[None, :]
     pos = pos.clamp(max=st.token_ids.shape[1] - 1)
     st.token_ids[s_rows[:, None].expand(-1, k), pos] = drafts
 
@@ -91,8 +92,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.bounds_are_exact = bounds_are_exact
 
-    def propose(self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor,
-                draft_sampling) -> None:
+    def propose(
+        self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor, draft_sampling
+    ) -> None:
         from metadata.attention_metadata import AttentionMetadata
 
         k, bs = self.k, self.block_size
@@ -105,8 +107,9 @@ class DraftModelProposer:
         starts = inp.meta.num_computed_tokens().long()  # device: KV length before this step
         n_blk = min((max(ubs) + k + bs - 1) // bs, st.block_table_cpu.shape[1])
         # the block table (wide enough for the k lookahead drafts) rides in the window's copy
-        win, _, _ = build_window(st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact,
-                                 table_blocks=n_blk)
+        win, _, _ = build_window(
+            st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact, table_blocks=n_blk
+        )
         block_table = win.block_table
         hidden = self._forward(win, len(q_lens), q_lens, max(ubs))
         if not sample_list:
@@ -132,11 +135,18 @@ class DraftModelProposer:
             qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
             meta = AttentionMetadata(
                 query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=st.device),
-                query_start_loc_cpu=qsl_cpu, seq_lens=(pos + 1).int(),
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=(pos + 1).int(),
                 seq_lens_upper_bound=torch.tensor([u + i + 1 for u in s_ubs], dtype=torch.int32),
-                block_table=bt, slot_mapping=slots, positions=pos, num_reqs=n, num_actual_tokens=n,
-                max_query_len=1, max_seq_len_upper_bound=max(s_ubs) + i + 1,
-                bounds_are_exact=self.bounds_are_exact, eager=True,  # graphs use their own
+                block_table=bt,
+                slot_mapping=slots,
+                positions=pos,
+                num_reqs=n,
+                num_actual_tokens=n,
+                max_query_len=1,
+                max_seq_len_upper_bound=max(s_ubs) + i + 1,
+                bounds_are_exact=self.bounds_are_exact,
+                eager=True,  # graphs use their own
             )
             hidden = self._forward(_Inputs(tok, pos, meta), n, [1] * n, meta.max_seq_len_upper_bound)
             logits = self.model.compute_logits(hidden)
@@ -158,8 +168,7 @@ class DraftModelProposer:
         greedy = logits.argmax(dim=-1)
         if ds.all_greedy:
             return greedy
-        probs = sampling_probs(logits, ds.temperature, ds.top_k, ds.top_p, ds.min_p,
-                               ds.any_top_k_top_p, ds.any_min_p)
+        probs = sampling_probs(logits, ds.temperature, ds.top_k, ds.top_p, ds.min_p, ds.any_top_k_top_p, ds.any_min_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         st.ensure_draft_probs(self.k)[s_rows, i] = probs
         drawn = exponential_race(probs, ds.seeds ^ STREAM_DRAFT, pos)

@@ -34,11 +34,21 @@ class Window:
     capacity: torch.Tensor  # device int64 [num_reqs]: positions the row's blocks can hold
 
 
-def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int], q_lens: list[int],
-                 ubs: list[int], starts: torch.Tensor | None, block_size: int, bounds_are_exact: bool,
-                 block_table: torch.Tensor | None = None, capacity: torch.Tensor | None = None,
-                 packed_extra: list[list[int]] | None = None, out: tuple | None = None,
-                 table_blocks: int | None = None) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
+def build_window(
+    st: DeviceState,
+    rows: torch.Tensor | None,
+    rows_cpu: list[int],
+    q_lens: list[int],
+    ubs: list[int],
+    starts: torch.Tensor | None,
+    block_size: int,
+    bounds_are_exact: bool,
+    block_table: torch.Tensor | None = None,
+    capacity: torch.Tensor | None = None,
+    packed_extra: list[list[int]] | None = None,
+    out: tuple | None = None,
+    table_blocks: int | None = None,
+) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
     allocated blocks are -1 (skipped), so lookahead writes can never touch another row's KV.
@@ -100,15 +110,33 @@ def build_window(st: DeviceState, rows: torch.Tensor | None, rows_cpu: list[int]
     if block_table is None:
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
     positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
-        starts, rows, token_req_d, offsets_d, q_lens_d, capacity, st.token_ids, block_table, bs,
-        every_request_has_tokens=min(q_lens) >= 1, out=out,
-        num_computed=st.num_computed if starts is None else None)
+        starts,
+        rows,
+        token_req_d,
+        offsets_d,
+        q_lens_d,
+        capacity,
+        st.token_ids,
+        block_table,
+        bs,
+        every_request_has_tokens=min(q_lens) >= 1,
+        out=out,
+        num_computed=st.num_computed if starts is None else None,
+    )
     meta = AttentionMetadata(
-        query_start_loc=qsl_d, query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32), seq_lens=seq_lens,
-        seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32), block_table=block_table,
-        slot_mapping=slot_mapping, positions=positions, num_reqs=n_reqs, num_actual_tokens=n_tokens,
-        max_query_len=max(q_lens), max_seq_len_upper_bound=max_ub,
-        bounds_are_exact=bounds_are_exact, eager=True,  # a graph replay uses its own metadata
+        query_start_loc=qsl_d,
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=seq_lens,
+        seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        num_reqs=n_reqs,
+        num_actual_tokens=n_tokens,
+        max_query_len=max(q_lens),
+        max_seq_len_upper_bound=max_ub,
+        bounds_are_exact=bounds_are_exact,
+        eager=True,  # a graph replay uses its own metadata
     )
     return Window(input_ids, positions, meta, block_table, capacity), back, rows
 
@@ -139,8 +167,9 @@ class StepInputs:
     graph_key: tuple[int, int, int] | None = None  # the decode graph it replays, picked while built
 
 
-def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool,
-                      graphs=None) -> StepInputs:
+def build_step_inputs(
+    plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool, graphs=None
+) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``)."""
     rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
@@ -172,16 +201,30 @@ def build_step_inputs(plan: StepPlan, st: DeviceState, block_size: int, bounds_a
     key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs)) if graphs is not None else None
     out = graphs.static_inputs(len(rows_cpu), ends[-1]) if key is not None else None
     # the rows, the block table and the extras ride in the window's one copy
-    win, back, rows = build_window(st, None, rows_cpu, q_lens, ubs, None, block_size,
-                                   bounds_are_exact, packed_extra=extra, out=out)
+    win, back, rows = build_window(
+        st, None, rows_cpu, q_lens, ubs, None, block_size, bounds_are_exact, packed_extra=extra, out=out
+    )
     logits_i, bonus_i, sample_rows = back[:3]
     inp = StepInputs(
-        step_id=plan.step_id, input_ids=win.input_ids, positions=win.positions, meta=win.meta, rows=rows,
-        rows_cpu=rows_cpu, q_lens=q_lens, ubs=ubs, logits_idx=logits_i, bonus_idx=bonus_i,
-        sample_rows=sample_rows, sample_rows_cpu=sample_idx, handles=[plan.rows[i].handle for i in sample_idx],
+        step_id=plan.step_id,
+        input_ids=win.input_ids,
+        positions=win.positions,
+        meta=win.meta,
+        rows=rows,
+        rows_cpu=rows_cpu,
+        q_lens=q_lens,
+        ubs=ubs,
+        logits_idx=logits_i,
+        bonus_idx=bonus_i,
+        sample_rows=sample_rows,
+        sample_rows_cpu=sample_idx,
+        handles=[plan.rows[i].handle for i in sample_idx],
         opts=[st.sampling[rows_cpu[i]] for i in sample_idx],
         is_uniform_decode=len(q_lens) == win.meta.num_actual_tokens and len(sample_idx) == len(q_lens),
-        num_drafts=drafts, max_drafts=k_max, window=win, graph_key=key,
+        num_drafts=drafts,
+        max_drafts=k_max,
+        window=win,
+        graph_key=key,
     )
     if k_max:
         s = len(sample_idx)

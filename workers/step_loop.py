@@ -62,8 +62,11 @@ class StepLoop:
 
     def _error(self, step_id: int, exc: BaseException) -> bytes:
         logger.exception("step %d failed on rank %d", step_id, self.rank)
-        return encode(StepResult(step_id=step_id, rank=self.rank,
-                                 error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+        return encode(
+            StepResult(
+                step_id=step_id, rank=self.rank, error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+            )
+        )
 
     def _run(self) -> None:
         launched: collections.deque = collections.deque()  # (step_id, pending, future)

@@ -37,8 +37,7 @@ class SyncError(RuntimeError):
 
 def _call_site() -> str:
     frames = [
-        f for f in traceback.extract_stack()[:-3]
-        if "warnings" not in f.filename and "sync_check" not in f.filename
+        f for f in traceback.extract_stack()[:-3] if "warnings" not in f.filename and "sync_check" not in f.filename
     ]
     if not frames:
         return "<unknown>"
@@ -107,9 +106,11 @@ class SyncCheck:
 
     def _check_allocator(self, before: tuple[int, int], after: tuple[int, int]) -> None:
         if after[0] > before[0]:
-            msg = ("the CUDA caching allocator ran out of cached memory inside a step, freed its "
-                   "cache and retried (cudaFree waits for the device); lower gpu_memory_utilization "
-                   "or max_num_batched_tokens")
+            msg = (
+                "the CUDA caching allocator ran out of cached memory inside a step, freed its "
+                "cache and retried (cudaFree waits for the device); lower gpu_memory_utilization "
+                "or max_num_batched_tokens"
+            )
             if self.mode == "error":
                 raise SyncError(msg)
             self.reports.append(msg)

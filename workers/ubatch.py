@@ -44,8 +44,9 @@ def split_point(num_tokens: int) -> int:
     return num_tokens // 2
 
 
-def slice_metadata(meta: AttentionMetadata, tok_lo: int, tok_hi: int,
-                   block_size: int | None = None) -> AttentionMetadata:
+def slice_metadata(
+    meta: AttentionMetadata, tok_lo: int, tok_hi: int, block_size: int | None = None
+) -> AttentionMetadata:
     """Metadata for tokens ``[tok_lo, tok_hi)`` of ``meta``'s batch, equal to building it
     directly for that slice. ``block_size`` narrows the block table to the slice's bound."""
     if not 0 <= tok_lo < tok_hi <= meta.num_actual_tokens:
@@ -69,11 +70,17 @@ def slice_metadata(meta: AttentionMetadata, tok_lo: int, tok_hi: int,
     return AttentionMetadata(
         query_start_loc=qsl.to(meta.query_start_loc.dtype),
         query_start_loc_cpu=qsl_cpu.to(meta.query_start_loc_cpu.dtype),
-        seq_lens=seq_lens, seq_lens_upper_bound=upper, block_table=block_table,
-        slot_mapping=meta.slot_mapping[tok_lo:tok_hi], positions=meta.positions[tok_lo:tok_hi],
-        num_reqs=r_hi - r_lo + 1, num_actual_tokens=n,
-        max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()), max_seq_len_upper_bound=max_ub,
-        bounds_are_exact=meta.bounds_are_exact, eager=meta.eager,
+        seq_lens=seq_lens,
+        seq_lens_upper_bound=upper,
+        block_table=block_table,
+        slot_mapping=meta.slot_mapping[tok_lo:tok_hi],
+        positions=meta.positions[tok_lo:tok_hi],
+        num_reqs=r_hi - r_lo + 1,
+        num_actual_tokens=n,
+        max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()),
+        max_seq_len_upper_bound=max_ub,
+        bounds_are_exact=meta.bounds_are_exact,
+        eager=meta.eager,
     )
 
 
@@ -167,10 +174,15 @@ class UbatchedModel:
             return self._forward(input_ids, positions, meta, kv_caches, intermediate)
         block_size = kv_caches[0][0].shape[1] if kv_caches else None
         s, metas = split_metadata(meta, block_size)
-        halves = [None, None] if intermediate is None else [
-            tuple(t[:s] for t in intermediate), tuple(t[s:] for t in intermediate)]
-        parts = [(input_ids[:s], positions[:s], metas[0], halves[0]),
-                 (input_ids[s:], positions[s:], metas[1], halves[1])]
+        halves = (
+            [None, None]
+            if intermediate is None
+            else [tuple(t[:s] for t in intermediate), tuple(t[s:] for t in intermediate)]
+        )
+        parts = [
+            (input_ids[:s], positions[:s], metas[0], halves[0]),
+            (input_ids[s:], positions[s:], metas[1], halves[1]),
+        ]
         self.num_split_steps += 1
         if self.tp.size == 1:
             outs = [self._forward(ids, pos, m, kv_caches, mid) for ids, pos, m, mid in parts]

@@ -1,6 +1,7 @@
 """Kernel microbenchmarks on one GPU: skinny GEMM configs vs cuBLAS, decode attention configs.
 
-    python -m benchmarks.kernels.bench --out /tmp/kernel-bench.json [--only gemm|gemv|attention|attention-sweep[-big]|probe|rope-attention]
+    python -m benchmarks.kernels.bench --out /tmp/kernel-bench.json
+        [--only gemm|gemv|attention|attention-sweep[-big]|probe|rope-attention]
     python -m benchmarks.kernels.bench --tune kernels/skinny_tuning.json
 
 Timings: ``benchmarks.kernels.timing`` (CUDA-graph replays over operand copies larger
@@ -25,12 +26,25 @@ from benchmarks.kernels.timing import (
 )
 
 TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
-    1: [(False, 8, 512, 4, 2, False), (False, 4, 1024, 4, 2, False), (False, 8, 1024, 4, 2, False),
-        (False, 16, 512, 8, 2, False), (False, 8, 256, 2, 3, False), (False, 8, 512, 4, 2, True),
-        (False, 4, 1024, 4, 2, True), (False, 4, 512, 2, 2, True)],
-    16: [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 4, False), (True, 16, 256, 4, 4, False),
-         (True, 32, 128, 4, 5, False)],
+    1: [
+        (False, 8, 512, 4, 2, False),
+        (False, 4, 1024, 4, 2, False),
+        (False, 8, 1024, 4, 2, False),
+        (False, 16, 512, 8, 2, False),
+        (False, 8, 256, 2, 3, False),
+        (False, 8, 512, 4, 2, True),
+        (False, 4, 1024, 4, 2, True),
+        (False, 4, 512, 2, 2, True),
+    ],
+    16: [
+        (True, 32, 256, 4, 4, False),
+        (True, 64, 128, 4, 4, False),
+        (True, 16, 256, 4, 4, False),
+        (True, 32, 128, 4, 5, False),
+    ],
 }
+
+
 def bench_gemm(ms: list[int]) -> list[dict]:
     from kernels import ops
     from kernels.skinny_gemm import skinny_linear_triton
@@ -53,16 +67,22 @@ def bench_gemm(ms: list[int]) -> list[dict]:
                 base = graph_time_us([lambda w=w: ops.linear(x, w, **kw) for w in ws])
             finally:
                 ops.SKINNY_MAX_M = saved
-            row = {"shape": name, "n": n, "k": k, "m": m, "variant": variant,
-                   "weight_bytes": nbytes, "baseline_us": base,
-                   "baseline_tb_s": nbytes / base / 1e6, "configs": []}
+            row = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "m": m,
+                "variant": variant,
+                "weight_bytes": nbytes,
+                "baseline_us": base,
+                "baseline_tb_s": nbytes / base / 1e6,
+                "configs": [],
+            }
             mc = 1 if m == 1 else 16
             for use_dot, bn, bk, nw, st, pf in TUNE_CANDIDATES[mc]:
-                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st,
-                           prefetch=pf)
+                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st, prefetch=pf)
                 try:
-                    us = graph_time_us([lambda w=w, cfg=cfg: skinny_linear_triton(x, w, config=cfg, **kw)
-                                        for w in ws])
+                    us = graph_time_us([lambda w=w, cfg=cfg: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws])
                 except Exception as e:  # a config that does not compile (resources)
                     row["configs"].append({**cfg, "error": repr(e)[:200]})
                     continue
@@ -72,25 +92,42 @@ def bench_gemm(ms: list[int]) -> list[dict]:
             row["best"] = best
             row["speedup"] = base / best["us"] if best else None
             rows.append(row)
-            print(f"gemm {name:12s} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
-                  + (f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
-                     f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
-                     f"w={best['num_warps']} s={best['num_stages']} pf={best['prefetch']} "
-                     f"-> {row['speedup']:.2f}x"
-                     if best else ", no config ran"), flush=True)
+            print(
+                f"gemm {name:12s} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
+                + (
+                    f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
+                    f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
+                    f"w={best['num_warps']} s={best['num_stages']} pf={best['prefetch']} "
+                    f"-> {row['speedup']:.2f}x"
+                    if best
+                    else ", no config ran"
+                ),
+                flush=True,
+            )
         del ws
         torch.cuda.empty_cache()
     return rows
 
 
 ATTN_CASES = [  # (batch, context, hq, hkv, bound): the roofline cells' decode attention
-    (1, 512, 32, 8, 1024), (1, 4096, 32, 8, 4128), (8, 512, 32, 8, 1024), (32, 4096, 32, 8, 4128),
-    (128, 512, 32, 8, 1024), (256, 512, 32, 8, 1024), (256, 512, 16, 8, 1024),
-    (128, 4096, 16, 8, 4128), (1, 512, 16, 8, 1024),
+    (1, 512, 32, 8, 1024),
+    (1, 4096, 32, 8, 4128),
+    (8, 512, 32, 8, 1024),
+    (32, 4096, 32, 8, 4128),
+    (128, 512, 32, 8, 1024),
+    (256, 512, 32, 8, 1024),
+    (256, 512, 16, 8, 1024),
+    (128, 4096, 16, 8, 4128),
+    (1, 512, 16, 8, 1024),
 ]
-ATTN_CONFIGS = [None, dict(block_n=64, num_warps=2, num_stages=3), dict(block_n=128, num_warps=4, num_stages=3),
-                dict(block_n=128, num_warps=8, num_stages=2), dict(block_n=32, num_warps=4, num_stages=4),
-                dict(block_n=64, num_warps=4, num_stages=4)]
+ATTN_CONFIGS = [
+    None,
+    dict(block_n=64, num_warps=2, num_stages=3),
+    dict(block_n=128, num_warps=4, num_stages=3),
+    dict(block_n=128, num_warps=8, num_stages=2),
+    dict(block_n=32, num_warps=4, num_stages=4),
+    dict(block_n=64, num_warps=4, num_stages=4),
+]
 
 
 def _engine_splits(b: int, hq: int, hkv: int, d: int, bound: int, dev) -> int:
@@ -99,8 +136,7 @@ def _engine_splits(b: int, hq: int, hkv: int, d: int, bound: int, dev) -> int:
 
     from kernels.paged_attention import _device_sms, launch_config
 
-    return launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound,
-                         _device_sms(dev)).num_splits
+    return launch_config(b, b, hkv, triton.next_power_of_2(hq // hkv), d, 1, bound, _device_sms(dev)).num_splits
 
 
 def bench_attention() -> list[dict]:
@@ -114,41 +150,76 @@ def bench_attention() -> list[dict]:
         seq = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
         splits = _engine_splits(b, hq, hkv, d, bound, dev)
-        row = {"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound, "kv_bytes": kv_bytes,
-               "heuristic_splits": splits, "variants": []}
-        variants = [("default (fused reduce)", dict()), ("reduce kernel", dict(fused_reduce=False)),
-                    ("no split", dict(num_splits=1))]
+        row = {
+            "batch": b,
+            "context": ctx,
+            "hq": hq,
+            "hkv": hkv,
+            "bound": bound,
+            "kv_bytes": kv_bytes,
+            "heuristic_splits": splits,
+            "variants": [],
+        }
+        variants = [
+            ("default (fused reduce)", dict()),
+            ("reduce kernel", dict(fused_reduce=False)),
+            ("no split", dict(num_splits=1)),
+        ]
         if splits > 1:
             variants.append(("2x splits", dict(num_splits=min(64, 2 * splits))))
             variants.append(("half splits", dict(num_splits=max(1, splits // 2))))
         variants += [(f"cfg {c}", dict(config=c)) for c in ATTN_CONFIGS[1:] if b >= 32]
         for label, kw in variants:
             try:
-                us = graph_time_us([lambda c=c, kw=kw: paged_attention_triton(
-                    q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5, **kw) for c in caches])
+                us = graph_time_us(
+                    [
+                        lambda c=c, kw=kw: paged_attention_triton(
+                            q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5, **kw
+                        )
+                        for c in caches
+                    ]
+                )
             except Exception as e:
                 row["variants"].append({"label": label, "error": repr(e)[:200]})
                 continue
             row["variants"].append({"label": label, "us": us, "tb_s": kv_bytes / us / 1e6})
         rows.append(row)
-        print(f"attn b={b:3d} ctx={ctx:5d} hq={hq} hkv={hkv} splits={splits}: " + ", ".join(
-            f"{v['label']} {v['us']:.1f}us/{v['tb_s']:.2f}TB/s" for v in row["variants"] if "us" in v),
-            flush=True)
+        print(
+            f"attn b={b:3d} ctx={ctx:5d} hq={hq} hkv={hkv} splits={splits}: "
+            + ", ".join(f"{v['label']} {v['us']:.1f}us/{v['tb_s']:.2f}TB/s" for v in row["variants"] if "us" in v),
+            flush=True,
+        )
         del caches
         torch.cuda.empty_cache()
     return rows
 
 
 SMALL_ATTN_CASES = [  # decode cells of the roofline grid that miss (b, ctx, hq, hkv, graph bucket)
-    (1, 512, 16, 8, 1024), (1, 512, 32, 8, 1024), (8, 512, 16, 8, 1024), (8, 512, 32, 8, 1024),
-    (1, 4096, 16, 8, 4126), (8, 4096, 16, 8, 4126), (32, 512, 16, 8, 1024), (128, 512, 16, 8, 1024),
+    (1, 512, 16, 8, 1024),
+    (1, 512, 32, 8, 1024),
+    (8, 512, 16, 8, 1024),
+    (8, 512, 32, 8, 1024),
+    (1, 4096, 16, 8, 4126),
+    (8, 4096, 16, 8, 4126),
+    (32, 512, 16, 8, 1024),
+    (128, 512, 16, 8, 1024),
 ]
 
 
 BIG_ATTN_CASES = [(128, 512, 16, 8, 1024), (256, 512, 16, 8, 1024), (128, 512, 32, 8, 1024)]
 SWEEP_TILES = ((64, 4, 3), (32, 4, 3), (16, 4, 2), (32, 2, 4), (64, 4, 2), (128, 4, 2))
-BIG_SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3), (128, 8, 2),
-                   (128, 8, 3), (32, 4, 4), (32, 4, 6), (32, 2, 4))
+BIG_SWEEP_TILES = (
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 4, 4),
+    (64, 8, 2),
+    (64, 8, 3),
+    (128, 8, 2),
+    (128, 8, 3),
+    (32, 4, 4),
+    (32, 4, 6),
+    (32, 2, 4),
+)
 
 
 def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8, 16, 32)) -> list[dict]:
@@ -169,23 +240,43 @@ def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8,
             for bn, nw, st in tiles:
                 cfg = dict(block_n=bn, num_warps=nw, num_stages=st)
                 try:
-                    us = graph_time_us([lambda c=c: paged_attention_triton(
-                        q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5, num_splits=splits,
-                        config=cfg) for c in caches])
+                    us = graph_time_us(
+                        [
+                            lambda c=c: paged_attention_triton(
+                                q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5, num_splits=splits, config=cfg
+                            )
+                            for c in caches
+                        ]
+                    )
                 except Exception as e:  # resources
                     res.append({"splits": splits, **cfg, "error": repr(e)[:120]})
                     continue
                 res.append({"splits": splits, **cfg, "us": us})
         ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
         # the launch as the engine makes it (its own tiles, stages and splits)
-        base = graph_time_us([lambda c=c: paged_attention_triton(
-            q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5) for c in caches])
-        rows.append({"batch": b, "context": ctx, "hq": hq, "hkv": hkv, "bound": bound,
-                     "heuristic_splits": heur, "heuristic_us": base, "results": res})
-        print(f"attn-sweep b={b:3d} ctx={ctx:5d} hq={hq} bound={bound}: heuristic {heur} splits "
-              f"{base:.2f} us; best " + "; ".join(
-                  f"s{r['splits']} bn{r['block_n']} w{r['num_warps']} st{r['num_stages']} {r['us']:.2f}"
-                  for r in ok[:3]), flush=True)
+        base = graph_time_us(
+            [lambda c=c: paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5) for c in caches]
+        )
+        rows.append(
+            {
+                "batch": b,
+                "context": ctx,
+                "hq": hq,
+                "hkv": hkv,
+                "bound": bound,
+                "heuristic_splits": heur,
+                "heuristic_us": base,
+                "results": res,
+            }
+        )
+        print(
+            f"attn-sweep b={b:3d} ctx={ctx:5d} hq={hq} bound={bound}: heuristic {heur} splits "
+            f"{base:.2f} us; best "
+            + "; ".join(
+                f"s{r['splits']} bn{r['block_n']} w{r['num_warps']} st{r['num_stages']} {r['us']:.2f}" for r in ok[:3]
+            ),
+            flush=True,
+        )
         del caches
         torch.cuda.empty_cache()
     return rows
@@ -207,32 +298,55 @@ def tune(path: str) -> dict:
         mc = 1 if r["m"] == 1 else 16
         best = r["best"]
         use = best is not None and best["us"] < r["baseline_us"]
-        cfg = {k: best[k] for k in ("use_dot", "block_n", "block_k", "num_warps", "num_stages",
-                                    "prefetch")} if use else None
+        cfg = (
+            {k: best[k] for k in ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")}
+            if use
+            else None
+        )
         entries[tuning_key(KIND[r["variant"]], mc, r["n"], r["k"])] = cfg
         table.append((r["shape"], r["m"], r["baseline_us"], best["us"] if best else None, use))
-    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": " ".join(sys.argv), "entries": entries, "measurements": rows}
+    out = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "entries": entries,
+        "measurements": rows,
+    }
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print("tuned:", ", ".join(f"{s} M={m}: {b:.1f}->{t:.1f}us {'skinny' if u else 'unfused'}"
-                              for s, m, b, t, u in table if t is not None), flush=True)
+    print(
+        "tuned:",
+        ", ".join(
+            f"{s} M={m}: {b:.1f}->{t:.1f}us {'skinny' if u else 'unfused'}" for s, m, b, t, u in table if t is not None
+        ),
+        flush=True,
+    )
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench", description=__doc__)
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("gemm", "gemv", "attention",
-                                      "attention-sweep", "attention-sweep-big", "probe",
-                                      "rope-attention"),
-                   default=None)
-    p.add_argument("--tuning-out", metavar="JSON", default=None,
-                   help="with --only gemv: write the tuning table with the batch-1 winners")
+    p.add_argument(
+        "--only",
+        choices=("gemm", "gemv", "attention", "attention-sweep", "attention-sweep-big", "probe", "rope-attention"),
+        default=None,
+    )
+    p.add_argument(
+        "--tuning-out",
+        metavar="JSON",
+        default=None,
+        help="with --only gemv: write the tuning table with the batch-1 winners",
+    )
     p.add_argument("--ms", default="1,4,16")
-    p.add_argument("--tune", metavar="JSON", default=None,
-                   help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)")
+    p.add_argument(
+        "--tune",
+        metavar="JSON",
+        default=None,
+        help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)",
+    )
     a = p.parse_args(argv)
     if a.tune:
         return tune(a.tune)

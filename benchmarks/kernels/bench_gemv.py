@@ -26,15 +26,32 @@ from benchmarks.kernels.timing import (
 
 # (block_n, block_k, num_warps, ctas_per_sm, pre_l2 bytes). One CTA an SM leaves room for
 # the next kernel's CTAs to launch early under PDL and load their first tiles.
-GEMV_CANDIDATES = [(8, 1024, 8, 2, 0), (4, 1024, 8, 4, 0), (2, 2048, 8, 4, 0), (16, 512, 8, 2, 0),
-                   (8, 1024, 8, 1, 0), (4, 1024, 8, 1, 0), (16, 512, 8, 1, 0), (4, 2048, 8, 1, 0),
-                   (8, 1024, 4, 1, 0), (8, 1024, 8, 1, 8192), (4, 1024, 8, 1, 16384),
-                   (16, 512, 8, 1, 4096), (16, 1024, 16, 1, 0), (8, 2048, 16, 1, 0),
-                   (16, 1024, 8, 1, 0), (16, 1024, 16, 2, 0)]
+GEMV_CANDIDATES = [
+    (8, 1024, 8, 2, 0),
+    (4, 1024, 8, 4, 0),
+    (2, 2048, 8, 4, 0),
+    (16, 512, 8, 2, 0),
+    (8, 1024, 8, 1, 0),
+    (4, 1024, 8, 1, 0),
+    (16, 512, 8, 1, 0),
+    (4, 2048, 8, 1, 0),
+    (8, 1024, 4, 1, 0),
+    (8, 1024, 8, 1, 8192),
+    (4, 1024, 8, 1, 16384),
+    (16, 512, 8, 1, 4096),
+    (16, 1024, 16, 1, 0),
+    (8, 2048, 16, 1, 0),
+    (16, 1024, 8, 1, 0),
+    (16, 1024, 16, 2, 0),
+]
 # skinny tensor-core path at batch 1 (x padded to 16 rows; W streamed by the software
 # pipeline): (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
-SKINNY_DOT_CANDIDATES = [(True, 32, 256, 4, 4, False), (True, 64, 128, 4, 5, False),
-                         (True, 16, 512, 4, 3, False), (True, 32, 512, 8, 3, False)]
+SKINNY_DOT_CANDIDATES = [
+    (True, 32, 256, 4, 4, False),
+    (True, 64, 128, 4, 5, False),
+    (True, 16, 512, 4, 3, False),
+    (True, 32, 512, 8, 3, False),
+]
 GEMV_KEYS = ("block_n", "block_k", "num_warps", "ctas_per_sm", "pre_l2")
 
 
@@ -64,19 +81,36 @@ def bench_gemv() -> list[dict]:
         skinny_cfg = skinny_cfg or fallback_config(1)
 
         def skinny(pdl_on):
-            return with_pdl(pdl_on, lambda: graph_time_us(
-                [lambda w=w: skinny_linear_triton(x, w, config=skinny_cfg, **kw) for w in ws]))
+            return with_pdl(
+                pdl_on,
+                lambda: graph_time_us([lambda w=w: skinny_linear_triton(x, w, config=skinny_cfg, **kw) for w in ws]),
+            )
 
-        row = {"shape": name, "n": n, "k": k, "variant": variant, "weight_bytes": nbytes,
-               "baseline_us": base, "skinny_config": skinny_cfg, "skinny_us": skinny(False),
-               "skinny_pdl_us": skinny(True), "gemv": [], "skinny_dot": []}
+        row = {
+            "shape": name,
+            "n": n,
+            "k": k,
+            "variant": variant,
+            "weight_bytes": nbytes,
+            "baseline_us": base,
+            "skinny_config": skinny_cfg,
+            "skinny_us": skinny(False),
+            "skinny_pdl_us": skinny(True),
+            "gemv": [],
+            "skinny_dot": [],
+        }
         for cand in SKINNY_DOT_CANDIDATES:
-            cfg = dict(zip(("use_dot", "block_n", "block_k", "num_warps", "num_stages",
-                            "prefetch"), cand))
+            cfg = dict(zip(("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch"), cand))
             try:
-                us = {mode: with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
-                    [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]))
-                      for mode in ("off", "pdl")}
+                us = {
+                    mode: with_pdl(
+                        mode == "pdl",
+                        lambda cfg=cfg: graph_time_us(
+                            [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]
+                        ),
+                    )
+                    for mode in ("off", "pdl")
+                }
             except Exception as e:  # resources
                 row["skinny_dot"].append({**cfg, "error": repr(e)[:200]})
                 continue
@@ -85,9 +119,13 @@ def bench_gemv() -> list[dict]:
             cfg = dict(zip(GEMV_KEYS, cand))  # (the GEMV reads only the stacked gate|up)
             modes = ("pdl",) if cfg["pre_l2"] else ("off", "pdl")
             try:
-                us = {mode: with_pdl(mode == "pdl", lambda cfg=cfg: graph_time_us(
-                    [lambda w=w: gemv_triton(x, w, config=cfg, **kw) for w in ws]))
-                      for mode in modes}
+                us = {
+                    mode: with_pdl(
+                        mode == "pdl",
+                        lambda cfg=cfg: graph_time_us([lambda w=w: gemv_triton(x, w, config=cfg, **kw) for w in ws]),
+                    )
+                    for mode in modes
+                }
             except Exception as e:  # resources
                 row["gemv"].append({**cfg, "error": repr(e)[:200]})
                 continue
@@ -101,14 +139,20 @@ def bench_gemv() -> list[dict]:
         rows.append(row)
         tb = lambda us: nbytes / us / 1e6  # noqa: E731
         d = row["skinny_dot_best"]
-        print(f"gemv {name:12s}: unfused {base:6.2f} us ({tb(base):.2f} TB/s) | skinny "
-              f"{row['skinny_us']:6.2f} pdl {row['skinny_pdl_us']:6.2f} | dot "
-              + (f"{d['us']:6.2f} pdl {d['pdl_us']:6.2f} bn{d['block_n']}" if d else "-")
-              + (f" | gemv {best['us']:6.2f} ({tb(best['us']):.2f}) "
-                 + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best])
-                 + f" | gemv-pdl {best_pdl['pdl_us']:6.2f} ({tb(best_pdl['pdl_us']):.2f}) "
-                 + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best_pdl])
-                 if best else " | gemv none ran"), flush=True)
+        print(
+            f"gemv {name:12s}: unfused {base:6.2f} us ({tb(base):.2f} TB/s) | skinny "
+            f"{row['skinny_us']:6.2f} pdl {row['skinny_pdl_us']:6.2f} | dot "
+            + (f"{d['us']:6.2f} pdl {d['pdl_us']:6.2f} bn{d['block_n']}" if d else "-")
+            + (
+                f" | gemv {best['us']:6.2f} ({tb(best['us']):.2f}) "
+                + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best])
+                + f" | gemv-pdl {best_pdl['pdl_us']:6.2f} ({tb(best_pdl['pdl_us']):.2f}) "
+                + " ".join(f"{c[k_]}" for k_ in GEMV_KEYS for c in [best_pdl])
+                if best
+                else " | gemv none ran"
+            ),
+            flush=True,
+        )
         ws = None  # free the copies before the next shape
         torch.cuda.empty_cache()
     return rows
@@ -124,13 +168,13 @@ def tuning_from(rows: list[dict], base_table: dict, pdl_on: bool = False) -> dic
     entries = dict(base_table.get("entries", {}))
     for r in rows:
         key = tuning_key(KIND[r["variant"]], 1, r["n"], r["k"])
-        options = [(r["baseline_us"], None),
-                   (r["skinny_pdl_us"] if pdl_on else r["skinny_us"], r["skinny_config"])]
-        options += [(c[t], {k_: c[k_] for k_ in ("use_dot", "block_n", "block_k", "num_warps",
-                                                 "num_stages", "prefetch")})
-                    for c in r.get("skinny_dot", []) if t in c]
-        options += [(c[t], {"kernel": "gemv", **{k_: c[k_] for k_ in GEMV_KEYS}})
-                    for c in r.get("gemv", []) if t in c]
+        options = [(r["baseline_us"], None), (r["skinny_pdl_us"] if pdl_on else r["skinny_us"], r["skinny_config"])]
+        options += [
+            (c[t], {k_: c[k_] for k_ in ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")})
+            for c in r.get("skinny_dot", [])
+            if t in c
+        ]
+        options += [(c[t], {"kernel": "gemv", **{k_: c[k_] for k_ in GEMV_KEYS}}) for c in r.get("gemv", []) if t in c]
         entries[key] = min(options, key=lambda o: o[0])[1]
     return dict(base_table, entries=entries)
 

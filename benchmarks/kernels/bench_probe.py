@@ -23,9 +23,16 @@ from benchmarks.kernels.timing import attention_caches, graph_time_us, rotation_
 
 GATE_UP_SHAPES = {"8b_gate_up": (28672, 4096), "06b_gate_up": (6144, 1024)}
 # (block_n, block_k, num_warps, num_stages, prefetch); block_n counts weight rows
-PROBE_CANDIDATES = [(8, 1024, 4, 2, True), (8, 512, 4, 2, True), (8, 1024, 4, 2, False),
-                    (4, 1024, 4, 2, True), (16, 512, 8, 2, False), (16, 1024, 8, 2, True),
-                    (8, 2048, 8, 2, True), (8, 256, 2, 3, False)]
+PROBE_CANDIDATES = [
+    (8, 1024, 4, 2, True),
+    (8, 512, 4, 2, True),
+    (8, 1024, 4, 2, False),
+    (4, 1024, 4, 2, True),
+    (16, 512, 8, 2, False),
+    (16, 1024, 8, 2, True),
+    (8, 2048, 8, 2, True),
+    (8, 256, 2, 3, False),
+]
 # (name, hq, hkv, o_proj out, in): the decode attention and o_proj of each shape
 ATTN_O_SHAPES = [("8b", 32, 8, 4096, 4096), ("06b", 16, 8, 1024, 2048)]
 
@@ -50,12 +57,12 @@ def bench_gate_up_layout() -> list[dict]:
         saved = ops.SKINNY_MAX_M
         ops.SKINNY_MAX_M = 0
         try:
-            base = graph_time_us([lambda w=w: ops.linear(x, w, residual=res, norm_weight=g,
-                                                         act="silu_and_mul") for w in ws])
+            base = graph_time_us(
+                [lambda w=w: ops.linear(x, w, residual=res, norm_weight=g, act="silu_and_mul") for w in ws]
+            )
         finally:
             ops.SKINNY_MAX_M = saved
-        row = {"shape": name, "n": n, "k": k, "weight_bytes": nbytes, "unfused_us": base,
-               "variants": {}}
+        row = {"shape": name, "n": n, "k": k, "weight_bytes": nbytes, "unfused_us": base, "variants": {}}
         variants = {
             "stacked": dict(residual=res, norm_weight=g, act="silu_and_mul"),
             "pairs": dict(residual=res, norm_weight=g, act="silu_and_mul_pairs"),
@@ -66,9 +73,15 @@ def bench_gate_up_layout() -> list[dict]:
             for c in PROBE_CANDIDATES:
                 cfg = _cfg(c)
                 try:
-                    us = {m: with_pdl(m == "pdl", lambda: graph_time_us(
-                        [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]))
-                          for m in ("off", "pdl")}
+                    us = {
+                        m: with_pdl(
+                            m == "pdl",
+                            lambda: graph_time_us(
+                                [lambda w=w: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws]
+                            ),
+                        )
+                        for m in ("off", "pdl")
+                    }
                 except Exception as e:  # resources
                     out.append({**cfg, "error": repr(e)[:160]})
                     continue
@@ -82,11 +95,12 @@ def bench_gate_up_layout() -> list[dict]:
             if ok:
                 b = min(ok, key=lambda c: c["us"])
                 bp = min(ok, key=lambda c: c["pdl_us"])
-                parts.append(f"{label} {b['us']:.2f} ({tb(b['us']):.2f} TB/s, bn{b['block_n']} "
-                             f"bk{b['block_k']} w{b['num_warps']} pf{int(b['prefetch'])}) "
-                             f"pdl {bp['pdl_us']:.2f}")
-        print(f"probe {name}: unfused {base:.2f} ({tb(base):.2f} TB/s) | " + " | ".join(parts),
-              flush=True)
+                parts.append(
+                    f"{label} {b['us']:.2f} ({tb(b['us']):.2f} TB/s, bn{b['block_n']} "
+                    f"bk{b['block_k']} w{b['num_warps']} pf{int(b['prefetch'])}) "
+                    f"pdl {bp['pdl_us']:.2f}"
+                )
+        print(f"probe {name}: unfused {base:.2f} ({tb(base):.2f} TB/s) | " + " | ".join(parts), flush=True)
         ws = None  # free the copies before the next shape
         torch.cuda.empty_cache()
     return rows
@@ -111,7 +125,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
         x = torch.randn(1, k, device=dev, dtype=dt)
 
         def attn(c):
-            return paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5)
+            return paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5)
 
         def pair(i, pre):
             c, w = caches[i % len(caches)], ws[i % len(ws)]
@@ -122,8 +136,7 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
         row = {"shape": name, "o_config": cfg, "cases": {}}
         cases = {  # label -> the calls of one graph, given the o_proj's prefetch_l2
             "attn": lambda pre: [lambda c=c: attn(c) for c in caches],
-            "o": lambda pre: [lambda w=w: skinny_linear_triton(
-                x, w, config=dict(cfg, prefetch_l2=pre)) for w in ws],
+            "o": lambda pre: [lambda w=w: skinny_linear_triton(x, w, config=dict(cfg, prefetch_l2=pre)) for w in ws],
             "attn+o": lambda pre: [lambda i=i: pair(i, pre) for i in range(n_fns)],
         }
         for label, make in cases.items():
@@ -137,8 +150,11 @@ def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
                     continue
                 row["cases"][f"{label}/{mode}"] = {"us": us}
         rows.append(row)
-        print(f"probe attn->o {name}: " + ", ".join(
-            f"{key} {v['us']:.2f}" for key, v in row["cases"].items() if "us" in v), flush=True)
+        print(
+            f"probe attn->o {name}: "
+            + ", ".join(f"{key} {v['us']:.2f}" for key, v in row["cases"].items() if "us" in v),
+            flush=True,
+        )
         caches = ws = None  # free them before the next shape
         torch.cuda.empty_cache()
     return rows
@@ -151,8 +167,9 @@ def bench_probe() -> dict:
 ROPE_ATTN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BATCHES,
-                         device: str = "cuda", timer=graph_time_us) -> list[dict]:
+def bench_rope_attention(
+    ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BATCHES, device: str = "cuda", timer=graph_time_us
+) -> list[dict]:
     """Decode attention with the rope + KV-write prologue inside (``rope=``) against the
     ``rope_kv`` launch followed by attention, per batch size (PDL off, one new token a
     request at position ``ctx``): the crossover behind ``ops.ROPE_IN_ATTENTION_MAX_TOKENS``.
@@ -171,8 +188,8 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
             slots = [(c[2][:, ctx // bs].long() * bs + ctx % bs) for c in caches]
             qkv = torch.randn(b, (hq + 2 * hkv) * d, device=dev, dtype=dt)
             q = qkv[:, : hq * d].view(b, hq, d)
-            k = qkv[:, hq * d: (hq + hkv) * d].view(b, hkv, d)
-            v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
             seq = torch.full((b,), ctx + 1, device=dev, dtype=torch.int32)
             qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
             pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
@@ -181,23 +198,28 @@ def bench_rope_attention(ctx: int = 512, bound: int = 1024, batches=ROPE_ATTN_BA
 
             def two(c, sl):
                 qr = rope_and_write_kv_triton(pos, q, k, v, cs, c[0], c[1], sl, w, w, 1e-6)
-                return paged_attention_triton(qr, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5)
+                return paged_attention_triton(qr, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5)
 
             def one(c, sl):
-                return paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d ** -0.5,
-                                              rope=DecodeRope(pos, k, v, cs, sl, w, w, 1e-6))
+                return paged_attention_triton(
+                    q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5, rope=DecodeRope(pos, k, v, cs, sl, w, w, 1e-6)
+                )
 
             row = {"shape": name, "batch": b, "context": ctx, "bound": bound}
             for label, fn in (("two_launches", two), ("rope_in_attention", one)):
                 try:
-                    row[label + "_us"] = with_pdl(False, lambda fn=fn: timer(
-                        [lambda c=c, sl=sl: fn(c, sl) for c, sl in zip(caches, slots)]))
+                    row[label + "_us"] = with_pdl(
+                        False, lambda fn=fn: timer([lambda c=c, sl=sl: fn(c, sl) for c, sl in zip(caches, slots)])
+                    )
                 except Exception as e:  # resources
                     row[label + "_error"] = repr(e)[:160]
             rows.append(row)
-            print(f"rope-attention {name} b={b:3d}: two launches "
-                  f"{row.get('two_launches_us', float('nan')):7.2f} us, fused "
-                  f"{row.get('rope_in_attention_us', float('nan')):7.2f} us", flush=True)
+            print(
+                f"rope-attention {name} b={b:3d}: two launches "
+                f"{row.get('two_launches_us', float('nan')):7.2f} us, fused "
+                f"{row.get('rope_in_attention_us', float('nan')):7.2f} us",
+                flush=True,
+            )
             caches = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -33,18 +33,26 @@ def candidates(m: int, k: int) -> list[dict]:
     out = []
     if m <= 16:  # the 2-16-row class: one 16-row tile; N=1024 projections need split-K
         # (split 1: no split sum at all, for the wide qkv and gate|up)
-        grid = [(16, bn, bk, split) for bn, bk, split
-                in itertools.product((32, 64), (64, 128), (1, 2, 4, 8, 16))]
+        grid = [(16, bn, bk, split) for bn, bk, split in itertools.product((32, 64), (64, 128), (1, 2, 4, 8, 16))]
     else:
-        grid = [(bm, bn, bk, split)
-                for bm in sorted({min(max(32, m), 128), 64} if m >= 128 else {max(32, m)})
-                for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8))]
+        grid = [
+            (bm, bn, bk, split)
+            for bm in sorted({min(max(32, m), 128), 64} if m >= 128 else {max(32, m)})
+            for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8))
+        ]
     for bm, bn, bk, split in grid:
         if k % (split * bk) or (bm == 128 and bn == 128 and bk == 128):
             continue
-        out.append(dict(block_m=bm, block_n=bn, block_k=bk, split_k=split,
-                        num_warps=8 if bm * bn >= 128 * 64 else 4,
-                        num_stages=4 if bk == 64 else 3))
+        out.append(
+            dict(
+                block_m=bm,
+                block_n=bn,
+                block_k=bk,
+                split_k=split,
+                num_warps=8 if bm * bn >= 128 * 64 else 4,
+                num_stages=4 if bk == 64 else 3,
+            )
+        )
     return out
 
 
@@ -60,34 +68,48 @@ def bench(ms: list[int], shapes: list[str]) -> list[dict]:
         out_dtype = torch.float32 if logits else None
         # gate|up: the model's row-pair layout, SiLU*mul fused here vs cuBLAS + its kernel
         act = "silu_and_mul_pairs" if variant == "norm_act_pairs" else None
-        ws = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-              for _ in range(rotation_copies(n * k * 2))]
+        ws = [torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for _ in range(rotation_copies(n * k * 2))]
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=dt)
             if logits:
+
                 def base(w):
                     return torch.nn.functional.linear(x, w).float()
             elif act:
+
                 def base(w):
                     return silu_and_mul_triton(torch.nn.functional.linear(x, w), pairs=True)
             else:
+
                 def base(w):
                     return torch.nn.functional.linear(x, w)
+
             ref = base(ws[0]).float()
             cublas_us = graph_time_us([lambda w=w: base(w) for w in ws])
-            res, ok = _sweep(m, k, ws, ref, lambda w, c: tile_linear_triton(
-                x, w, c, out_dtype=out_dtype, act=act))
+            res, ok = _sweep(m, k, ws, ref, lambda w, c: tile_linear_triton(x, w, c, out_dtype=out_dtype, act=act))
             if variant == "plain" and not logits:  # o_proj, down: feed residual + RMSNorm
                 res_n = _bench_add_norm(x, ws, n, k, m)
             else:
                 res_n = None
-            row = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": n * k * 2,
-                   "cublas_us": cublas_us, "results": res, "best": ok[0] if ok else None,
-                   "ref_max_abs": ref.abs().max().item(), "add_norm": res_n}
+            row = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "m": m,
+                "weight_bytes": n * k * 2,
+                "cublas_us": cublas_us,
+                "results": res,
+                "best": ok[0] if ok else None,
+                "ref_max_abs": ref.abs().max().item(),
+                "add_norm": res_n,
+            }
             rows.append(row)
-            print(f"tile-gemm {name:12s} M={m:3d}: cuBLAS {cublas_us:7.2f} us; best "
-                  + "; ".join(_describe(r) for r in ok[:3])
-                  + (f"  -> {cublas_us / ok[0]['us']:.2f}x" if ok else ""), flush=True)
+            print(
+                f"tile-gemm {name:12s} M={m:3d}: cuBLAS {cublas_us:7.2f} us; best "
+                + "; ".join(_describe(r) for r in ok[:3])
+                + (f"  -> {cublas_us / ok[0]['us']:.2f}x" if ok else ""),
+                flush=True,
+            )
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -101,14 +123,13 @@ def _bench_add_norm(x, ws, n: int, k: int, m: int) -> dict:
 
     res = torch.randn(m, n, device=x.device, dtype=x.dtype)
     nw = torch.rand(n, device=x.device, dtype=x.dtype) + 0.5
-    base_us = graph_time_us([lambda w=w: rms_norm_triton(torch.nn.functional.linear(x, w), nw,
-                                                         1e-6, res) for w in ws])
+    base_us = graph_time_us([lambda w=w: rms_norm_triton(torch.nn.functional.linear(x, w), nw, 1e-6, res) for w in ws])
     ref = rms_norm_triton(torch.nn.functional.linear(x, ws[0]), nw, 1e-6, res)[0].float()
-    out, ok = _sweep(m, k, ws, ref,
-                     lambda w, c: tile_linear_add_norm_triton(x, w, c, res, nw, 1e-6)[0])
+    out, ok = _sweep(m, k, ws, ref, lambda w, c: tile_linear_add_norm_triton(x, w, c, res, nw, 1e-6)[0])
     if ok:
-        print(f"tile-gemm   +add+norm  M={m:3d}: cuBLAS+rms_norm {base_us:7.2f} us; best "
-              + _describe(ok[0]), flush=True)
+        print(
+            f"tile-gemm   +add+norm  M={m:3d}: cuBLAS+rms_norm {base_us:7.2f} us; best " + _describe(ok[0]), flush=True
+        )
     return {"cublas_norm_us": base_us, "best": ok[0] if ok else None, "results": out}
 
 
@@ -129,8 +150,9 @@ def _sweep(m: int, k: int, ws, ref, run) -> tuple[list[dict], list[dict]]:
 
 
 def _describe(r: dict) -> str:
-    return (f"bm{r['block_m']} bn{r['block_n']} bk{r['block_k']} s{r['split_k']}"
-            f" {r['us']:.2f} (err {r['max_abs_err']:.3g})")
+    return (
+        f"bm{r['block_m']} bn{r['block_n']} bk{r['block_k']} s{r['split_k']} {r['us']:.2f} (err {r['max_abs_err']:.3g})"
+    )
 
 
 def tuning_table(rows: list[dict], device: str | None = None) -> dict:
@@ -150,11 +172,18 @@ def tuning_table(rows: list[dict], device: str | None = None) -> dict:
             key = tuning_key(mc, r["n"], r["k"], kind)
             win = best is not None and best["us"] < WIN_MARGIN * base
             entries[key] = {c: best[c] for c in CONFIG_KEYS} if win else None
-            why[key] = (f"{r['shape']}: cuBLAS {base:.2f} us, tile {best['us']:.2f} us"
-                        if best is not None else f"{r['shape']}: no config ran")
-    return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": "python -m benchmarks.kernels.bench_tile_gemm --tuning-out", "entries": entries,
-            "measured": why}
+            why[key] = (
+                f"{r['shape']}: cuBLAS {base:.2f} us, tile {best['us']:.2f} us"
+                if best is not None
+                else f"{r['shape']}: no config ran"
+            )
+    return {
+        "device": device or torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.kernels.bench_tile_gemm --tuning-out",
+        "entries": entries,
+        "measured": why,
+    }
 
 
 def main(argv=None) -> None:
@@ -171,8 +200,7 @@ def main(argv=None) -> None:
         p.error(f"unknown shapes {bad} (known: {sorted(GEMM_SHAPES)}) or a batch below 1")
     rows = bench(ms, shapes)
     with open(a.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "tile_gemm": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tile_gemm": rows}, f, indent=1)
     if a.tuning_out:
         with open(a.tuning_out, "w") as f:
             json.dump(tuning_table(rows), f, indent=1)

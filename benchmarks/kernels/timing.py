@@ -84,9 +84,7 @@ def gemm_call_kwargs(variant, m, k, dtype, dev):
         kw["norm_weight"] = torch.ones(k, device=dev, dtype=dtype)
         kw["residual"] = torch.randn(m, k, device=dev, dtype=dtype)
     if variant in ("norm_act", "norm_act_pairs"):
-        kw["act"] = (
-            "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
-        )
+        kw["act"] = "silu_and_mul_pairs" if variant == "norm_act_pairs" else "silu_and_mul"
     if variant == "logits":
         kw["out_dtype"] = torch.float32
     return kw

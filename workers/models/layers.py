@@ -54,8 +54,9 @@ class MergedColumnLinear(nn.Module):
     GEMV streams as one contiguous row set: ``act="silu_and_mul_pairs"``).
     """
 
-    def __init__(self, in_f: int, parts: list[tuple[int, int]], bias: bool, dtype: torch.dtype,
-                 interleave: bool = False):
+    def __init__(
+        self, in_f: int, parts: list[tuple[int, int]], bias: bool, dtype: torch.dtype, interleave: bool = False
+    ):
         super().__init__()
         if interleave and len({n for _, n in parts}) != 1:
             raise ValueError(f"interleaved parts must have equal lengths, got {parts}")
@@ -79,13 +80,15 @@ class MergedColumnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)[0]
 
-    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm",
-                     act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm", act: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``act(self(norm(x [+ residual])))`` and the new residual (``x`` itself when
         ``residual`` is None, the first layer). One launch at decode batch sizes on CUDA
         (``ops.linear``'s skinny GEMM fuses the norm and the activation)."""
-        y, new_res = ops.linear(x, self.weight, self.bias, residual=residual,
-                                norm_weight=norm.weight, eps=norm.eps, act=act)
+        y, new_res = ops.linear(
+            x, self.weight, self.bias, residual=residual, norm_weight=norm.weight, eps=norm.eps, act=act
+        )
         return y, (x if residual is None else new_res)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops, pdl
+from kernels import fused_norm_ops, ops, pdl
 from kernels.norm_handoff import Normed, PreNormed
 from metadata.attention_metadata import AttentionMetadata
 from workers.distributed import TPGroup
@@ -29,8 +29,7 @@ def local_kv_heads(arch: ModelArch, tp: TPGroup) -> tuple[int, int]:
     if arch.num_kv_heads >= tp.size:
         if arch.num_kv_heads % tp.size:
             raise ValueError(
-                f"num_key_value_heads {arch.num_kv_heads} is not divisible by "
-                f"tensor_parallel_size {tp.size}"
+                f"num_key_value_heads {arch.num_kv_heads} is not divisible by tensor_parallel_size {tp.size}"
             )
         n = arch.num_kv_heads // tp.size
         return tp.rank * n, n
@@ -47,18 +46,14 @@ class Attention(nn.Module):
         super().__init__()
         d = arch.head_dim
         if arch.num_heads % tp.size:
-            raise ValueError(
-                f"num_attention_heads {arch.num_heads} is not divisible by tensor_parallel_size {tp.size}"
-            )
+            raise ValueError(f"num_attention_heads {arch.num_heads} is not divisible by tensor_parallel_size {tp.size}")
         self.num_heads = arch.num_heads // tp.size
         kv_first, self.num_kv_heads = local_kv_heads(arch, tp)
         self.head_dim = d
         self.scale = d**-0.5
         q_start, q_len = shard_rows(arch.num_heads * d, tp)
         kv_part = (kv_first * d, self.num_kv_heads * d)
-        self.qkv_proj = MergedColumnLinear(
-            arch.hidden_size, [(q_start, q_len), kv_part, kv_part], arch.qkv_bias, dtype
-        )
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [(q_start, q_len), kv_part, kv_part], arch.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, tp, dtype)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -82,12 +77,25 @@ class Attention(nn.Module):
         v = qkv[:, nq + nk :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv
         o = ops.rope_and_attention(
-            positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-            meta.block_table, meta.seq_lens, meta.query_start_loc, meta.query_start_loc_cpu,
-            meta.max_query_len, meta.max_seq_len_upper_bound, self.scale,
+            positions,
+            q,
+            k,
+            v,
+            cos_sin,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.query_start_loc_cpu,
+            meta.max_query_len,
+            meta.max_seq_len_upper_bound,
+            self.scale,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 1e-6, eager=meta.eager,
+            self.q_norm.eps if self.q_norm is not None else 1e-6,
+            eager=meta.eager,
         )
         return o.reshape(t, nq)
 
@@ -99,8 +107,7 @@ class MLP(nn.Module):
         # gate|up as (gate j, up j) row pairs: the batch-1 GEMV then streams one contiguous
         # row set (faster than stacked rows and than the unfused path; docs/decisions.md)
         self.act = "silu_and_mul_pairs"
-        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype,
-                                               interleave=True)
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [part, part], arch.mlp_bias, dtype, interleave=True)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp, dtype)
         self.inter = part[1]
 
@@ -116,7 +123,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         # o_proj -> norm -> gate|up -> down as one block (no all-reduce between): the norm
-        # handoffs of ``ops.mlp_block``
+        # handoffs of ``fused_norm_ops.mlp_block``
         self.whole_mlp_block = tp.size == 1 and not arch.mlp_bias
 
     def forward(self, h, residual, positions, meta, kv, cos_sin, next_layer=None):
@@ -137,7 +144,7 @@ class DecoderLayer(nn.Module):
         """Input norm (with the residual add) + QKV projection -> ``(qkv, residual)``."""
         attn = self.self_attn
         if isinstance(h, PreNormed):
-            return ops.linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias), residual
+            return fused_norm_ops.linear_prenormed(h, attn.qkv_proj.weight, attn.qkv_proj.bias), residual
         if isinstance(h, Normed):  # the previous down's split sum did this norm
             return attn.qkv_proj(h.x), residual
         return attn.qkv_proj.norm_forward(h, residual, self.input_layernorm)
@@ -146,17 +153,26 @@ class DecoderLayer(nn.Module):
         """From the attention output ``o [T, Hq * D]``: o_proj, residual add + norm, MLP ->
         ``(h, residual)`` (``h`` possibly handed off to ``next_layer``'s norm)."""
         attn, mlp = self.self_attn, self.mlp
-        if self.whole_mlp_block:  # tp 1: the norm handoffs (ops.mlp_block)
+        if self.whole_mlp_block:  # tp 1: the norm handoffs (fused_norm_ops.mlp_block)
             ln = self.post_attention_layernorm
             nxt = None
             if next_layer is not None:
                 nln = next_layer.input_layernorm
                 nxt = (nln.weight, nln.eps, next_layer.self_attn.qkv_proj.weight)
-            return ops.mlp_block(o, attn.o_proj.weight, residual, ln.weight, ln.eps,
-                                 mlp.gate_up_proj.weight, mlp.down_proj.weight, act=mlp.act,
-                                 handoff_to=nxt)
-        act, residual = mlp.gate_up_proj.norm_forward(attn.o_proj(o), residual,
-                                                      self.post_attention_layernorm, act=mlp.act)
+            return fused_norm_ops.mlp_block(
+                o,
+                attn.o_proj.weight,
+                residual,
+                ln.weight,
+                ln.eps,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
+                act=mlp.act,
+                handoff_to=nxt,
+            )
+        act, residual = mlp.gate_up_proj.norm_forward(
+            attn.o_proj(o), residual, self.post_attention_layernorm, act=mlp.act
+        )
         return mlp.down_proj(act), residual
 
 
@@ -168,14 +184,16 @@ class LlamaForCausalLM(nn.Module):
     the embedding on the first stage and the final norm and LM head on the last; with tied
     embeddings a last stage that does not embed loads the embedding into its own LM head."""
 
-    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, max_positions: int,
-                 stage: PipelineStage = WHOLE_MODEL):
+    def __init__(
+        self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, max_positions: int, stage: PipelineStage = WHOLE_MODEL
+    ):
         super().__init__()
         self.arch = arch
         self.stage = stage
         self.layer_ids = stage.layer_range(arch.num_layers)
-        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype)
-                             if stage.is_first else None)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype) if stage.is_first else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype) for _ in self.layer_ids)
         self.norm = self.lm_head = None
         if stage.is_last:
@@ -198,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         """A whole-model parameter name as this stage names it (layer indices local), or None
         for a parameter another pipeline stage holds."""
         if name.startswith("layers."):
-            index, rest = name[len("layers."):].split(".", 1)
+            index, rest = name[len("layers.") :].split(".", 1)
             if not index.isdigit() or int(index) not in range(self.arch.num_layers):
                 return name  # not a layer of this model: the loader reports it
             if int(index) not in self.layer_ids:
@@ -208,14 +226,20 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_tokens is not None:
                 return name
             if self.lm_head is not None and self.arch.tie_word_embeddings:
-                return "lm_head." + name[len("embed_tokens."):]
+                return "lm_head." + name[len("embed_tokens.") :]
             return None
         if name.startswith(("norm.", "lm_head.")) and self.norm is None:
             return None
         return name
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[KVCache],
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """The first stage embeds ``input_ids``; a later one continues from the previous
         stage's ``intermediate`` ``(hidden, residual)``. The last stage returns the normed
         hidden states, an earlier one ``(hidden, residual)`` for the next stage."""
@@ -223,8 +247,9 @@ class LlamaForCausalLM(nn.Module):
             if intermediate is not None:
                 h, residual = intermediate
             elif self.embed_tokens is None:
-                raise ValueError(f"pipeline stage {self.stage.index} needs the previous stage's "
-                                 "hidden states (intermediate)")
+                raise ValueError(
+                    f"pipeline stage {self.stage.index} needs the previous stage's hidden states (intermediate)"
+                )
             else:
                 h, residual = self.embed_tokens(input_ids), None
             nxt = list(self.layers[1:]) + [None]
@@ -241,9 +266,12 @@ class LlamaForCausalLM(nn.Module):
         uses = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            uses += [(attn.qkv_proj.weight, "plain"), (attn.o_proj.weight, "plain"),
-                     (mlp.gate_up_proj.weight, "act"),
-                     (mlp.down_proj.weight, "plain")]
+            uses += [
+                (attn.qkv_proj.weight, "plain"),
+                (attn.o_proj.weight, "plain"),
+                (mlp.gate_up_proj.weight, "act"),
+                (mlp.down_proj.weight, "plain"),
+            ]
             if layer.whole_mlp_block:
                 uses += [(attn.o_proj.weight, "add_norm"), (mlp.down_proj.weight, "add_norm")]
         return uses + ([(self.lm_head.weight, "logits")] if self.lm_head is not None else [])

@@ -1,0 +1,114 @@
+"""A launched step on its way to the host: the sampled tokens' copy to pinned memory
+(``PendingStep``) and the reused pinned buffers it copies into (``PinnedPool``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from metadata.wire import SampledRow, StepResult, TokenLogprobs
+
+
+class PinnedPool:
+    """Pinned host buffers (with their CUDA event) for the sampled tokens' copy, reused step
+    after step: a fresh pinned tensor and event cost the host more than the copy itself. A
+    buffer comes back only from ``PendingStep.result``, after its event was waited for and
+    its contents read, so no copy can still be writing into a buffer handed out again."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, torch.dtype], list] = {}
+
+    def take(self, numel: int, dtype: torch.dtype):
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=True), torch.cuda.Event()
+
+    def give(self, buf, event) -> None:
+        free = self._free.setdefault((buf.numel(), buf.dtype), [])
+        if len(free) < 8:  # at most a few steps are in flight; drop the rest
+            free.append((buf, event))
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are being copied to pinned host memory."""
+
+    def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None, tokens=None, n_acc=None):
+        self.step_id, self.rank, self.t0 = step_id, rank, t0
+        self.handles, self.opts, self.so = handles or [], opts or [], so
+        self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
+        self.event = None
+        self.pool: PinnedPool | None = None  # where host_packed returns once read
+        self.launch_s = 0.0  # host time of launch(), set when it returns
+        self.timeline = None  # (start, end, previous step's end) CUDA events
+
+    def start_copy(self, device: torch.device, pool: PinnedPool) -> None:
+        so = self.so
+        if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
+            tensors = [self.tokens.flatten()]
+            packed = tensors[0]
+        else:
+            tensors = self._packed_parts()
+            packed = torch.cat(tensors)
+        self.sizes = [t.numel() for t in tensors]
+        if device.type == "cpu":
+            self.host_packed = packed
+            return
+        self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
+        self.pool = pool
+        self.host_packed.copy_(packed, non_blocking=True)
+        self.event.record()
+
+    def _packed_parts(self) -> list[torch.Tensor]:
+        """Tokens, accepted counts and logprobs as float64 (exact for ids below 2^53), one copy."""
+        so = self.so
+        tensors = [self.tokens.double().flatten()]
+        if self.n_acc is not None:
+            tensors.append(self.n_acc.double())
+        if so.sampled_logprob is not None:
+            tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
+            if so.top_ids is not None:
+                tensors += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
+        return tensors
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            from workers.sync_check import allow_sync
+
+            with allow_sync("the sampled tokens' copy to pinned host memory"):
+                self.event.synchronize()  # the step's one deliberate wait
+        out = StepResult(step_id=self.step_id, rank=self.rank)
+        if self.so is not None:
+            host = list(torch.split(self.host_packed, self.sizes))
+            width = self.tokens.shape[1]
+            tok = host[0].long().view(-1, width).tolist()
+            if self.n_acc is not None:
+                n_acc = host.pop(1).long().tolist()
+            else:
+                n_acc = [0] * len(self.handles)
+            kmax = self.so.top_ids.shape[1] if self.so.top_ids is not None else 0
+            for i, h in enumerate(self.handles):
+                lp = None
+                k = self.opts[i].num_logprobs
+                if k >= 0 and len(host) > 1:
+                    top_ids = host[3][i * kmax : i * kmax + k].long().tolist() if k else []
+                    top_lp = host[4][i * kmax : i * kmax + k].tolist() if k else []
+                    lp = [TokenLogprobs(float(host[1][i]), int(host[2][i]), top_ids, top_lp)]
+                out.outputs.append(SampledRow(handle=h, token_ids=tok[i][: n_acc[i] + 1], logprobs=lp))
+            if self.pool is not None:  # waited for and read: the buffer may be reused
+                self.pool.give(self.host_packed, self.event)
+                # they may belong to a later step now: a second result() must fail, not read them
+                self.pool = self.host_packed = self.event = None
+        st = out.stats
+        st.worker_time_s = time.perf_counter() - self.t0
+        st.host_launch_s = self.launch_s
+        if self.timeline is not None:  # all three events have completed: no wait here
+            start, end, prev_end = self.timeline
+            st.device_step_s = start.elapsed_time(end) / 1e3
+            if prev_end is not None:
+                st.device_idle_before_s = prev_end.elapsed_time(start) / 1e3
+        return out
