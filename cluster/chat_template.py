@@ -128,18 +128,29 @@ def compile_template(source: str) -> jinja2.Template:
     """The template compiled in a ``LimitedSandbox`` (cached: templates repeat)."""
     env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
-                       dict=lambda *a, **k: dict(*a, **k))
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        namespace=_Namespace,
+        dict=lambda *a, **k: dict(*a, **k),
+    )
     try:
         return env.from_string(source)
     except TemplateError as exc:
         raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
 
 
-def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                         continue_final_message: bool = False, special_tokens: dict[str, str] | None = None,
-                         kwargs: dict[str, Any] | None = None, max_chars: int = MAX_CHARS,
-                         max_seconds: float = MAX_SECONDS) -> str:
+def render_chat_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    special_tokens: dict[str, str] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    max_chars: int = MAX_CHARS,
+    max_seconds: float = MAX_SECONDS,
+) -> str:
     """Render ``messages`` like transformers' ``apply_chat_template(tokenize=False)``, within limits."""
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
@@ -154,8 +165,12 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_gen
             raise ChatTemplateError("continue_final_message: the chat template does not read 'content'")
         chat[-1]["content"] = final + _CONTINUE_TAG
     variables = {**(special_tokens or {}), **(kwargs or {})}
-    variables.update(messages=chat, tools=variables.get("tools"), documents=variables.get("documents"),
-                     add_generation_prompt=add_generation_prompt)
+    variables.update(
+        messages=chat,
+        tools=variables.get("tools"),
+        documents=variables.get("documents"),
+        add_generation_prompt=add_generation_prompt,
+    )
     parts: list[str] = []
     size = 0
     _budget.deadline = deadline = time.monotonic() + max_seconds
@@ -171,8 +186,18 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_gen
         raise
     except SecurityError as exc:
         raise ChatTemplateError(f"the chat template was stopped: {exc}") from None
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError,
-            OverflowError, RecursionError, MemoryError) as exc:
+    except (
+        TemplateError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        ZeroDivisionError,
+        OverflowError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
         raise ChatTemplateError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
     finally:
         _budget.deadline = float("inf")
@@ -182,5 +207,5 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_gen
         if final.strip() not in text or tag not in text:
             raise ChatTemplateError("continue_final_message: the chat template drops part of the final message")
         loc = text.rindex(tag)
-        text = text[:loc] if text[loc:loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:loc].rstrip()
+        text = text[:loc] if text[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:loc].rstrip()
     return text

@@ -57,14 +57,24 @@ def _write_tokenizer(out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True),
-                            AddedToken("<pad>", special=True)])
+    tok.add_special_tokens(
+        [AddedToken("<s>", special=True), AddedToken("</s>", special=True), AddedToken("<pad>", special=True)]
+    )
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-        "model_max_length": DEMO_CONFIG["max_position_embeddings"],
-    }, indent=1))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": DEMO_CONFIG["max_position_embeddings"],
+            },
+            indent=1,
+        )
+    )
 
 
 def _write_weights(out: Path) -> None:
@@ -79,17 +89,26 @@ def _write_weights(out: Path) -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.05).contiguous()
 
-    t = {"model.embed_tokens.weight": w(c["vocab_size"], h), "model.norm.weight": torch.ones(h),
-         "lm_head.weight": w(c["vocab_size"], h)}
+    t = {
+        "model.embed_tokens.weight": w(c["vocab_size"], h),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": w(c["vocab_size"], h),
+    }
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t.update({
-            p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
-        })
+        t.update(
+            {
+                p + "self_attn.q_proj.weight": w(q, h),
+                p + "self_attn.k_proj.weight": w(kv, h),
+                p + "self_attn.v_proj.weight": w(kv, h),
+                p + "self_attn.o_proj.weight": w(h, q),
+                p + "mlp.gate_proj.weight": w(inter, h),
+                p + "mlp.up_proj.weight": w(inter, h),
+                p + "mlp.down_proj.weight": w(h, inter),
+                p + "input_layernorm.weight": torch.ones(h),
+                p + "post_attention_layernorm.weight": torch.ones(h),
+            }
+        )
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

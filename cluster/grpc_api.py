@@ -29,9 +29,23 @@ from metadata.sampling_params import SamplingParams, SamplingParamsError
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "syncless.v1.Generation"
 
-_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "max_tokens", "min_tokens", "include_stop_str_in_output", "ignore_eos",
-           "logprobs", "skip_special_tokens")
+_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+)
 
 
 def sampling_from_proto(sp) -> SamplingParams:
@@ -66,6 +80,7 @@ def _lenient(cls):
             return cls.FromString(data)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
             return _Malformed(f"the request is not a valid {cls.DESCRIPTOR.full_name} message")
+
     return parse
 
 
@@ -74,14 +89,20 @@ def _add_generation_service(servicer: "GenerationService", server) -> None:
     answer to an undecodable body is INTERNAL, ours INVALID_ARGUMENT."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_lenient(pb2.GenerateRequest),
-            response_serializer=pb2.GenerateResponse.SerializeToString),
+            servicer.Generate,
+            request_deserializer=_lenient(pb2.GenerateRequest),
+            response_serializer=pb2.GenerateResponse.SerializeToString,
+        ),
         "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, request_deserializer=_lenient(pb2.AbortRequest),
-            response_serializer=pb2.AbortResponse.SerializeToString),
+            servicer.Abort,
+            request_deserializer=_lenient(pb2.AbortRequest),
+            response_serializer=pb2.AbortResponse.SerializeToString,
+        ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=_lenient(pb2.GetModelInfoRequest),
-            response_serializer=pb2.ModelInfo.SerializeToString),
+            servicer.GetModelInfo,
+            request_deserializer=_lenient(pb2.GetModelInfoRequest),
+            response_serializer=pb2.ModelInfo.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -95,8 +116,11 @@ class _Health(HealthServicer):
         self.engine = engine
 
     def _status(self):
-        return health_pb2.HealthCheckResponse.SERVING if self.engine.healthy \
+        return (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.engine.healthy
             else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
     async def Check(self, request, context):
         if request.service not in ("", SERVICE_NAME):
@@ -109,8 +133,14 @@ class _Health(HealthServicer):
 
 
 class GenerationService(pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 aliases: tuple[str, ...] = (), preprocessor: PromptPreprocessor | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None = None,
+        aliases: tuple[str, ...] = (),
+        preprocessor: PromptPreprocessor | None = None,
+    ):
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
@@ -135,8 +165,9 @@ class GenerationService(pb2_grpc.GenerationServicer):
             scheme, _, rest = auth.partition(" ")
             token = rest.strip() if scheme.lower() == "bearer" else None
         if token is None and not auth:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing API key: send metadata 'authorization: Bearer <key>'")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing API key: send metadata 'authorization: Bearer <key>'"
+            )
         if token is None or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
 
@@ -157,12 +188,15 @@ class GenerationService(pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         await self._check_auth(context, request)
         if request.model and request.model not in self.accepted_names:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model: '{clip(request.model)}' does not exist; this server serves "
-                                f"'{self.model_name}'")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model: '{clip(request.model)}' does not exist; this server serves '{self.model_name}'",
+            )
         if request.request_id and not valid_request_id(request.request_id):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id: must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters",
+            )
         which = request.WhichOneof("prompt")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
@@ -173,7 +207,8 @@ class GenerationService(pb2_grpc.GenerationServicer):
             prompt = await self.preprocessor.prompt(prompt)
             # a max_tokens the client set past the context is refused, the default is cut
             stream = await self.engine.add_request(
-                rid, prompt, params, "max_tokens" if request.sampling.HasField("max_tokens") else None)
+                rid, prompt, params, "max_tokens" if request.sampling.HasField("max_tokens") else None
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - _fail answers every kind
@@ -186,8 +221,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
             try:
                 async for d in stream:
                     n_out += len(d.token_ids)
-                    msg = self._response(rid, d.index, d.token_ids, d.text, d.logprobs, d.finish_reason,
-                                         d.stop_reason)
+                    msg = self._response(rid, d.index, d.token_ids, d.text, d.logprobs, d.finish_reason, d.stop_reason)
                     if first:
                         msg.prompt_token_ids.extend(stream.prompt_token_ids)
                         first = False
@@ -220,8 +254,9 @@ class GenerationService(pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _response(rid, index, token_ids, text, logprobs, finish, stop_reason):
-        msg = pb2.GenerateResponse(request_id=rid, index=index, token_ids=token_ids, text=text,
-                                   finish_reason=finish or "")
+        msg = pb2.GenerateResponse(
+            request_id=rid, index=index, token_ids=token_ids, text=text, finish_reason=finish or ""
+        )
         if isinstance(stop_reason, str):
             msg.stop_str = stop_reason
         elif isinstance(stop_reason, int):
@@ -242,15 +277,28 @@ class GenerationService(pb2_grpc.GenerationServicer):
         await self._check_auth(context, request)
         i = self.engine.info
         return pb2.ModelInfo(
-            model_name=self.model_name, model_path=i["model_path"], architecture=i["architecture"],
-            vocab_size=i["vocab_size"], max_model_len=i["max_model_len"], block_size=i["block_size"],
-            num_kv_blocks=i["num_kv_blocks"], eos_token_ids=i["eos_token_ids"],
-            tensor_parallel_size=i["tensor_parallel_size"], device=i["device"],
+            model_name=self.model_name,
+            model_path=i["model_path"],
+            architecture=i["architecture"],
+            vocab_size=i["vocab_size"],
+            max_model_len=i["max_model_len"],
+            block_size=i["block_size"],
+            num_kv_blocks=i["num_kv_blocks"],
+            eos_token_ids=i["eos_token_ids"],
+            tensor_parallel_size=i["tensor_parallel_size"],
+            device=i["device"],
         )
 
 
-async def start_grpc(engine: AsyncEngine, model_name: str, host: str, port: int, api_key: str | None,
-                     aliases: tuple[str, ...] = (), preprocessor: PromptPreprocessor | None = None):
+async def start_grpc(
+    engine: AsyncEngine,
+    model_name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    aliases: tuple[str, ...] = (),
+    preprocessor: PromptPreprocessor | None = None,
+):
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     _add_generation_service(GenerationService(engine, model_name, api_key, aliases, preprocessor), server)

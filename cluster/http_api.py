@@ -50,6 +50,7 @@ from cluster.openai_protocol import (
     usage,
 )
 from cluster.prompt_preprocessor import PromptPreprocessor
+from cluster.sse_stream import StreamContext, stream_response
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -106,9 +107,17 @@ class OpenAIServer:
     strict_field) -> RequestStream``, ``abort``, ``debug_state``, ``tokenizer``, ``info``,
     ``healthy``, ``dead`` (the front-end interface; a data-parallel router can provide it too)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics=None,
-                 aliases: tuple[str, ...] = (), *, preprocessor: PromptPreprocessor | None = None,
-                 max_logprobs: int = 20):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None = None,
+        metrics=None,
+        aliases: tuple[str, ...] = (),
+        *,
+        preprocessor: PromptPreprocessor | None = None,
+        max_logprobs: int = 20,
+    ):
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
@@ -171,8 +180,10 @@ class OpenAIServer:
             status = exc.status
             if exc.status < 400:
                 raise
-            msg = {404: f"no route for {request.method} {request.path}",
-                   405: f"method {request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
+            msg = {
+                404: f"no route for {request.method} {request.path}",
+                405: f"method {request.method} is not allowed on {request.path}",
+            }.get(exc.status, exc.reason)
             return _error_response(APIError(exc.status, msg))
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499
@@ -206,8 +217,12 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_names:
-            raise APIError(404, f"the model '{clip(model)}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model '{clip(model)}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
 
     # ------------------------------------------------------------ simple routes
     async def health(self, request: web.Request) -> web.Response:
@@ -270,8 +285,9 @@ class OpenAIServer:
         return _json(await self.engine.debug_state())
 
     # ------------------------------------------------------------- generation
-    async def _add_all(self, base_id: str, prompts: list, params, prompt_param: str,
-                       strict_field: str | None) -> list[RequestStream]:
+    async def _add_all(
+        self, base_id: str, prompts: list, params, prompt_param: str, strict_field: str | None
+    ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
@@ -297,11 +313,18 @@ class OpenAIServer:
             raise engine_error(exc) from None
         rid = req.request_id or new_id("cmpl")
         streams = await self._add_all(rid, prompts, params, "prompt", max_tokens_field(req))
-        ctx = _Ctx(self, rid, "text_completion", params.n, req.stream_options, req.echo,
-                   self._token_text(req.return_tokens_as_token_ids))
+        ctx = StreamContext(
+            self,
+            rid,
+            "text_completion",
+            params.n,
+            req.stream_options,
+            req.echo,
+            self._token_text(req.return_tokens_as_token_ids),
+        )
         try:
             if req.stream:
-                return await self._stream(request, ctx, streams, self._completion_chunk)
+                return await stream_response(request, ctx, streams, self._completion_chunk, chat=False)
             outs = await _results(streams)
         finally:
             for s in streams:
@@ -313,12 +336,27 @@ class OpenAIServer:
                 if params.logprobs is not None and o.logprobs is not None:
                     lp, _ = completion_logprobs(o.token_ids, o.logprobs, ctx.tt, 0)
                 text = (self._prompt_text(s) + o.text) if req.echo else o.text
-                choices.append({"index": i * params.n + o.index, "text": text, "logprobs": lp,
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                choices.append(
+                    {
+                        "index": i * params.n + o.index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                )
                 n_out += len(o.token_ids)
         n_prompt = sum(len(s.prompt_token_ids) for s in streams)
-        return _json({"id": rid, "object": "text_completion", "created": ctx.created, "model": self.model_name,
-                      "choices": choices, "usage": usage(n_prompt, n_out)})
+        return _json(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": ctx.created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(n_prompt, n_out),
+            }
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, ChatCompletionRequest)
@@ -326,18 +364,28 @@ class OpenAIServer:
         params = chat_params(req, self.max_logprobs)
         try:
             prompt = await self.preprocessor.chat(
-                chat_messages(req), add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, kwargs=chat_template_kwargs(req))
+                chat_messages(req),
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                kwargs=chat_template_kwargs(req),
+            )
         except InvalidRequestError as exc:
             raise engine_error(exc, "messages") from None
         rid = req.request_id or new_id("chatcmpl")
         streams = await self._add_all(rid, [prompt], params, "messages", max_tokens_field(req))
-        ctx = _Ctx(self, rid, "chat.completion.chunk", params.n, req.stream_options, False,
-                   self._token_text(req.return_tokens_as_token_ids))
+        ctx = StreamContext(
+            self,
+            rid,
+            "chat.completion.chunk",
+            params.n,
+            req.stream_options,
+            False,
+            self._token_text(req.return_tokens_as_token_ids),
+        )
         ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
             if req.stream:
-                return await self._stream(request, ctx, streams, self._chat_chunk)
+                return await stream_response(request, ctx, streams, self._chat_chunk, chat=True)
             (out,) = await _results(streams)
         finally:
             for s in streams:
@@ -347,11 +395,26 @@ class OpenAIServer:
             lp = None
             if ctx.top_logprobs is not None and o.logprobs is not None:
                 lp = chat_logprobs(o.token_ids, o.logprobs, ctx.tt, ctx.top_logprobs)
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
-                            "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": lp,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
         n_out = sum(len(o.token_ids) for o in out.outputs)
-        return _json({"id": rid, "object": "chat.completion", "created": ctx.created, "model": self.model_name,
-                      "choices": choices, "usage": usage(len(streams[0].prompt_token_ids), n_out)})
+        return _json(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": ctx.created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(len(streams[0].prompt_token_ids), n_out),
+            }
+        )
 
     def _prompt_text(self, s: RequestStream) -> str:
         if s.prompt is not None:
@@ -359,8 +422,9 @@ class OpenAIServer:
         return self.engine.tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False)
 
     # -------------------------------------------------------------- streaming
-    def _completion_chunk(self, ctx: _Ctx, i: int, s: RequestStream, index: int, token_ids, text: str,
-                          lps, finish, stop_reason) -> dict[str, Any]:
+    def _completion_chunk(
+        self, ctx: StreamContext, i: int, s: RequestStream, index: int, token_ids, text: str, lps, finish, stop_reason
+    ) -> dict[str, Any]:
         key = (i, index)
         if ctx.echo and key not in ctx.started:
             text = self._prompt_text(s) + text
@@ -368,83 +432,24 @@ class OpenAIServer:
         lp = None
         if lps is not None:
             lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, ctx.tt, ctx.offsets.get(key, 0))
-        choice = {"index": i * ctx.n + index, "text": text, "logprobs": lp, "finish_reason": finish,
-                  "stop_reason": stop_reason}
+        choice = {
+            "index": i * ctx.n + index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
         return ctx.chunk([choice])
 
-    def _chat_chunk(self, ctx: _Ctx, i: int, s: RequestStream, index: int, token_ids, text: str,
-                    lps, finish, stop_reason) -> dict[str, Any]:
+    def _chat_chunk(
+        self, ctx: StreamContext, i: int, s: RequestStream, index: int, token_ids, text: str, lps, finish, stop_reason
+    ) -> dict[str, Any]:
         lp = None
         if lps is not None and ctx.top_logprobs is not None:
             lp = chat_logprobs(token_ids, lps, ctx.tt, ctx.top_logprobs)
         delta = {"content": text} if (text or finish is None) else {}
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                  "stop_reason": stop_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
         return ctx.chunk([choice])
-
-    async def _stream(self, request: web.Request, ctx: _Ctx, streams: list[RequestStream], make) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": ctx.rid})
-        await resp.prepare(request)
-
-        async def send(obj: dict[str, Any]) -> None:
-            await resp.write(b"data: " + _encode(obj) + b"\n\n")
-
-        if make == self._chat_chunk:
-            for idx in range(ctx.n):
-                await send(ctx.chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
-        finished: set[tuple[int, int]] = set()
-        n_out = 0
-        merged = _merge(streams)
-        try:
-            async for i, d in merged:
-                n_out += len(d.token_ids)
-                if d.finish_reason:
-                    finished.add((i, d.index))
-                await send(make(ctx, i, streams[i], d.index, d.token_ids, d.text, d.logprobs,
-                                d.finish_reason, d.stop_reason))
-            for i, s in enumerate(streams):  # sequences the server aborted (shutdown) end too
-                for o in (s.output.outputs if s.output else []):
-                    if (i, o.index) not in finished:
-                        await send(make(ctx, i, s, o.index, [], "", None, o.finish_reason or "abort", None))
-            if ctx.stream_options is not None and ctx.stream_options.include_usage:
-                chunk = ctx.chunk([])
-                chunk["usage"] = usage(sum(len(s.prompt_token_ids) for s in streams), n_out)
-                await send(chunk)
-        except EngineUnavailable as exc:
-            await send(APIError(503, str(exc)).body())
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            logger.exception("internal error %s while streaming %s", error_id, ctx.rid)
-            await send(APIError(500, f"internal server error (error id {error_id})").body())
-        finally:
-            await merged.aclose()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-class _Ctx:
-    def __init__(self, server: OpenAIServer, rid: str, obj: str, n: int, stream_options, echo: bool,
-                 tt: TokenText):
-        self.server = server
-        self.tt = tt
-        self.rid = rid
-        self.object = obj
-        self.n = n
-        self.stream_options = stream_options
-        self.echo = echo
-        self.created = now()
-        self.top_logprobs: int | None = None
-        self.started: set = set()
-        self.offsets: dict = {}
-
-    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.rid, "object": self.object, "created": self.created,
-                "model": self.server.model_name, "choices": choices}
 
 
 async def _results(streams: list[RequestStream]):
@@ -452,35 +457,3 @@ async def _results(streams: list[RequestStream]):
         return await asyncio.gather(*(s.result() for s in streams))
     except EngineUnavailable as exc:
         raise APIError(503, str(exc)) from None
-
-
-async def _merge(streams: list[RequestStream]):
-    """(stream index, delta) from all streams as they arrive."""
-    if len(streams) == 1:
-        async for d in streams[0]:
-            yield 0, d
-        return
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for d in s:
-                q.put_nowait((i, d))
-            q.put_nowait((i, None))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
-            q.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await q.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()

@@ -19,11 +19,15 @@ def check_prompt_size(prompt: str | list, max_model_len: int, field: str = "prom
     if isinstance(prompt, str) and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
         raise InvalidRequestError(
             f"{field} has {len(prompt)} characters, more than max_model_len ({max_model_len} tokens) can hold "
-            f"(at most {max_model_len * MAX_CHARS_PER_TOKEN} characters)", field)
+            f"(at most {max_model_len * MAX_CHARS_PER_TOKEN} characters)",
+            field,
+        )
     if isinstance(prompt, list) and len(prompt) >= max_model_len:
         raise InvalidRequestError(
             f"prompt has {len(prompt)} tokens, but max_model_len is {max_model_len} "
-            "(the prompt must leave room for at least one output token)", field)
+            "(the prompt must leave room for at least one output token)",
+            field,
+        )
 
 
 class InvalidRequestError(ValueError):
@@ -35,8 +39,16 @@ class InvalidRequestError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, max_model_len: int,
-                 max_num_batched_tokens: int, chunked_prefill: bool, seed: int):
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool,
+        seed: int,
+    ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -81,8 +93,14 @@ class InputProcessor:
             )
         return text, list(ids)
 
-    def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                      kv_capacity: int | None = None, strict_field: str | None = None) -> list[Request]:
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None,
+        kv_capacity: int | None = None,
+        strict_field: str | None = None,
+    ) -> list[Request]:
         """``kv_capacity``: tokens the whole KV cache holds; a sequence never grows past it
         (it could never be scheduled), so it bounds the length like ``max_model_len``.
 
@@ -104,7 +122,8 @@ class InputProcessor:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one output token)", "prompt"
+                "(the prompt must leave room for at least one output token)",
+                "prompt",
             )
         limit = self.max_model_len
         if kv_capacity is not None and kv_capacity < limit:
@@ -112,22 +131,28 @@ class InputProcessor:
             if n >= limit:
                 raise InvalidRequestError(
                     f"prompt has {n} tokens, but the KV cache holds only {kv_capacity} tokens "
-                    "(num_kv_blocks x block_size); raise num_kv_blocks or kv_cache_memory_bytes", "prompt"
+                    "(num_kv_blocks x block_size); raise num_kv_blocks or kv_cache_memory_bytes",
+                    "prompt",
                 )
         if not self.chunked_prefill and n > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"prompt has {n} tokens > max_num_batched_tokens {self.max_num_batched_tokens} "
-                "and chunked prefill is disabled", "prompt"
+                "and chunked prefill is disabled",
+                "prompt",
             )
         room = limit - n
         if strict_field is not None and params.max_tokens is not None and params.max_tokens > room:
-            where = (f"This model's maximum context length is {self.max_model_len} tokens"
-                     if limit == self.max_model_len else
-                     f"The KV cache holds only {limit} tokens (num_kv_blocks x block_size)")
+            where = (
+                f"This model's maximum context length is {self.max_model_len} tokens"
+                if limit == self.max_model_len
+                else f"The KV cache holds only {limit} tokens (num_kv_blocks x block_size)"
+            )
             raise InvalidRequestError(
                 f"{where}. However, you requested {n + params.max_tokens} tokens ({n} in the "
                 f"prompt, {params.max_tokens} in the completion). Please reduce the length of the "
-                f"prompt or {strict_field} (at most {room} here).", strict_field)
+                f"prompt or {strict_field} (at most {room} here).",
+                strict_field,
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
@@ -138,16 +163,30 @@ class InputProcessor:
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
             seed &= (1 << 63) - 1
             opts = SamplingOptions(
-                temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
-                min_p=float(params.min_p), seed=seed, repetition_penalty=float(params.repetition_penalty),
+                temperature=float(params.temperature),
+                top_p=float(params.top_p),
+                top_k=params.top_k,
+                min_p=float(params.min_p),
+                seed=seed,
+                repetition_penalty=float(params.repetition_penalty),
                 presence_penalty=float(params.presence_penalty),
-                frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
-                min_tokens_stop_ids=stop_ids, num_logprobs=-1 if params.logprobs is None else params.logprobs,
+                frequency_penalty=float(params.frequency_penalty),
+                min_tokens=params.min_tokens,
+                min_tokens_stop_ids=stop_ids,
+                num_logprobs=-1 if params.logprobs is None else params.logprobs,
             )
-            out.append(Request(
-                request_id=f"{request_id}#{i}" if params.n > 1 else request_id, parent_id=request_id,
-                index=i, prompt=text, prompt_token_ids=ids, params=params, options=opts,
-                max_tokens=max_tokens, eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                logprobs=[] if params.logprobs is not None else None,
-            ))
+            out.append(
+                Request(
+                    request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                    parent_id=request_id,
+                    index=i,
+                    prompt=text,
+                    prompt_token_ids=ids,
+                    params=params,
+                    options=opts,
+                    max_tokens=max_tokens,
+                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )
         return out

@@ -54,9 +54,13 @@ class LLM:
         for conv in convs:
             if not conv or not all(isinstance(m, dict) for m in conv):
                 raise ValueError("each conversation must be a non-empty list of message dicts")
-            text = tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+            text = tok.apply_chat_template(
+                list(conv),
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
             # the template writes the special tokens itself (as vLLM: no BOS added again)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -72,9 +76,7 @@ class LLM:
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
-                )
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -145,5 +147,7 @@ def _show_speed(bar, tokens_in: int, tokens_out: int) -> None:
     """vLLM's offline progress postfix: prompt and output tokens per second so far."""
     elapsed = bar.format_dict.get("elapsed") or 0.0
     if elapsed > 0:
-        bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
-                            f"output: {tokens_out / elapsed:.2f} toks/s", refresh=False)
+        bar.set_postfix_str(
+            f"est. speed input: {tokens_in / elapsed:.2f} toks/s, output: {tokens_out / elapsed:.2f} toks/s",
+            refresh=False,
+        )

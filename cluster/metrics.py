@@ -20,10 +20,47 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 logger = logging.getLogger("cluster.stats")
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
@@ -71,33 +108,40 @@ class _EngineCollector:
 
         yield gauge("syncless:num_requests_running", "Sequences running on the workers.", snap.get("running", 0))
         yield gauge("syncless:num_requests_waiting", "Sequences waiting to be scheduled.", snap.get("waiting", 0))
-        yield gauge("syncless:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                    snap.get("kv_usage", 0.0))
+        yield gauge(
+            "syncless:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", snap.get("kv_usage", 0.0)
+        )
         yield gauge("syncless:kv_cache_blocks_free", "Free KV-cache blocks.", snap.get("num_free_blocks", 0))
         yield gauge("syncless:kv_cache_blocks_total", "KV-cache blocks.", snap.get("num_blocks", 0))
-        yield gauge("syncless:num_requests_in_flight", "Requests the server is streaming.",
-                    self.m.in_flight())
+        yield gauge("syncless:num_requests_in_flight", "Requests the server is streaming.", self.m.in_flight())
         yield gauge("syncless:engine_healthy", "1 while the engine accepts requests.", self.m.healthy())
         p_rate, g_rate = self.m.throughput.rates(time.monotonic())
-        yield gauge("syncless:prompt_tokens_per_second", "Prompt tokens admitted per second (10 s window).",
-                    p_rate)
-        yield gauge("syncless:generation_tokens_per_second", "Tokens generated per second (10 s window).",
-                    g_rate)
+        yield gauge("syncless:prompt_tokens_per_second", "Prompt tokens admitted per second (10 s window).", p_rate)
+        yield gauge("syncless:generation_tokens_per_second", "Tokens generated per second (10 s window).", g_rate)
         yield counter("syncless:prompt_tokens", "Prompt tokens admitted.", snap.get("prompt_tokens", 0))
         yield counter("syncless:generation_tokens", "Tokens generated.", snap.get("generation_tokens", 0))
         yield counter("syncless:num_preemptions", "Preemptions (by recompute).", snap.get("num_preemptions", 0))
         yield counter("syncless:engine_steps", "Engine steps submitted.", snap.get("steps", 0))
         pc = snap.get("prefix_cache") or {}  # Scheduler.prefix_cache_stats(), in tokens
-        yield counter("syncless:prefix_cache_queries", "Prefix cache queries: tokens of placed requests looked up.",
-                      pc.get("queries", 0))
-        yield counter("syncless:prefix_cache_hits", "Prefix cache hits: looked-up tokens found cached.",
-                      pc.get("hits", 0))
-        yield gauge("syncless:prefix_cache_hit_rate", "Prefix cache hits / queries since the engine started.",
-                    pc.get("hit_rate", 0.0))
-        yield gauge("syncless:prefix_cache_blocks", "KV blocks holding cached prefix content.",
-                    pc.get("num_cached_blocks", 0))
-        yield counter("syncless:prefix_cache_evictions", "Cached KV blocks evicted for new allocations.",
-                      pc.get("evictions", 0))
+        yield counter(
+            "syncless:prefix_cache_queries",
+            "Prefix cache queries: tokens of placed requests looked up.",
+            pc.get("queries", 0),
+        )
+        yield counter(
+            "syncless:prefix_cache_hits", "Prefix cache hits: looked-up tokens found cached.", pc.get("hits", 0)
+        )
+        yield gauge(
+            "syncless:prefix_cache_hit_rate",
+            "Prefix cache hits / queries since the engine started.",
+            pc.get("hit_rate", 0.0),
+        )
+        yield gauge(
+            "syncless:prefix_cache_blocks", "KV blocks holding cached prefix content.", pc.get("num_cached_blocks", 0)
+        )
+        yield counter(
+            "syncless:prefix_cache_evictions", "Cached KV blocks evicted for new allocations.", pc.get("evictions", 0)
+        )
         replicas = self.m.replicas()
         if replicas:  # data parallelism: the same numbers per replica (cluster.dp_engine)
             yield from replica_families(self.m.model_name, replicas)
@@ -108,24 +152,60 @@ def replica_families(model_name: str, replicas: list[dict[str, Any]]):
     (``DataParallelEngine.replica_states()``)."""
     labels = ["model_name", "replica"]
     specs = [  # (metric, doc, kind, value of one replica's state)
-        ("syncless:replica_up", "1 while the replica serves, 0 while it is down or restarting.", "g",
-         lambda r: 1 if r["up"] else 0),
-        ("syncless:replica_restarts", "Restarts of the replica (its actor or its workers).", "c",
-         lambda r: r["actor_restarts"] + r["worker_restarts"]),
-        ("syncless:replica_num_requests_in_flight", "Requests the front end is streaming from the replica.",
-         "g", lambda r: r["in_flight"]),
-        ("syncless:replica_num_requests_running", "Sequences running on the replica.", "g",
-         lambda r: r["load"]["running"]),
-        ("syncless:replica_num_requests_waiting", "Sequences waiting on the replica.", "g",
-         lambda r: r["load"]["waiting"]),
-        ("syncless:replica_kv_cache_usage_perc", "Fraction of the replica's KV-cache blocks in use.", "g",
-         lambda r: r["load"]["kv_usage"]),
-        ("syncless:replica_generation_tokens", "Tokens the replica generated (since its last restart).", "c",
-         lambda r: r["load"]["generation_tokens"]),
-        ("syncless:replica_prompt_tokens", "Prompt tokens the replica admitted (since its last restart).",
-         "c", lambda r: r["load"]["prompt_tokens"]),
-        ("syncless:replica_prefix_cache_hits", "Prompt tokens found in the replica's prefix cache.", "c",
-         lambda r: (r["load"].get("prefix_cache") or {}).get("hits", 0)),
+        (
+            "syncless:replica_up",
+            "1 while the replica serves, 0 while it is down or restarting.",
+            "g",
+            lambda r: 1 if r["up"] else 0,
+        ),
+        (
+            "syncless:replica_restarts",
+            "Restarts of the replica (its actor or its workers).",
+            "c",
+            lambda r: r["actor_restarts"] + r["worker_restarts"],
+        ),
+        (
+            "syncless:replica_num_requests_in_flight",
+            "Requests the front end is streaming from the replica.",
+            "g",
+            lambda r: r["in_flight"],
+        ),
+        (
+            "syncless:replica_num_requests_running",
+            "Sequences running on the replica.",
+            "g",
+            lambda r: r["load"]["running"],
+        ),
+        (
+            "syncless:replica_num_requests_waiting",
+            "Sequences waiting on the replica.",
+            "g",
+            lambda r: r["load"]["waiting"],
+        ),
+        (
+            "syncless:replica_kv_cache_usage_perc",
+            "Fraction of the replica's KV-cache blocks in use.",
+            "g",
+            lambda r: r["load"]["kv_usage"],
+        ),
+        (
+            "syncless:replica_generation_tokens",
+            "Tokens the replica generated (since its last restart).",
+            "c",
+            lambda r: r["load"]["generation_tokens"],
+        ),
+        (
+            "syncless:replica_prompt_tokens",
+            "Prompt tokens the replica admitted (since its last restart).",
+            "c",
+            lambda r: r["load"]["prompt_tokens"],
+        ),
+        (
+            "syncless:replica_prefix_cache_hits",
+            "Prompt tokens found in the replica's prefix cache.",
+            "c",
+            lambda r: (r["load"].get("prefix_cache") or {}).get("hits", 0),
+        ),
     ]
     for metric, doc, kind, value in specs:
         fam = (GaugeMetricFamily if kind == "g" else CounterMetricFamily)(metric, doc, labels=labels)
@@ -145,16 +225,39 @@ class ServerMetrics:
         self.log_requests = False  # one log line per finished request
         self.registry = CollectorRegistry(auto_describe=True)
         lab = ["model_name"]
-        self.ttft = Histogram("syncless:time_to_first_token_seconds", "Time to first token.", lab,
-                              buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("syncless:inter_token_latency_seconds", "Time between consecutive tokens.", lab,
-                             buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("syncless:e2e_request_latency_seconds", "Request latency, arrival to finish.", lab,
-                             buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self._finished = Counter("syncless:request_success", "Finished requests by finish reason.",
-                                 lab + ["finished_reason"], registry=self.registry)
-        self._http = Counter("syncless:api_requests", "API requests by endpoint and status code.",
-                             lab + ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram(
+            "syncless:time_to_first_token_seconds",
+            "Time to first token.",
+            lab,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "syncless:inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            lab,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "syncless:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            lab,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._finished = Counter(
+            "syncless:request_success",
+            "Finished requests by finish reason.",
+            lab + ["finished_reason"],
+            registry=self.registry,
+        )
+        self._http = Counter(
+            "syncless:api_requests",
+            "API requests by endpoint and status code.",
+            lab + ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(self))
 
     def bind(self, engine) -> None:
@@ -176,13 +279,20 @@ class ServerMetrics:
         if self.log_requests:
             n_out = sum(len(o.token_ids) for o in out.outputs)
             reasons = ",".join(sorted({o.finish_reason or "unknown" for o in out.outputs}))
-            logger.info("finished request %s: %d prompt tokens, %d output tokens, finish %s, %.3f s",
-                        out.request_id, len(out.prompt_token_ids or ()), n_out, reasons, latency_s)
+            logger.info(
+                "finished request %s: %d prompt tokens, %d output tokens, finish %s, %.3f s",
+                out.request_id,
+                len(out.prompt_token_ids or ()),
+                n_out,
+                reasons,
+                latency_s,
+            )
 
     def update_engine(self, snap: dict[str, Any]) -> None:
         self.snapshot = snap
-        self.throughput.add(snap.get("time", time.monotonic()), snap.get("prompt_tokens", 0),
-                            snap.get("generation_tokens", 0))
+        self.throughput.add(
+            snap.get("time", time.monotonic()), snap.get("prompt_tokens", 0), snap.get("generation_tokens", 0)
+        )
 
     def count_request(self, endpoint: str, status: int) -> None:
         self._http.labels(self.model_name, endpoint, str(status)).inc()
@@ -219,11 +329,13 @@ class StatsLogger:
         else:
             self._idle_logged = False
         pc = snap.get("prefix_cache") or {}
-        return (f"Avg prompt throughput: {(p - last[1]) / span:.1f} tokens/s, Avg generation throughput: "
-                f"{(g - last[2]) / span:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * snap.get('kv_usage', 0.0):.1f}%, Prefix cache hit rate: "
-                f"{100 * pc.get('hit_rate', 0.0):.1f}%, In flight: {self.m.in_flight()}, "
-                f"Engine: {'healthy' if self.m.healthy() else 'unavailable'}")
+        return (
+            f"Avg prompt throughput: {(p - last[1]) / span:.1f} tokens/s, Avg generation throughput: "
+            f"{(g - last[2]) / span:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * snap.get('kv_usage', 0.0):.1f}%, Prefix cache hit rate: "
+            f"{100 * pc.get('hit_rate', 0.0):.1f}%, In flight: {self.m.in_flight()}, "
+            f"Engine: {'healthy' if self.m.healthy() else 'unavailable'}"
+        )
 
     async def run(self, interval: float) -> None:
         self.line()  # the baseline

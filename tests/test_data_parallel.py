@@ -105,6 +105,24 @@ class _Loop:
         self.thread.join(10)
 
 
+def test_offline_dp2_x_pp2_equals_one_worker(three_nodes, ckpt_dir):
+    """Composition: two replicas, each a two-stage pipeline (four workers on three nodes)."""
+    model = str(ckpt_dir("llama", layers=4))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    one = LLM(model=model, **OPTS)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    llm = LLM(model=model, data_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True, **OPTS)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert all(len(w) == 2 for w in llm.data_parallel.worker_pids())  # a worker per stage
+    finally:
+        llm.shutdown()
+
+
 @pytest.fixture(scope="module")
 def dp2(three_nodes, ckpt_dir):
     """The online front end (what ``cluster.serve`` runs) over two replicas."""
@@ -277,21 +295,3 @@ def test_replica_actor_killed_other_serves_then_supervisor_restarts_it(dp2, ckpt
     assert engine.replicas[0].info["pid"] != pid
     body = metrics.render().decode()
     assert 'syncless:replica_up{model_name="dp-test",replica="0"} 1.0' in body
-
-
-def test_offline_dp2_x_pp2_equals_one_worker(three_nodes, ckpt_dir):
-    """Composition: two replicas, each a two-stage pipeline (four workers on three nodes)."""
-    model = str(ckpt_dir("llama", layers=4))
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    one = LLM(model=model, **OPTS)
-    try:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    finally:
-        one.shutdown()
-    llm = LLM(model=model, data_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True, **OPTS)
-    try:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        assert all(len(w) == 2 for w in llm.data_parallel.worker_pids())  # a worker per stage
-    finally:
-        llm.shutdown()

@@ -115,7 +115,7 @@ def test_word_level_decoder_spacing(word_tok):
         deltas, d = stream(word_tok, prompt, out)
         full = word_tok.decode(prompt + out, skip_special_tokens=True)
         head = word_tok.decode(prompt, skip_special_tokens=True)
-        assert d.text == "".join(deltas) == full[len(head):]
+        assert d.text == "".join(deltas) == full[len(head) :]
 
 
 def test_find_stop():
@@ -161,8 +161,10 @@ def test_engine_streams_what_decode_gives(demo_llm):
 
     tok = demo_llm.get_tokenizer()
     eng = demo_llm.engine
-    reqs = [(f"d{i}", t, SamplingParams(temperature=1.0, seed=i, max_tokens=48, ignore_eos=True))
-            for i, t in enumerate(TEXTS)]
+    reqs = [
+        (f"d{i}", t, SamplingParams(temperature=1.0, seed=i, max_tokens=48, ignore_eos=True))
+        for i, t in enumerate(TEXTS)
+    ]
     outs, texts, toks = _drive(eng, reqs)
     for rid, _, _ in reqs:
         c = outs[rid].outputs[0]
@@ -180,13 +182,14 @@ def test_engine_stop_string_in_byte_level_text(demo_llm):
     full = outs["s0"].outputs[0].text
     ids = outs["s0"].outputs[0].token_ids
     # a 2-character stop string from the middle of the output, without replacement chars
-    start = next(i for i in range(len(full) // 3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
-    stop = full[start:start + 2]
+    start = next(i for i in range(len(full) // 3, len(full) - 2) if "\ufffd" not in full[i : i + 2])
+    stop = full[start : start + 2]
     first = full.find(stop)
     n_tok = next(i for i in range(1, len(ids) + 1) if stop in tok.decode(ids[:i]))
     for include in (False, True):
-        sp = SamplingParams(temperature=1.0, seed=11, max_tokens=60, ignore_eos=True, stop=stop,
-                            include_stop_str_in_output=include)
+        sp = SamplingParams(
+            temperature=1.0, seed=11, max_tokens=60, ignore_eos=True, stop=stop, include_stop_str_in_output=include
+        )
         outs, texts, toks = _drive(eng, [("s1", TEXTS[2], sp)])
         c = outs["s1"].outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == stop

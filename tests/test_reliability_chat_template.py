@@ -10,8 +10,12 @@ from cluster.chat_template import ChatTemplateError, render_chat_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ],
 ]
 HOSTILE = [
     ("{{ 'a' * 30000000 }}", "longer than"),
@@ -53,13 +57,19 @@ def test_same_text_as_transformers(ckpt_dir):
         for conv in CONVERSATIONS:
             for agp in (True, False):
                 want = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
-                got = render_chat_template(tok.chat_template, conv, add_generation_prompt=agp,
-                                           special_tokens=tok.special_tokens_map)
+                got = render_chat_template(
+                    tok.chat_template, conv, add_generation_prompt=agp, special_tokens=tok.special_tokens_map
+                )
                 assert got == want
             cont = [*conv, {"role": "assistant", "content": "The answ"}]
             want = tok.apply_chat_template(cont, tokenize=False, continue_final_message=True)
-            got = render_chat_template(tok.chat_template, cont, add_generation_prompt=False,
-                                       continue_final_message=True, special_tokens=tok.special_tokens_map)
+            got = render_chat_template(
+                tok.chat_template,
+                cont,
+                add_generation_prompt=False,
+                continue_final_message=True,
+                special_tokens=tok.special_tokens_map,
+            )
             assert got == want
 
 
@@ -67,6 +77,5 @@ def test_same_text_as_transformers(ckpt_dir):
 def test_hostile_templates_are_stopped(source, text):
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match=text):
-        render_chat_template(source, CONVERSATIONS[0], add_generation_prompt=True, max_chars=1 << 20,
-                             max_seconds=1.0)
+        render_chat_template(source, CONVERSATIONS[0], add_generation_prompt=True, max_chars=1 << 20, max_seconds=1.0)
     assert time.monotonic() - t0 < 3.0

@@ -41,8 +41,11 @@ def _deep(n: int = DEEP) -> typing.Any:
 
 def _strip_optional(t):
     args = [a for a in typing.get_args(t) if a is not type(None)]
-    return args[0] if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
-        and len(args) == 1 else t
+    return (
+        args[0]
+        if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1
+        else t
+    )
 
 
 def _hostile_values(typ) -> list:
@@ -88,8 +91,13 @@ SPECIFIC = {
     "response_format": [{"type": "json_object"}],
     "tool_choice": [_deep()],
     "prompt": ["", [], [5, 999], [[5], []], "w5 " * 20_000],
-    "messages": [[], [{"role": "", "content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
-                 [{"role": "user", "content": "w5 " * 20_000}], [{"role": "user", "content": _deep()}]],
+    "messages": [
+        [],
+        [{"role": "", "content": "x"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+        [{"role": "user", "content": "w5 " * 20_000}],
+        [{"role": "user", "content": _deep()}],
+    ],
     "echo": [],
     "stream": [],
     "user": [],
@@ -197,8 +205,12 @@ MALFORMED = [
     (CMPL, b'{"prompt": "w5", "temperature": 1e999}', {}, "temperature"),
     (CMPL, b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", {}, "nested too deeply"),
     (CHAT, b'{"messages": [], "tool_choice": ' + b"[" * DEEP + b"]" * DEEP + b"}", {}, "nested too deeply"),
-    (CHAT, b'{"messages": [], "chat_template_kwargs": {"a": ' + b"[" * DEEP + b"]" * DEEP + b"}}", {},
-     "nested too deeply"),
+    (
+        CHAT,
+        b'{"messages": [], "chat_template_kwargs": {"a": ' + b"[" * DEEP + b"]" * DEEP + b"}}",
+        {},
+        "nested too deeply",
+    ),
     (CMPL, b"not gzip at all", {"Content-Encoding": "gzip"}, "cannot read the request body"),
     (CMPL, gzip.compress(b'{"prompt": "w5"')[:-4], {"Content-Encoding": "gzip"}, None),
     (CMPL, b'{"prompt": "w5", "stream": true, "request_id": "a\\u0001"}', {}, "request_id"),
@@ -216,8 +228,11 @@ def test_malformed_bodies(server, client, reference, path, body, headers, text):
 
 
 def test_gzip_body_is_read(server, client, reference):
-    resp = client.post(server.url + CMPL, content=gzip.compress(json.dumps(REF).encode()),
-                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    resp = client.post(
+        server.url + CMPL,
+        content=gzip.compress(json.dumps(REF).encode()),
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == reference
 
 
@@ -228,8 +243,16 @@ def test_return_tokens_as_token_ids(server, client):
     assert [t for t in lp["tokens"]] == [f"token_id:{int(t.split(':')[1])}" for t in lp["tokens"]]
     assert all(len(top) == 3 or len(top) == 4 for top in lp["top_logprobs"])  # ids never collide
     assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
-    chat = client.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 3, "logprobs": True,
-                                                "top_logprobs": 2, "return_tokens_as_token_ids": True}).json()
+    chat = client.post(
+        server.url + CHAT,
+        json={
+            "messages": MSG,
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert content and all(c["token"].startswith("token_id:") for c in content)
 
@@ -294,21 +317,32 @@ def _grpc_cases():
         for v in ((1 << 63) - 1, -(1 << 63), -1):
             if (name, v) in (("seed", (1 << 63) - 1), ("top_k", -1)):
                 continue  # a valid seed; top_k -1 turns top-k off
-            cases.append(pytest.param(pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(**{name: v})),
-                                      name, id=f"{name}={v}"))
+            cases.append(
+                pytest.param(
+                    pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(**{name: v})), name, id=f"{name}={v}"
+                )
+            )
     for name in FLOAT_FIELDS:
         for v in (float("nan"), float("inf"), -3.4e38):
-            cases.append(pytest.param(pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(**{name: v})),
-                                      name, id=f"{name}={v}"))
+            cases.append(
+                pytest.param(
+                    pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(**{name: v})), name, id=f"{name}={v}"
+                )
+            )
     cases += [
-        pytest.param(pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop_token_ids=[(1 << 63) - 1])),
-                     "stop_token_ids", id="stop_token_ids-big"),
-        pytest.param(pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop=["x"] * 100)), "stop",
-                     id="stop-many"),
+        pytest.param(
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop_token_ids=[(1 << 63) - 1])),
+            "stop_token_ids",
+            id="stop_token_ids-big",
+        ),
+        pytest.param(
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop=["x"] * 100)), "stop", id="stop-many"
+        ),
         pytest.param(pb2.GenerateRequest(text="w5", request_id="a\u0001"), "request_id", id="request_id-ctrl"),
         pytest.param(pb2.GenerateRequest(text="w5 " * 20_000), "prompt", id="text-huge"),
-        pytest.param(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[(1 << 63) - 1])), "prompt_token_ids",
-                     id="token-big"),
+        pytest.param(
+            pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[(1 << 63) - 1])), "prompt_token_ids", id="token-big"
+        ),
         pytest.param(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5] * 100_000)), "prompt", id="tokens-many"),
         pytest.param(pb2.GenerateRequest(text="w5", model="m" * 100_000), "model", id="model-huge"),
     ]
@@ -335,20 +369,25 @@ def test_grpc_every_field(server, grpc_channel, req, field):
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.parametrize("method,body", [
-    ("Generate", b"\xff\xff\xff\xff"),  # not protobuf
-    ("Generate", b"\x12\x80\x80\x80\x80\x10"),  # a length past the end
-    ("Generate", b"\x1a\x05\x08"),  # token_ids cut short
-    ("Abort", b"\x0a\xff"),
-    ("GetModelInfo", b"\x08"),
-])
+@pytest.mark.parametrize(
+    "method,body",
+    [
+        ("Generate", b"\xff\xff\xff\xff"),  # not protobuf
+        ("Generate", b"\x12\x80\x80\x80\x80\x10"),  # a length past the end
+        ("Generate", b"\x1a\x05\x08"),  # token_ids cut short
+        ("Abort", b"\x0a\xff"),
+        ("GetModelInfo", b"\x08"),
+    ],
+)
 def test_grpc_malformed_bodies(server, grpc_channel, method, body):
     md = [("authorization", f"Bearer {server.api_key}")]
     path = f"/syncless.v1.Generation/{method}"
-    ident = (lambda b: b)  # noqa: E731 - raw bytes both ways
-    call = grpc_channel.unary_stream(path, request_serializer=ident, response_deserializer=ident) \
-        if method == "Generate" else grpc_channel.unary_unary(path, request_serializer=ident,
-                                                                response_deserializer=ident)
+    ident = lambda b: b  # noqa: E731 - raw bytes both ways
+    call = (
+        grpc_channel.unary_stream(path, request_serializer=ident, response_deserializer=ident)
+        if method == "Generate"
+        else grpc_channel.unary_unary(path, request_serializer=ident, response_deserializer=ident)
+    )
     with pytest.raises(grpc.RpcError) as e:
         out = call(body, metadata=md, timeout=30)
         list(out) if method == "Generate" else out

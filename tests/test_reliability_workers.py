@@ -31,8 +31,20 @@ LONG = {"prompt": [7, 8, 9], "max_tokens": 240, "temperature": 0, "ignore_eos": 
 def victim(ray_local, serve_model, tmp_path_factory):
     from tests.serve_helpers import ServerProcess, ray_address
 
-    args = ["--model", str(serve_model), "--max-model-len", "256", "--num-kv-blocks", "64", "--block-size", "16",
-            "--disable-log-requests", "--disable-log-stats", "--log-stats-interval", "0.5"]
+    args = [
+        "--model",
+        str(serve_model),
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "16",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--log-stats-interval",
+        "0.5",
+    ]
     proc = ServerProcess(args, tmp_path_factory.mktemp("victim") / "server.log", ray_addr=ray_address())
     try:
         yield proc.wait_ready()
@@ -138,9 +150,14 @@ def test_disconnect_during_validation_leaves_nothing_behind(victim):
             pass
 
     async def main() -> None:
-        load = [asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(
-            victim.url + "/v1/completions", json={**LONG, "stream": False, "max_tokens": 120}))
-            for _ in range(2)]  # keep the engine thread stepping, so validation waits its turn
+        load = [
+            asyncio.ensure_future(
+                httpx.AsyncClient(timeout=60).post(
+                    victim.url + "/v1/completions", json={**LONG, "stream": False, "max_tokens": 120}
+                )
+            )
+            for _ in range(2)
+        ]  # keep the engine thread stepping, so validation waits its turn
         async with httpx.AsyncClient(timeout=60) as client:
             await asyncio.gather(*(leave(client, rid, 0.001 * (i % 20)) for i, rid in enumerate(ids)))
         await asyncio.gather(*load)
@@ -178,8 +195,9 @@ def test_cancelled_while_validating_is_forgotten(ray_local, serve_model):
 
             inputs.make_requests = slow
             for rid, prompt in (("refused", [5, 9999]), ("accepted", [5, 9])):
-                task = asyncio.ensure_future(eng.add_request(rid, {"prompt_token_ids": prompt},
-                                                             SamplingParams(max_tokens=50, ignore_eos=True)))
+                task = asyncio.ensure_future(
+                    eng.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=50, ignore_eos=True))
+                )
                 await asyncio.sleep(0.1)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -192,8 +210,9 @@ def test_cancelled_while_validating_is_forgotten(ray_local, serve_model):
             assert state["groups"] == 0 and state["num_free_blocks"] == state["num_blocks"]
             inputs.make_requests = real
             for rid in ("refused", "accepted"):
-                out = await (await eng.add_request(rid, {"prompt_token_ids": [5, 9]},
-                                                   SamplingParams(max_tokens=3))).result()
+                out = await (
+                    await eng.add_request(rid, {"prompt_token_ids": [5, 9]}, SamplingParams(max_tokens=3))
+                ).result()
                 assert len(out.outputs[0].token_ids) == 3
         finally:
             await eng.shutdown(1)
@@ -235,8 +254,9 @@ def test_failed_restarts_back_off_then_heal(ray_local, serve_model):
             assert len(tries) == 3 and eng.healthy
             gaps = [b - a for a, b in zip(tries, tries[1:])]
             assert 0.9 <= gaps[0] < 1.8 and 1.9 <= gaps[1] < 3.0, gaps
-            out = await (await eng.add_request("after", {"prompt_token_ids": [5, 9]},
-                                               SamplingParams(max_tokens=3))).result()
+            out = await (
+                await eng.add_request("after", {"prompt_token_ids": [5, 9]}, SamplingParams(max_tokens=3))
+            ).result()
             assert len(out.outputs[0].token_ids) == 3
         finally:
             await eng.shutdown(1)

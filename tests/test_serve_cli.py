@@ -26,8 +26,14 @@ def _run(*args, timeout=120):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "cluster.serve", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.serve", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_help_lists_every_engine_option():
@@ -55,17 +61,20 @@ def test_help_one_default_and_a_description_per_flag():
     assert args.model_positional == "/m" and args.http_port == 10
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--block-size", "3"], "block_size must be a power of two"),
-    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
-    (["--pipeline-parallel-size", "0"], "pipeline_parallel_size must be in [1, 1024]"),
-    (["--model", "/nonexistent/model"], "/nonexistent/model"),
-    (["/nonexistent/model"], "/nonexistent/model"),
-    (["/a", "--model", "/b"], "the model is given twice"),
-    (["--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
-    (["--max-logprobs", "30"], "--max-logprobs must be in [0, 20]"),
-    (["--chat-template", "no-such-file"], "neither a file nor a jinja template"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--block-size", "3"], "block_size must be a power of two"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+        (["--pipeline-parallel-size", "0"], "pipeline_parallel_size must be in [1, 1024]"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["/nonexistent/model"], "/nonexistent/model"),
+        (["/a", "--model", "/b"], "the model is given twice"),
+        (["--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
+        (["--max-logprobs", "30"], "--max-logprobs must be in [0, 20]"),
+        (["--chat-template", "no-such-file"], "neither a file nor a jinja template"),
+    ],
+)
 def test_config_errors_exit_2_with_a_message(args, message):
     r = _run(*args)
     assert r.returncode == 2, r.stderr
@@ -100,9 +109,12 @@ def demo(tmp_path_factory):
     from tests.serve_helpers import ServerProcess
 
     tmp = tmp_path_factory.mktemp("demo")
-    proc = ServerProcess([], tmp / "server.log", env={"SYNCLESS_CACHE": str(tmp / "cache"),
-                                                     "SYNCLESS_API_KEY": "env-key", "SYNCLESS_RAY_NUM_CPUS": "2"},
-                         api_key="env-key")
+    proc = ServerProcess(
+        [],
+        tmp / "server.log",
+        env={"SYNCLESS_CACHE": str(tmp / "cache"), "SYNCLESS_API_KEY": "env-key", "SYNCLESS_RAY_NUM_CPUS": "2"},
+        api_key="env-key",
+    )
     try:
         yield proc.wait_ready(300)
     finally:
@@ -116,27 +128,41 @@ def test_demo_server_serves(demo):
     client = openai.OpenAI(base_url=demo.url + "/v1", api_key="env-key", max_retries=0, timeout=120)
     (model,) = client.models.list().data
     assert model.id == "SmolLM2-135M-Instruct"
-    paris = client.chat.completions.create(model=model.id, temperature=0, max_tokens=12, messages=[
-        {"role": "user", "content": "What is the capital of France?"}])
+    paris = client.chat.completions.create(
+        model=model.id,
+        temperature=0,
+        max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "Paris" in paris.choices[0].message.content  # a real model answers out of the box
     r = client.completions.create(model=model.id, prompt="Hello", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
     again = client.completions.create(model=model.id, prompt="Hello", max_tokens=5, temperature=0)
     assert again.choices[0].text == r.choices[0].text
-    chat = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, seed=1)
+    chat = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=1
+    )
     assert chat.choices[0].message.role == "assistant"
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=model.id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=1, stream=True)
-        if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=1, stream=True
+        )
+        if c.choices
+    )
     assert streamed == chat.choices[0].message.content
     client.close()
     with grpc.insecure_channel(demo.grpc_target) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         stub = pb2_grpc.GenerationStub(ch)
-        resps = list(stub.Generate(pb2.GenerateRequest(text="Hello", sampling=pb2.SamplingParams(
-            max_tokens=5, temperature=0)), metadata=[("authorization", "Bearer env-key")], timeout=60))
+        resps = list(
+            stub.Generate(
+                pb2.GenerateRequest(text="Hello", sampling=pb2.SamplingParams(max_tokens=5, temperature=0)),
+                metadata=[("authorization", "Bearer env-key")],
+                timeout=60,
+            )
+        )
         assert "".join(x.text for x in resps) == r.choices[0].text
         info = stub.GetModelInfo(pb2.GetModelInfoRequest(), metadata=[("authorization", "Bearer env-key")])
         assert info.device == "cpu" and info.model_name == "SmolLM2-135M-Instruct"

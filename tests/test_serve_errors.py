@@ -69,8 +69,14 @@ CASES = [
     (CMPL, {"prompt": [5] * 520}, 400, "prompt", "max_model_len is 512"),
     (CHAT, {"messages": [{"role": "user", "content": "w5 " * 600}]}, 400, "messages", "max_model_len is 512"),
     # a set output length past the context (a default one is cut: test_default_length_is_cut)
-    (CMPL, {"prompt": [5] * 500, "max_tokens": 20}, 400, "max_tokens", "maximum context length is 512 "
-     "tokens. However, you requested 520 tokens (500 in the prompt, 20 in the completion)"),
+    (
+        CMPL,
+        {"prompt": [5] * 500, "max_tokens": 20},
+        400,
+        "max_tokens",
+        "maximum context length is 512 "
+        "tokens. However, you requested 520 tokens (500 in the prompt, 20 in the completion)",
+    ),
     (CHAT, {"messages": MSG, "max_completion_tokens": 600}, 400, "max_completion_tokens", "context length is 512"),
     (CHAT, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "context length is 512"),
     # unknown model / route / method
@@ -107,17 +113,21 @@ def client(server):
         yield c
 
 
-@pytest.mark.parametrize("path,body,status,param,text", CASES,
-                         ids=[f"{i}-{c[3] or c[4][:12]}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "path,body,status,param,text", CASES, ids=[f"{i}-{c[3] or c[4][:12]}" for i, c in enumerate(CASES)]
+)
 def test_bad_request(server, client, path, body, status, param, text):
     _check(_send(client, server, path, body), status, param, text)
 
 
-@pytest.mark.parametrize("path,body", [
-    (CMPL, {"prompt": [5] * 500, "ignore_eos": True}),  # completions' default max_tokens 16
-    (CMPL, {"prompt": [5] * 500, "ignore_eos": True, "max_tokens": 12}),  # exactly the room
-    (CHAT, {"messages": MSG, "ignore_eos": True}),  # chat's default: the whole context
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (CMPL, {"prompt": [5] * 500, "ignore_eos": True}),  # completions' default max_tokens 16
+        (CMPL, {"prompt": [5] * 500, "ignore_eos": True, "max_tokens": 12}),  # exactly the room
+        (CHAT, {"messages": MSG, "ignore_eos": True}),  # chat's default: the whole context
+    ],
+)
 def test_default_length_is_cut(server, client, path, body):
     """A length the client did not set (or that fits exactly) ends at the context, as
     'length'; only a set one past it is refused (CASES)."""
@@ -129,11 +139,14 @@ def test_default_length_is_cut(server, client, path, body):
     assert use["total_tokens"] == 512 and use["completion_tokens"] == 512 - use["prompt_tokens"]
 
 
-@pytest.mark.parametrize("headers,text", [
-    ({}, "missing API key"),
-    ({"Authorization": "Bearer wrong"}, "invalid API key"),
-    ({"Authorization": "Basic dGVzdA=="}, "invalid API key"),
-])
+@pytest.mark.parametrize(
+    "headers,text",
+    [
+        ({}, "missing API key"),
+        ({"Authorization": "Bearer wrong"}, "invalid API key"),
+        ({"Authorization": "Basic dGVzdA=="}, "invalid API key"),
+    ],
+)
 def test_api_key(server, headers, text):
     with httpx.Client(timeout=30) as c:
         for path, body in ((CMPL, {"prompt": "w5"}), (CHAT, {"messages": MSG}), ("GET /v1/models", None)):
@@ -165,10 +178,18 @@ def test_keeps_serving_while_bad_requests_arrive(server, offline, model_name):
 
     async def run():
         async with httpx.AsyncClient(timeout=120, headers=headers) as c:
+
             async def long_stream():
                 text = ""
-                body = {"model": model_name, "prompt": "w7 w8", "temperature": 0.9, "seed": 21,
-                        "max_tokens": 200, "ignore_eos": True, "stream": True}
+                body = {
+                    "model": model_name,
+                    "prompt": "w7 w8",
+                    "temperature": 0.9,
+                    "seed": 21,
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 async with c.stream("POST", server.url + CMPL, json=body) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
@@ -189,15 +210,16 @@ def test_keeps_serving_while_bad_requests_arrive(server, offline, model_name):
                 _check(r, status, param, text)
 
             async def good():
-                r = await c.post(server.url + CMPL, json={"model": model_name, "prompt": "w9", "temperature": 0,
-                                                          "max_tokens": 4})
+                r = await c.post(
+                    server.url + CMPL, json={"model": model_name, "prompt": "w9", "temperature": 0, "max_tokens": 4}
+                )
                 assert r.status_code == 200
                 return r.json()["choices"][0]["text"]
 
             stream = asyncio.ensure_future(long_stream())
             await asyncio.sleep(0.05)
             results = await asyncio.gather(*(bad(*case) for case in CASES * 2), *(good() for _ in range(5)))
-            return await stream, results[len(CASES) * 2:]
+            return await stream, results[len(CASES) * 2 :]
 
     long_text, goods = asyncio.run(run())
     assert long_text == ref_long.outputs[0].text

@@ -48,15 +48,28 @@ def _collect(responses):
 
 def test_generate_stream_equals_offline(stub, md, offline):
     cases = [
-        (pb2.GenerateRequest(text="w5 w6 w7", sampling=pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=11,
-                                                                           max_tokens=8)),
-         "w5 w6 w7", SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8)),
-        (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[7, 8, 9, 10]),
-                             sampling=pb2.SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5, top_k=30)),
-         {"prompt_token_ids": [7, 8, 9, 10]}, SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5, top_k=30)),
-        (pb2.GenerateRequest(text="w50", sampling=pb2.SamplingParams(temperature=0, max_tokens=6, logprobs=2,
-                                                                     ignore_eos=True)),
-         "w50", SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)),
+        (
+            pb2.GenerateRequest(
+                text="w5 w6 w7", sampling=pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8)
+            ),
+            "w5 w6 w7",
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8),
+        ),
+        (
+            pb2.GenerateRequest(
+                token_ids=pb2.TokenIds(ids=[7, 8, 9, 10]),
+                sampling=pb2.SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5, top_k=30),
+            ),
+            {"prompt_token_ids": [7, 8, 9, 10]},
+            SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5, top_k=30),
+        ),
+        (
+            pb2.GenerateRequest(
+                text="w50", sampling=pb2.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+            ),
+            "w50",
+            SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+        ),
     ]
     for req, prompt, params in cases:
         (ref,) = offline.generate([prompt], params, use_tqdm=False)
@@ -77,8 +90,9 @@ def test_generate_stream_equals_offline(stub, md, offline):
 
 
 def test_abort_mid_stream(server, stub, md):
-    req = pb2.GenerateRequest(request_id="grpc-abort-1", text="w5",
-                              sampling=pb2.SamplingParams(unlimited_tokens=True, ignore_eos=True))
+    req = pb2.GenerateRequest(
+        request_id="grpc-abort-1", text="w5", sampling=pb2.SamplingParams(unlimited_tokens=True, ignore_eos=True)
+    )
     seen = []
     for r in stub.Generate(req, metadata=md, timeout=60):
         seen.append(r)
@@ -92,8 +106,11 @@ def test_abort_mid_stream(server, stub, md):
 
 
 def test_cancelled_call_frees_kv(server, stub, md):
-    call = stub.Generate(pb2.GenerateRequest(text="w5 w6", sampling=pb2.SamplingParams(
-        unlimited_tokens=True, ignore_eos=True, n=2)), metadata=md, timeout=60)
+    call = stub.Generate(
+        pb2.GenerateRequest(text="w5 w6", sampling=pb2.SamplingParams(unlimited_tokens=True, ignore_eos=True, n=2)),
+        metadata=md,
+        timeout=60,
+    )
     for i, _ in enumerate(call):
         if i == 2:
             call.cancel()
@@ -104,8 +121,7 @@ def test_cancelled_call_frees_kv(server, stub, md):
 def test_health_and_model_info(channel, stub, md, model_name):
     health = health_pb2_grpc.HealthStub(channel)
     for svc in ("", "syncless.v1.Generation"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(service=svc)).status == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(grpc.RpcError) as e:
         health.Check(health_pb2.HealthCheckRequest(service="nope"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -114,23 +130,37 @@ def test_health_and_model_info(channel, stub, md, model_name):
     assert info.vocab_size == 256 and info.max_model_len == 512 and info.num_kv_blocks == 512
 
 
-@pytest.mark.parametrize("req,code,field", [
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(temperature=-0.5)), "INVALID_ARGUMENT", "temperature"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(top_p=1.5)), "INVALID_ARGUMENT", "top_p"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(n=0)), "INVALID_ARGUMENT", "n"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "max_tokens"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logprobs=50)), "INVALID_ARGUMENT", "logprobs"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(seed=-1)), "INVALID_ARGUMENT", "seed"),
-    (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop_token_ids=[999])), "INVALID_ARGUMENT",
-     "stop_token_ids"),
-    (pb2.GenerateRequest(text=""), "INVALID_ARGUMENT", "prompt"),
-    (pb2.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
-    (pb2.GenerateRequest(text="w5 " * 600), "INVALID_ARGUMENT", "max_model_len"),
-    (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5] * 500), sampling=pb2.SamplingParams(max_tokens=20)),
-     "INVALID_ARGUMENT", "you requested 520 tokens (500 in the prompt, 20 in the completion)"),
-    (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 300])), "INVALID_ARGUMENT", "prompt_token_ids"),
-    (pb2.GenerateRequest(text="w5", model="other"), "NOT_FOUND", "model"),
-], ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "req,code,field",
+    [
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(temperature=-0.5)),
+            "INVALID_ARGUMENT",
+            "temperature",
+        ),
+        (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(top_p=1.5)), "INVALID_ARGUMENT", "top_p"),
+        (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(n=0)), "INVALID_ARGUMENT", "n"),
+        (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "max_tokens"),
+        (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logprobs=50)), "INVALID_ARGUMENT", "logprobs"),
+        (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(seed=-1)), "INVALID_ARGUMENT", "seed"),
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop_token_ids=[999])),
+            "INVALID_ARGUMENT",
+            "stop_token_ids",
+        ),
+        (pb2.GenerateRequest(text=""), "INVALID_ARGUMENT", "prompt"),
+        (pb2.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
+        (pb2.GenerateRequest(text="w5 " * 600), "INVALID_ARGUMENT", "max_model_len"),
+        (
+            pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5] * 500), sampling=pb2.SamplingParams(max_tokens=20)),
+            "INVALID_ARGUMENT",
+            "you requested 520 tokens (500 in the prompt, 20 in the completion)",
+        ),
+        (pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 300])), "INVALID_ARGUMENT", "prompt_token_ids"),
+        (pb2.GenerateRequest(text="w5", model="other"), "NOT_FOUND", "model"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
 def test_errors(stub, md, req, code, field):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(req, metadata=md, timeout=30))

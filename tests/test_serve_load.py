@@ -27,22 +27,34 @@ def _params(k: int) -> SamplingParams:
 
 def test_200_concurrent_streams(server, offline, model_name):
     n = N_HTTP + N_GRPC
-    refs = offline.generate([{"prompt_token_ids": _prompt(k)} for k in range(n)], [_params(k) for k in range(n)],
-                            use_tqdm=False)
+    refs = offline.generate(
+        [{"prompt_token_ids": _prompt(k)} for k in range(n)], [_params(k) for k in range(n)], use_tqdm=False
+    )
     md = [("authorization", f"Bearer {server.api_key}")]
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0,
-                                    timeout=120, http_client=httpx.AsyncClient(
-                                        limits=httpx.Limits(max_connections=200), timeout=120))
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1",
+            api_key=server.api_key,
+            max_retries=0,
+            timeout=120,
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=200), timeout=120),
+        )
         channel = grpc.aio.insecure_channel(server.grpc_target)
         stub = pb2_grpc.GenerationStub(channel)
 
         async def http(k):
             stream = await client.completions.create(
-                model=model_name, prompt=_prompt(k), temperature=0.8, top_p=0.95, seed=1000 + k,
-                max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True})
+                model=model_name,
+                prompt=_prompt(k),
+                temperature=0.8,
+                top_p=0.95,
+                seed=1000 + k,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             pieces, finish, usage = [], [], None
             async for chunk in stream:
                 if chunk.usage:
@@ -54,8 +66,7 @@ def test_200_concurrent_streams(server, offline, model_name):
             return {"pieces": pieces, "finish": finish, "usage": usage}
 
         async def rpc(k):
-            sp = pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + k, max_tokens=MAX_TOKENS,
-                                    ignore_eos=True)
+            sp = pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + k, max_tokens=MAX_TOKENS, ignore_eos=True)
             req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=_prompt(k)), sampling=sp)
             ids, text, finish, usage = [], "", [], None
             async for r in stub.Generate(req, metadata=md, timeout=120):
@@ -88,8 +99,11 @@ def test_200_concurrent_streams(server, offline, model_name):
             assert got["text"] == o.text, k
     server.wait_kv_free()
     metrics = httpx.get(server.url + "/metrics").text
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("syncless:") and "{" in line}
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("syncless:") and "{" in line
+    }
     assert values["syncless:time_to_first_token_seconds_count"] >= n
     assert values["syncless:inter_token_latency_seconds_count"] >= n * (MAX_TOKENS - 1)
     assert values["syncless:generation_tokens_total"] >= n * MAX_TOKENS
@@ -104,8 +118,8 @@ def test_aborts_and_disconnects_free_every_block(server, model_name):
     async def run():
         channel = grpc.aio.insecure_channel(server.grpc_target)
         stub = pb2_grpc.GenerationStub(channel)
-        async with httpx.AsyncClient(timeout=120, headers=headers,
-                                     limits=httpx.Limits(max_connections=100)) as c:
+        async with httpx.AsyncClient(timeout=120, headers=headers, limits=httpx.Limits(max_connections=100)) as c:
+
             async def http_disconnect(k):
                 async with c.stream("POST", server.url + "/v1/completions", json=dict(long, seed=k, n=1 + k % 3)) as r:
                     assert r.status_code == 200
@@ -114,16 +128,23 @@ def test_aborts_and_disconnects_free_every_block(server, model_name):
                             break  # leave after the first chunk: the connection closes
 
             async def grpc_cancel(k):
-                call = stub.Generate(pb2.GenerateRequest(text="w9 w10", sampling=pb2.SamplingParams(
-                    unlimited_tokens=True, ignore_eos=True, n=1 + k % 2, seed=k)), metadata=md, timeout=120)
+                call = stub.Generate(
+                    pb2.GenerateRequest(
+                        text="w9 w10",
+                        sampling=pb2.SamplingParams(unlimited_tokens=True, ignore_eos=True, n=1 + k % 2, seed=k),
+                    ),
+                    metadata=md,
+                    timeout=120,
+                )
                 async for _ in call:
                     call.cancel()
                     break
 
             async def grpc_abort(k):
                 rid = f"load-abort-{k}"
-                req = pb2.GenerateRequest(request_id=rid, text="w11", sampling=pb2.SamplingParams(
-                    unlimited_tokens=True, ignore_eos=True))
+                req = pb2.GenerateRequest(
+                    request_id=rid, text="w11", sampling=pb2.SamplingParams(unlimited_tokens=True, ignore_eos=True)
+                )
                 last = None
                 async for r in stub.Generate(req, metadata=md, timeout=120):
                     if last is None:
@@ -133,8 +154,9 @@ def test_aborts_and_disconnects_free_every_block(server, model_name):
 
             async def waiting_then_gone(k):
                 # a non-streaming request cancelled by its client, possibly while still waiting
-                task = asyncio.ensure_future(c.post(server.url + "/v1/completions",
-                                                    json=dict(long, stream=False, seed=k)))
+                task = asyncio.ensure_future(
+                    c.post(server.url + "/v1/completions", json=dict(long, stream=False, seed=k))
+                )
                 await asyncio.sleep(0.05 * (k % 4))
                 task.cancel()
                 try:
@@ -142,8 +164,12 @@ def test_aborts_and_disconnects_free_every_block(server, model_name):
                 except asyncio.CancelledError:
                     pass
 
-            jobs = ([http_disconnect(k) for k in range(20)] + [grpc_cancel(k) for k in range(15)]
-                    + [grpc_abort(k) for k in range(10)] + [waiting_then_gone(k) for k in range(15)])
+            jobs = (
+                [http_disconnect(k) for k in range(20)]
+                + [grpc_cancel(k) for k in range(15)]
+                + [grpc_abort(k) for k in range(10)]
+                + [waiting_then_gone(k) for k in range(15)]
+            )
             await asyncio.gather(*jobs)
         await channel.close()
 
@@ -151,6 +177,7 @@ def test_aborts_and_disconnects_free_every_block(server, model_name):
     state = server.wait_kv_free()
     assert state["num_free_blocks"] == state["num_blocks"] == 512
     # and the server still serves
-    r = httpx.post(server.url + "/v1/completions", headers=headers,
-                   json={"model": model_name, "prompt": "w5", "max_tokens": 3})
+    r = httpx.post(
+        server.url + "/v1/completions", headers=headers, json={"model": model_name, "prompt": "w5", "max_tokens": 3}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -9,14 +9,25 @@ import httpx
 import pytest
 
 from metadata.sampling_params import SamplingParams
+
 pytest_plugins = ["tests.serve_helpers"]
 
 SEEDED = [
     ("w5 w6 w7", dict(temperature=0.8, top_p=0.9, seed=11, max_tokens=8)),
     ("w20 w21", dict(temperature=1.0, top_k=20, seed=12, max_tokens=6)),
     ("w9", dict(temperature=0.0, max_tokens=10, ignore_eos=True)),
-    ("w40 w41 w42 w43", dict(temperature=0.7, min_p=0.05, seed=13, max_tokens=7, presence_penalty=0.5,
-                              frequency_penalty=0.3, repetition_penalty=1.2)),
+    (
+        "w40 w41 w42 w43",
+        dict(
+            temperature=0.7,
+            min_p=0.05,
+            seed=13,
+            max_tokens=7,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+        ),
+    ),
 ]
 
 
@@ -25,8 +36,11 @@ def _extra(kw):
 
 
 def _std(kw):
-    return {k: kw[k] for k in ("temperature", "top_p", "seed", "max_tokens", "presence_penalty",
-                               "frequency_penalty") if k in kw}
+    return {
+        k: kw[k]
+        for k in ("temperature", "top_p", "seed", "max_tokens", "presence_penalty", "frequency_penalty")
+        if k in kw
+    }
 
 
 def test_models_health_metrics(server, openai_client, model_name):
@@ -38,9 +52,14 @@ def test_models_health_metrics(server, openai_client, model_name):
     alias = os.path.basename(model_name)
     assert openai_client.completions.create(model=alias, prompt="w5", max_tokens=2).usage.completion_tokens == 2
     text = httpx.get(server.url + "/metrics").text  # open, like /health
-    for name in ("syncless:num_requests_running", "syncless:num_requests_waiting", "syncless:kv_cache_usage_perc",
-                 "syncless:time_to_first_token_seconds", "syncless:inter_token_latency_seconds",
-                 "syncless:generation_tokens_per_second"):
+    for name in (
+        "syncless:num_requests_running",
+        "syncless:num_requests_waiting",
+        "syncless:kv_cache_usage_perc",
+        "syncless:time_to_first_token_seconds",
+        "syncless:inter_token_latency_seconds",
+        "syncless:generation_tokens_per_second",
+    ):
         assert name in text
 
 
@@ -76,25 +95,29 @@ def test_completion_batch_token_ids_and_n(openai_client, offline, model_name):
     prompts = [[5, 6, 7], [100, 101]]
     params = SamplingParams(temperature=0.9, seed=3, max_tokens=5, n=2)
     refs = offline.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    r = openai_client.completions.create(model=model_name, prompt=prompts, n=2, temperature=0.9, seed=3,
-                                         max_tokens=5)
+    r = openai_client.completions.create(model=model_name, prompt=prompts, n=2, temperature=0.9, seed=3, max_tokens=5)
     got = {c.index: c.text for c in r.choices}
     want = {i * 2 + o.index: o.text for i, ref in enumerate(refs) for o in ref.outputs}
     assert got == want
     assert r.usage.completion_tokens == sum(len(o.token_ids) for ref in refs for o in ref.outputs)
     texts = ["w5 w6", "w7"]
     refs = offline.generate(texts, SamplingParams(temperature=0.5, seed=9, max_tokens=4), use_tqdm=False)
-    r = openai_client.completions.create(model=model_name, prompt=texts, temperature=0.5, seed=9, max_tokens=4,
-                                         echo=True)
-    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
-        [t + ref.outputs[0].text for t, ref in zip(texts, refs)]
+    r = openai_client.completions.create(
+        model=model_name, prompt=texts, temperature=0.5, seed=9, max_tokens=4, echo=True
+    )
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [
+        t + ref.outputs[0].text for t, ref in zip(texts, refs)
+    ]
 
 
 def test_completion_stream_equals_offline(openai_client, offline, model_name):
     prompt, kw = SEEDED[0]
     (ref,) = offline.generate([prompt], SamplingParams(**kw))
-    chunks = list(openai_client.completions.create(model=model_name, prompt=prompt, stream=True,
-                                                   stream_options={"include_usage": True}, **_std(kw)))
+    chunks = list(
+        openai_client.completions.create(
+            model=model_name, prompt=prompt, stream=True, stream_options={"include_usage": True}, **_std(kw)
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -108,8 +131,15 @@ def test_stop_string_and_logprobs_equal_offline(openai_client, offline, model_na
     stop = free.outputs[0].text.split()[3]  # a word the greedy continuation produces
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop], logprobs=2)
     (ref,) = offline.generate([prompt], params, use_tqdm=False)
-    r = openai_client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=8, stop=[stop],
-                                         logprobs=2, extra_body={"ignore_eos": True})
+    r = openai_client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=8,
+        stop=[stop],
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     c = r.choices[0]
     assert c.text == ref.outputs[0].text and c.finish_reason == "stop"
     want = [lp[t] for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
@@ -128,8 +158,9 @@ def _chat_ref(offline, messages, params):
 def test_chat_equals_offline(openai_client, offline, model_name):
     messages = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w12 w13 w14"}]
     ref = _chat_ref(offline, messages, SamplingParams(temperature=0.8, seed=5, max_tokens=9))
-    r = openai_client.chat.completions.create(model=model_name, messages=messages, temperature=0.8, seed=5,
-                                              max_tokens=9)
+    r = openai_client.chat.completions.create(
+        model=model_name, messages=messages, temperature=0.8, seed=5, max_tokens=9
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -138,11 +169,23 @@ def test_chat_equals_offline(openai_client, offline, model_name):
 
 def test_chat_stream_and_logprobs(openai_client, offline, model_name):
     messages = [{"role": "user", "content": [{"type": "text", "text": "w30 w31"}]}]
-    ref = _chat_ref(offline, [{"role": "user", "content": "w30 w31"}],
-                    SamplingParams(temperature=0.6, seed=8, max_tokens=6, logprobs=3, n=2))
-    stream = openai_client.chat.completions.create(model=model_name, messages=messages, temperature=0.6, seed=8,
-                                                   max_completion_tokens=6, logprobs=True, top_logprobs=3, n=2,
-                                                   stream=True, stream_options={"include_usage": True})
+    ref = _chat_ref(
+        offline,
+        [{"role": "user", "content": "w30 w31"}],
+        SamplingParams(temperature=0.6, seed=8, max_tokens=6, logprobs=3, n=2),
+    )
+    stream = openai_client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        temperature=0.6,
+        seed=8,
+        max_completion_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     texts, lps, roles = {0: "", 1: ""}, {0: [], 1: []}, set()
     usage = None
     for chunk in stream:

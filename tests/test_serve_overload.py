@@ -23,8 +23,20 @@ def small(ray_local, ckpt_dir, tmp_path_factory):
     from tests.serve_helpers import ServerProcess, ray_address
 
     model = ckpt_dir("llama", max_pos=4096)
-    args = ["--model", str(model), "--served-model-name", "small", "--max-num-seqs", "2",
-            "--max-waiting-requests", "1", "--shutdown-timeout", "4", "--num-kv-blocks", "1024"]
+    args = [
+        "--model",
+        str(model),
+        "--served-model-name",
+        "small",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting-requests",
+        "1",
+        "--shutdown-timeout",
+        "4",
+        "--num-kv-blocks",
+        "1024",
+    ]
     proc = ServerProcess(args, tmp_path_factory.mktemp("small") / "server.log", ray_addr=ray_address())
     try:
         yield proc.wait_ready()

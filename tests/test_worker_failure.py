@@ -18,14 +18,18 @@ PROMPT = {"prompt_token_ids": [5, 9, 17, 33, 60, 7]}
 
 def test_killed_worker_fails_requests_then_engine_restarts(ray_local, ckpt_dir):
     # TP=2 with two steps queued (async scheduling): the survivor is blocked in a collective
-    llm = LLM(model=str(ckpt_dir("llama")), tensor_parallel_size=2, block_size=8, max_model_len=256,
-              async_scheduling=True)
+    llm = LLM(
+        model=str(ckpt_dir("llama")), tensor_parallel_size=2, block_size=8, max_model_len=256, async_scheduling=True
+    )
     try:
         eng = llm.engine
         expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         for i in range(3):
-            eng.add_request(f"long-{i}", {"prompt_token_ids": [4 + i] * 20},
-                            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            eng.add_request(
+                f"long-{i}",
+                {"prompt_token_ids": [4 + i] * 20},
+                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+            )
         got = 0
         while got < 6:  # mid-generation: tokens are flowing
             got += sum(len(d.token_ids) for d in eng.step())

@@ -14,8 +14,21 @@ from workers.models.model_arch import ModelArch, ModelLoadError
 
 # general.architecture -> the Hugging Face class the same weights would have
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 SUPPORTED_ROPE_SCALING = ("none", "linear")
 
 
@@ -57,8 +70,7 @@ def load_gguf_arch(path: str | Path, reader=None) -> ModelArch:
     bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_QUANT_TYPES))
     if bad:
         raise ModelLoadError(
-            f"{path}: unsupported GGUF tensor type(s) {', '.join(bad)}; supported: "
-            f"{', '.join(SUPPORTED_QUANT_TYPES)}"
+            f"{path}: unsupported GGUF tensor type(s) {', '.join(bad)}; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
         )
 
     def key(suffix: str, default=None, required: bool = False):
@@ -84,8 +96,7 @@ def load_gguf_arch(path: str | Path, reader=None) -> ModelArch:
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in SUPPORTED_ROPE_SCALING:
         raise ModelLoadError(
-            f"{path}: rope scaling {scaling_type!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_ROPE_SCALING)})"
+            f"{path}: rope scaling {scaling_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_SCALING)})"
         )
     scaling = None
     if scaling_type == "linear" and float(key("rope.scaling.factor", 1.0)) != 1.0:
@@ -97,9 +108,13 @@ def load_gguf_arch(path: str | Path, reader=None) -> ModelArch:
     if vocab is None:
         raise ModelLoadError(f"{path}: cannot tell the vocabulary size (no token_embd.weight)")
     # llama.cpp stops at EOS and at end-of-turn tokens
-    eos = tuple(dict.fromkeys(int(i) for i in (field(reader, "tokenizer.ggml.eos_token_id"),
-                                               field(reader, "tokenizer.ggml.eot_token_id"))
-                              if i is not None))
+    eos = tuple(
+        dict.fromkeys(
+            int(i)
+            for i in (field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id"))
+            if i is not None
+        )
+    )
     if "blk.0.ffn_gate_inp.weight" in tensors:
         raise ModelLoadError(f"{path}: mixture-of-experts GGUF files are not supported")
     return ModelArch(

@@ -64,8 +64,13 @@ def _expected_slots(model: torch.nn.Module, arch: ModelArch) -> set[tuple[str, i
 
 
 def load_model(
-    model_path: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_positions: int,
-    load_format: str = "safetensors", stage: PipelineStage = WHOLE_MODEL,
+    model_path: str | Path,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "safetensors",
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> tuple[LlamaForCausalLM, ModelArch]:
     """A checkpoint directory (safetensors) or a ``.gguf`` file, chosen by the path's suffix;
     ``load_format='dummy'`` takes only the shapes and initialises random weights."""
@@ -83,9 +88,9 @@ def load_model(
         model = LlamaForCausalLM(arch, tp, dtype, max_positions, stage)
     model = model.to_empty(device=device)
     model.tie_embeddings()
-    model.cos_sin = cos_sin_cache(
-        arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
-    ).to(device)
+    model.cos_sin = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32).to(
+        device
+    )
     if load_format == "dummy":
         _init_dummy(model)
         return model.eval(), arch
@@ -107,8 +112,9 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
                     yield name, f.get_tensor(name)
 
 
-def _fill(model: LlamaForCausalLM, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]],
-          model_path: str | Path) -> None:
+def _fill(
+    model: LlamaForCausalLM, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]], model_path: str | Path
+) -> None:
     """Copy Hugging Face-named tensors into the (fused, sharded) parameters; every expected
     slot must be filled and no tensor may be left unplaced."""
     modules = dict(model.named_modules())
@@ -134,9 +140,7 @@ def _fill(model: LlamaForCausalLM, arch: ModelArch, tensors: Iterable[tuple[str,
         pending.discard((pname, index))
     if pending:
         missing = sorted(n if i is None else f"{n}[part {i}]" for n, i in pending)
-        raise ModelLoadError(
-            f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
-        )
+        raise ModelLoadError(f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 def _map_name(name: str) -> tuple[str, int | None]:
@@ -154,9 +158,7 @@ def _load_plain(param: torch.nn.Parameter, tensor: torch.Tensor, ckpt_name: str)
         dim, rank, _ = shard
         tensor = _shard(tensor, dim, rank, param.shape[dim])
     if tuple(tensor.shape) != tuple(param.shape):
-        raise ModelLoadError(
-            f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-        )
+        raise ModelLoadError(f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(tensor)
 
 
