@@ -1,4 +1,4 @@
-"""A simulated worker for the scheduler tests (``tests/test_scheduler.py``, ``test_output_ordering``,
+"""A simulated worker for the scheduler tests (``tests/engine/test_scheduler.py``, ``test_output_ordering``,
 ``test_prefix_cache``): the engine, its scheduler, block manager and output processing run for real.
 
 The real ``EngineCore`` runs with its executor replaced by an in-process fake
@@ -192,7 +192,7 @@ def make_engine(fake_model_dir, monkeypatch):
         options.setdefault("device", "cpu")
         options.setdefault("load_format", "dummy")
         # the fake worker asserts exclusive block ownership; shared cached blocks are
-        # covered by tests/test_prefix_cache.py, whose fake worker models sharing
+        # covered by tests/engine/test_prefix_cache.py, whose fake worker models sharing
         options.setdefault("enable_prefix_caching", False)
         cfg = EngineConfig.from_options(model=str(fake_model_dir), **options)
         engine = engine_mod.EngineCore(cfg)

@@ -1,0 +1,307 @@
+"""Benchmark parts that need no Ray: model shapes, datasets, vLLM's serving metrics, the
+HTTP client against a scripted OpenAI server, the recorded commit, the roofline table.
+(The Ray-job paths are in ``tests/benchmarks/test_benchmarks.py``.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.benchmark_results import check_serve_result, load
+from tests.serve_helpers import free_port
+
+
+def test_shapes_are_the_real_configs(tmp_path):
+    from benchmarks.shapes import write_shape
+    from workers.models.arch import load_arch
+
+    expect = {
+        "qwen3-0.6b": dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+        ),
+        "llama-3.2-1b": dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+        ),
+        "llama-3.1-8b": dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+        ),
+    }
+    for name, fields in expect.items():
+        arch = load_arch(write_shape(tmp_path / name, name))
+        for k, v in fields.items():
+            assert getattr(arch, k) == v, (name, k)
+    l1 = load_arch(tmp_path / "llama-3.2-1b").rope_scaling
+    assert (
+        l1["rope_type"],
+        l1["factor"],
+        l1["low_freq_factor"],
+        l1["high_freq_factor"],
+        l1["original_max_position_embeddings"],
+    ) == ("llama3", 32.0, 1.0, 4.0, 8192)
+    assert load_arch(tmp_path / "llama-3.1-8b").rope_scaling["factor"] == 8.0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "qwen3-0.6b")
+    assert len(tok) == 151936
+    assert tok.encode("w5 w151935", add_special_tokens=False) == [5, 151935]
+
+
+def test_serve_metrics_match_vllm_definitions():
+    from benchmarks.datasets import SampleRequest
+    from benchmarks.serve import calculate_metrics
+    from benchmarks.serve_client import RequestFuncOutput
+
+    reqs = [SampleRequest({"prompt_token_ids": [1] * 10}, 10, 4), SampleRequest({"prompt_token_ids": [1] * 6}, 6, 3)]
+    outs = [
+        RequestFuncOutput(success=True, prompt_len=10, output_tokens=4, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2),
+        RequestFuncOutput(success=False, error="boom"),
+    ]
+    m = calculate_metrics(reqs, outs, duration=2.0, selected=["ttft", "tpot", "itl", "e2el"], percentiles=[90, 99])
+    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (1, 1, 10, 4)
+    assert m["request_throughput"] == 0.5 and m["output_throughput"] == 2.0 and m["total_token_throughput"] == 7.0
+    assert m["mean_ttft_ms"] == pytest.approx(100.0)
+    assert m["mean_tpot_ms"] == pytest.approx((0.2 - 0.1) / 3 * 1000)
+    assert m["median_itl_ms"] == pytest.approx(30.0)
+    assert m["p99_e2el_ms"] == pytest.approx(200.0)
+    assert {"p90_ttft_ms", "std_itl_ms", "p90_tpot_ms"} <= set(m)
+
+
+def test_jsonl_dataset(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.datasets import jsonl_requests
+    from benchmarks.shapes import write_shape
+
+    tok = AutoTokenizer.from_pretrained(write_shape(tmp_path / "tiny", "tiny"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "w5 w6 w7 w8"}),
+                json.dumps({"prompt_token_ids": [9, 10, 11]}),
+                "",
+                json.dumps({"prompt": "w12 w13", "output_len": 3}),
+            ]
+        )
+        + "\n"
+    )
+    reqs = jsonl_requests(str(data), None, 5, tok)
+    assert [(r.prompt_len, r.expected_output_len) for r in reqs] == [(4, 5), (3, 5), (2, 3)]
+    assert reqs[1].token_ids == [9, 10, 11] and reqs[0].prompt == "w5 w6 w7 w8"
+    assert len(jsonl_requests(str(data), 2, 5, tok)) == 2
+    data.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(SystemExit, match="needs"):
+        jsonl_requests(str(data), None, 5, tok)
+
+
+def test_random_and_fixed_datasets():
+    from benchmarks.datasets import fixed_requests, random_requests
+
+    a = random_requests(50, 100, 20, 0.5, 1000, seed=7)
+    assert a == random_requests(50, 100, 20, 0.5, 1000, seed=7)
+    assert a != random_requests(50, 100, 20, 0.5, 1000, seed=8)
+    assert all(50 <= r.prompt_len == len(r.token_ids) <= 150 and 10 <= r.expected_output_len <= 30 for r in a)
+    assert all(0 <= t < 1000 for r in a for t in r.token_ids)
+    assert len({r.prompt_len for r in a}) > 5
+    same = random_requests(4, 64, 8, 0.0, 1000, seed=1)
+    assert {(r.prompt_len, r.expected_output_len) for r in same} == {(64, 8)}
+    f = fixed_requests(3, 12, 5, 512, None)
+    assert len({tuple(r.token_ids) for r in f}) == 1 and f[0].prompt_len == 12 and f[0].expected_output_len == 5
+    t = fixed_requests(2, 0, 4, 512, "w5 w6 w7")
+    assert t[0].prompt == "w5 w6 w7" and t[0].prompt_len == 3
+
+
+class FakeOpenAIServer:
+    """A minimal OpenAI-compatible streaming /v1/completions server (one token per chunk)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.requests: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self):
+        from aiohttp import web
+
+        async def models(_):
+            return web.json_response({"object": "list", "data": [{"id": "fake-tiny", "object": "model"}]})
+
+        async def completions(request):
+            body = await request.json()
+            self.requests.append(body)
+            n_prompt = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"].split())
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                chunk = {
+                    "id": "c",
+                    "object": "text_completion",
+                    "model": body["model"],
+                    "choices": [{"index": 0, "text": f" w{i + 3}", "finish_reason": None}],
+                }
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": body["max_tokens"],
+                "total_tokens": n_prompt + body["max_tokens"],
+            }
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+
+        async def start():
+            app = web.Application()
+            app.router.add_get("/v1/models", models)
+            app.router.add_post("/v1/completions", completions)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self.ready.set()
+
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.ready.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_serve_against_fake_openai_server(tmp_path):
+    """The HTTP client and vLLM's metrics against a scripted OpenAI streaming server
+    (in-process: the Ray-job path is covered against the real cluster.serve in test_benchmarks.py)."""
+    from benchmarks.serve import main
+
+    out = tmp_path / "serve.json"
+    with FakeOpenAIServer() as srv:
+        main(
+            [
+                "--backend",
+                "http",
+                "--port",
+                str(srv.port),
+                "--vocab-size",
+                "512",
+                "--num-prompts",
+                "8",
+                "--input-len",
+                "12",
+                "--output-len",
+                "6",
+                "--request-rate",
+                "50",
+                "--max-concurrency",
+                "4",
+                "--output",
+                str(out),
+                "--plot",
+            ]
+        )
+    res = load(out)
+    check_serve_result(res, 8)
+    assert res["total_output_tokens"] == 8 * 6 and res["total_input_tokens"] == 8 * 12
+    assert len(srv.requests) == 9  # one untimed test request, then the 8
+    assert all(r["stream"] and r["ignore_eos"] and r["model"] == "fake-tiny" for r in srv.requests)
+    assert all(isinstance(r["prompt"], list) and len(r["prompt"]) == 12 for r in srv.requests)
+    assert sum(len(x) for x in res["itls"]) == 8 * 5
+    assert res["config"]["max_concurrency"] == 4 and res["config"]["request_rate"] == 50
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_recorded_commit_is_this_checkout_or_named(monkeypatch, tmp_path):
+    """Results name the code that produced them: this checkout's HEAD, the commit given in
+    SYNCLESS_COMMIT, and nothing (never an enclosing repository's HEAD) for a bare export."""
+    from benchmarks import common
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.delenv("SYNCLESS_COMMIT", raising=False)
+    if (root / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        assert common.versions()["syncless_commit"] == head
+    monkeypatch.setenv("SYNCLESS_COMMIT", "abc123")
+    assert common.versions()["syncless_commit"] == "abc123"
+    monkeypatch.delenv("SYNCLESS_COMMIT")
+    export = tmp_path / "repo" / "export"
+    shutil.copytree(root / "benchmarks", export / "benchmarks")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    code = "from benchmarks import common; print(common.versions()['syncless_commit'])"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=export,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(export)},
+    )
+    assert out.stdout.strip().splitlines()[-1] == "None", out.stderr
+
+
+def test_roofline_table_lines(tmp_path, capsys):
+    from benchmarks.roofline_table import main, table
+
+    top = [
+        {"name": "_paged_attention_kernel", "us_per_step": 300.5},
+        {"name": "_rope_kv_kernel", "us_per_step": 20.0},
+        {"name": "_skinny_kernel", "us_per_step": 4000.0},
+    ]
+    cells = [
+        {
+            "batch_size": 1,
+            "context_len": 512,
+            "step_ms_median": 4.3421,
+            "ratio": 1.2346,
+            "profile": {"kernel_us_per_step": 4355.6, "top": top},
+        },
+        {"batch_size": 8, "context_len": 4096, "step_ms_median": 4.9, "ratio": 1.36},
+        {"batch_size": 256, "context_len": 4096, "skipped": "KV cache needs 129.0 GiB"},
+    ]
+    path = tmp_path / "rl-llama-3.1-8b-off.json"
+    path.write_text(json.dumps({"cells": cells}))
+    lines = table([str(path)])
+    assert lines == [
+        "llama-3.1-8b-off         b1    ctx512   4.342 ms ratio 1.235 kern  4355.6 us attn+rope  320.5",
+        "llama-3.1-8b-off         b8    ctx4096  4.900 ms ratio 1.360 kern     0.0 us attn+rope    0.0",
+    ]
+    main([str(path)])
+    assert capsys.readouterr().out.splitlines() == lines

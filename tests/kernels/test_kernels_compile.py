@@ -1,0 +1,302 @@
+"""Every decode-path Triton kernel compiles for the GPU target (sm_90, Hopper) on this CPU.
+
+``triton.compile`` runs the whole pipeline (front end, LLVM, the bundled ``ptxas``) without
+a device, so a kernel that the interpreter accepts but the compiler refuses (a plain
+Python global, a loop variable that changes type, bad inline PTX) fails here, in CI,
+instead of on the GPU machine. The constexpr sets are the ones the engine launches on a
+Hopper GPU: PDL on, the L2 prefetches on, the fused split merge, the wide decode tiles."""
+
+import os
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _compile(
+    fn,
+    const: dict,
+    ptrs: dict[str, str],
+    default_ptr: str = "*bf16",
+    floats: tuple[str, ...] = (),
+    aligned_ints: tuple[str, ...] = (),
+    options: dict | None = None,
+):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptrs.get(name, default_ptr)
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+        if fn.params[i].do_not_specialize:
+            continue  # launched unspecialised: no divisibility known
+        if name.endswith("_ptr") or name.startswith("stride") or name in aligned_ints:
+            # as the JIT specialises them on the GPU (16-byte aligned tensors, strides that
+            # are multiples of 16): vectorised loads, and the cp.async pipelines of dot paths
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER, options=options)
+    assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin"
+    return compiled
+
+
+SKINNY = dict(
+    HAS_NORM=True,
+    HAS_RES=True,
+    HAS_BIAS=False,
+    ACT=1,
+    BLOCK_M=1,
+    BLOCK_N=4,
+    BLOCK_K=1024,
+    EVEN_K=True,
+    IEEE=False,
+    UPCAST=False,
+    USE_PDL=True,
+    PRELOAD=0,
+    EPI_NORM=False,
+    PRE_NORMED=False,
+    BLOCK_P=1,
+)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=2048),  # batch 1, PDL + L2 prefetch
+        dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT=2, BLOCK_N=8),  # gate|up pairs
+        # the shipped batch-1 configs under PDL: the first K chunk peeled before the wait
+        dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
+        dict(USE_DOT=False, PREFETCH=False, PRELOAD=2, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
+        dict(
+            USE_DOT=False,
+            PREFETCH=False,
+            PRELOAD=2,
+            PREFETCH_L2=0,
+            ACT=0,
+            HAS_RES=False,
+            HAS_NORM=False,
+            BLOCK_N=8,
+            EVEN_K=False,
+        ),
+        dict(USE_DOT=True, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        # the norm handoff at batch 1 under PDL: producer epilogue, pre-normed consumer
+        dict(
+            USE_DOT=False,
+            PREFETCH=False,
+            PRELOAD=1,
+            PREFETCH_L2=0,
+            ACT=0,
+            HAS_RES=False,
+            HAS_NORM=False,
+            BLOCK_N=8,
+            EPI_NORM=True,
+        ),
+        dict(
+            USE_DOT=False,
+            PREFETCH=False,
+            PRELOAD=1,
+            PREFETCH_L2=0,
+            ACT=2,
+            HAS_RES=False,
+            HAS_NORM=False,
+            BLOCK_N=8,
+            PRE_NORMED=True,
+            BLOCK_P=512,
+        ),
+    ],
+)
+def test_skinny_gemm_compiles(variant):
+    from kernels.skinny_gemm_kernel import _skinny_kernel
+
+    _compile(_skinny_kernel, {**SKINNY, **variant}, {"ss_ptr": "*fp32"}, floats=("eps",))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True, PRE_L2=8192),
+        dict(HAS_NORM=False, HAS_RES=False, HAS_BIAS=True, ACT=False, USE_PDL=False),
+    ],
+)
+def test_persistent_gemv_compiles(variant):
+    from kernels.gemv import _gemv_kernel
+
+    _compile(_gemv_kernel, dict(variant, BLOCK_N=4, BLOCK_K=1024), {"y_ptr": "*fp32"}, floats=("eps",))
+
+
+@pytest.mark.parametrize(
+    "decode,rope,head_dim,preload",
+    [
+        (True, False, 128, False),
+        (True, True, 128, False),
+        (True, True, 32, False),
+        (False, False, 128, False),
+        (True, True, 128, True),
+    ],
+)
+def test_paged_attention_compiles(decode, rope, head_dim, preload):
+    from kernels.paged_attention import row_lines
+    from kernels.paged_attention_kernel import _paged_attention_kernel
+
+    # head_dim 32 (test checkpoints): a K/V row is a quarter of a cache line
+    lines = row_lines(head_dim, 2)
+    assert lines["ROW_LINES"] >= 1 and lines["ROW_LINES"] * lines["LINE_ELEMS"] >= head_dim
+    const = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim,
+        KV_BLOCK_SIZE=16,
+        GROUP=4,
+        GROUP_P=4,
+        IEEE=False,
+        UPCAST=False,
+        USE_PDL=True,
+        ROPE=rope,
+        Q_NORM=rope,
+        K_NORM=rope,
+        PRELOAD=preload,
+        **lines,
+    )
+    if decode:  # one query token, 128-key tiles, fused split merge
+        const.update(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, NUM_SPLITS=8, ONE_QBLOCK_PER_REQ=True, FUSED_REDUCE=True)
+    else:  # prefill: query blocks found by binary search
+        const.update(BLOCK_Q=32, BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, ONE_QBLOCK_PER_REQ=False, FUSED_REDUCE=False)
+    i32 = {n: "*i32" for n in ("sem_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
+    ptrs = {**i32, "out_ptr": "*fp32", "lse_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}
+    # PRELOAD (one tile a split: one stage) launches with 8 warps (K and V held across the
+    # PDL wait spill with 4)
+    options = dict(num_warps=8, num_stages=1) if preload else None
+    c = _compile(_paged_attention_kernel, const, ptrs, floats=("scale_log2", "eps"), options=options)
+    if preload or (decode and not rope):  # ... and the fused merge's unrolled loads
+        assert _resource_usage(c.asm["cubin"])[1] == 0, "spills"
+
+
+def test_sampling_kernels_compile():
+    from kernels.argmax import _argmax_partial_kernel, _argmax_reduce_kernel
+    from kernels.sampling import _race_partial_kernel, _race_reduce_kernel
+
+    ints = {"idx_ptr": "*i32", "nan_ptr": "*i32", "seed_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*i64"}
+    _compile(_argmax_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")
+    _compile(_argmax_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
+    _compile(_race_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")
+    _compile(_race_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
+
+
+def test_input_prep_and_rope_kv_compile():
+    from kernels.input_prep import _prepare_inputs_kernel
+    from kernels.rope_kv import _rope_kv_kernel
+
+    i32 = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr")}
+    for by_row in (False, True):
+        _compile(
+            _prepare_inputs_kernel,
+            dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=by_row),
+            i32,
+            default_ptr="*i64",
+        )
+    _compile(
+        _rope_kv_kernel,
+        dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, KV_BLOCK_SIZE=16, Q_NORM=True, K_NORM=True, USE_PDL=True),
+        {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"},
+        floats=("eps",),
+    )
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_silu_and_mul_compiles(pairs):
+    from kernels.activation import _silu_and_mul_kernel
+
+    _compile(_silu_and_mul_kernel, dict(BLOCK=2048, PAIRS=pairs, USE_PDL=True), {})
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, spill stores in bytes) of a compiled kernel, read from its cubin
+    by the bundled ``cuobjdump --dump-resource-usage`` (no device needed)."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.cubin"
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    spills = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, spills
+
+
+def _shipped_tile_variants():
+    """Every (config, variant) the shipped tile-GEMM table can launch: a config's use is
+    read from its key (logits: float32 out; gate|up: the pairs epilogue; add_norm: partials
+    and the add+norm sum; a split: partials and the plain sum)."""
+    import json
+    from pathlib import Path
+
+    table = json.loads(Path(__file__).resolve().parents[2].joinpath("kernels", "tile_gemm_tuning.json").read_text())
+    out = []
+    for key, cfg in table["entries"].items():
+        if cfg is not None:
+            n = int(key.rsplit("|", 1)[1].split("x")[0])
+            out.append(pytest.param(key, cfg, id=key))
+            assert n > 0
+    return out
+
+
+@pytest.mark.parametrize("key,cfg", _shipped_tile_variants())
+def test_tile_gemm_shipped_configs_compile_without_spills(key, cfg):
+    """The shipped table's configs compile for sm_90 within the shared memory of one SM and
+    without register spills (a tuning table from another GPU could name one that does not)."""
+    from kernels.tile_gemm import _split_sum_add_norm_kernel, _split_sum_kernel, _tile_gemm_kernel
+
+    n = int(key.rsplit("|", 1)[1].split("x")[0])
+    add_norm, logits, act = key.startswith("add_norm|"), n > 100_000, n == 6144
+    partial = add_norm or cfg["split_k"] > 1
+    const = dict(
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        PARTIAL=partial,
+        ROUND_TO_X=logits and not partial,
+        UPCAST=False,
+        IEEE=False,
+        ACT=act and not partial,
+    )
+    ptrs = {"out_ptr": "*fp32" if partial or logits else "*bf16"}
+    # N, K and the K slice are multiples of 16 at every model shape, and the JIT specialises
+    # on that: it is what lets the loads be 16-byte cp.async copies, software-pipelined.
+    # (Without it nothing is pipelined and the [BLOCK, BLOCK_K] tiles live in registers:
+    # 255 registers and spills at 64x64x128 with 4 warps.)
+    compiled = _compile(
+        _tile_gemm_kernel,
+        const,
+        ptrs,
+        aligned_ints=("N", "K", "k_per_split"),
+        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+    )
+    regs, spills = _resource_usage(compiled.asm["cubin"])
+    assert spills == 0 and compiled.metadata.shared <= 227 * 1024, (regs, spills)
+    assert "async_copy" in compiled.asm["ttgir"], "the K loop's loads are not pipelined"
+    import triton.language as tl
+
+    if add_norm:
+        _compile(
+            _split_sum_add_norm_kernel,
+            dict(SPLIT_K=cfg["split_k"], BLOCK_C=1024, DT=tl.bfloat16),
+            {"part_ptr": "*fp32"},
+            floats=("eps",),
+            options=dict(num_warps=4),
+        )
+    elif partial:
+        _compile(
+            _split_sum_kernel,
+            dict(SPLIT_K=cfg["split_k"], BLOCK_R=16, BLOCK_C=128, ROUND_TO=tl.bfloat16, ACT=act),
+            {"part_ptr": "*fp32"},
+            options=dict(num_warps=4),
+        )
