@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import prefetch_l2, wait_and_release
+from kernels.pdl import wait_and_release
 
 
 @triton.jit
@@ -50,7 +50,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    PRE_L2: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -69,13 +68,6 @@ def _gemv_kernel(
     w_nxt = tl.load(w_row, mask=w_ok, other=0.0)
     if ACT:
         wu_nxt = tl.load(w_row + up_off * stride_wn, mask=w_ok, other=0.0)
-    if PRE_L2 > 0:  # the PRE_L2 bytes of each first-block row after the first tile, into L2
-        for pr in tl.static_range(BLOCK_N):
-            if pid * BLOCK_N + pr < N_OUT:
-                row_ptr = w_ptr + (pid * BLOCK_N + pr).to(tl.int64) * stride_wn + BLOCK_K
-                prefetch_l2(row_ptr, PRE_L2)
-                if ACT:
-                    prefetch_l2(row_ptr + up_off * stride_wn, PRE_L2)
     wait_and_release(USE_PDL)
 
     rstd = 1.0
@@ -153,18 +145,6 @@ def grid_size(n_blocks: int, max_programs: int) -> int:
     return max(1, -(-n_blocks // rounds))
 
 
-def _pre_l2_bytes(want: int, x: torch.Tensor, weight: torch.Tensor, k: int, block_k: int) -> int:
-    """Bytes of each first-block row (after the first tile) to bulk-prefetch into L2 before
-    the PDL wait: the config's ``pre_l2``, clipped to the row, 16-byte multiples, sm_90+."""
-    if not want:
-        return 0
-    esz = weight.element_size()
-    nbytes = min(int(want), max(0, (k - block_k) * esz))
-    nbytes -= nbytes % 16
-    ok = (block_k * esz) % 16 == 0 and pdl.rows_prefetchable(x, weight)
-    return nbytes if nbytes > 0 and ok else 0
-
-
 def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -207,7 +187,6 @@ def gemv_triton(
         max_programs = pdl.sm_count(x.device) * cfg["ctas_per_sm"] if x.is_cuda else n_blocks
     grid = (grid_size(n_blocks, max_programs),)
     launch = pdl.launch_kwargs(x)
-    pre_l2 = _pre_l2_bytes(cfg.get("pre_l2", 0), x, weight, k, block_k)
     _gemv_kernel[grid](
         x,
         residual if residual is not None else x,
@@ -227,7 +206,6 @@ def gemv_triton(
         ACT=act is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PRE_L2=pre_l2,
         num_warps=cfg["num_warps"],
         num_stages=1,
         **launch,

@@ -112,24 +112,6 @@ def launch_kwargs(t: torch.Tensor) -> dict:
 
 
 @triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Step 1's bulk form: one thread of the program asks the copy engine to stream
-    ``nbytes`` (a multiple of 16, ``ptr`` 16-byte aligned) from global memory into L2
-    (PTX ``cp.async.bulk.prefetch.L2``, sm_90+). A hint with no result: the program's
-    own loads of those bytes later hit L2 or the in-flight miss. Issued before
-    ``gdc_wait`` it streams a kernel's weights while the kernel before it still runs."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred pf; .reg .b32 tx; mov.u32 tx, %tid.x; setp.eq.u32 pf, tx, 0; "
-        "@pf cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptr, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def prefetch_lines_l2(ptrs, mask):
     """Step 1's gathered form: every element of ``ptrs`` where ``mask`` holds names a
     cache line to fetch into L2 (PTX ``prefetch.global.L2``, one per element, spread over
@@ -142,28 +124,6 @@ def prefetch_lines_l2(ptrs, mask):
         is_pure=False,
         pack=1,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _bulk_prefetch_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def bulk_prefetch_ok(t: torch.Tensor) -> bool:
-    """Whether ``prefetch_l2`` may be compiled for ``t``'s device (sm_90+, not the
-    interpreter)."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _bulk_prefetch_ok(idx)
-
-
-def rows_prefetchable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``prefetch_l2`` may stream rows of ``weights`` for a launch on ``x``'s device:
-    sm_90+, not interpreted, every weight's base and row stride 16-byte aligned."""
-    return all(
-        (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights
-    ) and bulk_prefetch_ok(x)
 
 
 @functools.lru_cache(maxsize=None)

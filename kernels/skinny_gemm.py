@@ -115,19 +115,6 @@ def fallback_config(m: int) -> dict:
     return dict(_D, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
-def _l2_prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor, k: int) -> int:
-    """Bytes of each weight row a program bulk-prefetches into L2 before its PDL wait (0:
-    none): a config's ``prefetch_l2`` (bytes, or True for whole rows). Rounded down to 16
-    bytes; needs an sm_90+ device and 16-byte aligned rows."""
-    want = cfg.get("prefetch_l2")
-    if not want:  # the default: no size or alignment checks on the launch path
-        return 0
-    row = k * weight.element_size()
-    nbytes = row if want is True else min(int(want), row)
-    nbytes -= nbytes % 16
-    return nbytes if nbytes > 0 and pdl.rows_prefetchable(x, weight) else 0
-
-
 PRELOAD_CHOICES = (0, 1, 2)
 
 
@@ -274,7 +261,6 @@ def launch_skinny(
         IEEE=x.dtype == torch.float32,
         UPCAST=(not x.is_cuda) and x.dtype == torch.bfloat16,
         PREFETCH=bool(cfg.get("prefetch")) and not use_dot,
-        PREFETCH_L2=_l2_prefetch_bytes(cfg, x, weight, k),
         PRELOAD=_preload(cfg, use_dot, launch["USE_PDL"]),
         EPI_NORM=epi_norm,
         PRE_NORMED=pre_normed,

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels.norm_handoff import handoff_norm, handoff_rstd
-from kernels.pdl import prefetch_l2, wait_and_release
+from kernels.pdl import wait_and_release
 
 
 @triton.jit
@@ -163,7 +163,6 @@ def _skinny_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr,
-    PREFETCH_L2: tl.constexpr = 0,
     PRELOAD: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
     EPI_NORM: tl.constexpr = False,
@@ -172,16 +171,6 @@ def _skinny_kernel(
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
-    if PREFETCH_L2 > 0:
-        # The first PREFETCH_L2 bytes of each of this program's weight rows (the K-tiles
-        # it reads first) are requested at once, before the PDL wait, so HBM streams them
-        # while the previous kernel (attention, a norm) is still running.
-        w_first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
-        for pr in tl.static_range(BLOCK_N):
-            if pid * BLOCK_N + pr < (2 * N_OUT if ACT == 2 else N_OUT):  # weight rows
-                prefetch_l2(w_first + pr * stride_wn, PREFETCH_L2)
-                if ACT == 1:
-                    prefetch_l2(w_first + (up_off + pr) * stride_wn, PREFETCH_L2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

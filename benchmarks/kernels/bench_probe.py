@@ -7,10 +7,6 @@
   one (``act="silu_and_mul_pairs"``: one contiguous row set), a plain GEMV of the same
   bytes (the streaming ceiling of that shape), and the unfused RMSNorm + cuBLAS + SiLU*mul
   path; PDL off and on.
-* **attention -> o_proj overlap**: decode attention followed by the o_proj GEMV that
-  reads its output, as in a layer. Batch-1 attention keeps HBM mostly idle, so with PDL
-  the GEMV's programs (launched early) can bulk-prefetch their weight rows into L2
-  during it (``prefetch_l2`` in a tuning entry). Timed per pair, against each alone.
 
 Timings: ``benchmarks.kernels.timing`` (CUDA-graph replay, weights rotated past L2).
 """
@@ -106,62 +102,8 @@ def bench_gate_up_layout() -> list[dict]:
     return rows
 
 
-def bench_attention_then_o(ctx: int = 512, bound: int = 1024) -> list[dict]:
-    from kernels.paged_attention import paged_attention_triton
-    from kernels.skinny_gemm import select_config, fallback_config, skinny_linear_triton
-
-    dev, dt, d, bs = torch.device("cuda"), torch.bfloat16, 128, 16
-    rows = []
-    for name, hq, hkv, n, k in ATTN_O_SHAPES:
-        _, caches = attention_caches(1, ctx, hkv, bound, d, bs, dev, dt)
-        copies = rotation_copies(n * k * 2)
-        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
-        q = torch.randn(1, hq, d, device=dev, dtype=dt)
-        seq = torch.full((1,), ctx + 1, device=dev, dtype=torch.int32)
-        qsl = torch.arange(2, device=dev, dtype=torch.int32)
-        cfg = select_config(1, n, k, "plain") or fallback_config(1)
-        if cfg.get("kernel") == "gemv":
-            cfg = fallback_config(1)
-        x = torch.randn(1, k, device=dev, dtype=dt)
-
-        def attn(c):
-            return paged_attention_triton(q, c[0], c[1], c[2], seq, qsl, 1, bound, d**-0.5)
-
-        def pair(i, pre):
-            c, w = caches[i % len(caches)], ws[i % len(ws)]
-            o = attn(c).view(1, hq * d)
-            return skinny_linear_triton(o, w, config=dict(cfg, prefetch_l2=pre))
-
-        n_fns = max(len(caches), len(ws))
-        row = {"shape": name, "o_config": cfg, "cases": {}}
-        cases = {  # label -> the calls of one graph, given the o_proj's prefetch_l2
-            "attn": lambda pre: [lambda c=c: attn(c) for c in caches],
-            "o": lambda pre: [lambda w=w: skinny_linear_triton(x, w, config=dict(cfg, prefetch_l2=pre)) for w in ws],
-            "attn+o": lambda pre: [lambda i=i: pair(i, pre) for i in range(n_fns)],
-        }
-        for label, make in cases.items():
-            for mode, pre in (("off", 0), ("pdl", 0), ("pdl_l2_4096", 4096), ("pdl_l2_row", True)):
-                if label == "attn" and pre:
-                    continue
-                try:
-                    us = with_pdl(mode != "off", lambda: graph_time_us(make(pre)))
-                except Exception as e:
-                    row["cases"][f"{label}/{mode}"] = {"error": repr(e)[:160]}
-                    continue
-                row["cases"][f"{label}/{mode}"] = {"us": us}
-        rows.append(row)
-        print(
-            f"probe attn->o {name}: "
-            + ", ".join(f"{key} {v['us']:.2f}" for key, v in row["cases"].items() if "us" in v),
-            flush=True,
-        )
-        caches = ws = None  # free them before the next shape
-        torch.cuda.empty_cache()
-    return rows
-
-
 def bench_probe() -> dict:
-    return {"gate_up_layout": bench_gate_up_layout(), "attention_then_o": bench_attention_then_o()}
+    return {"gate_up_layout": bench_gate_up_layout()}
 
 
 ROPE_ATTN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)

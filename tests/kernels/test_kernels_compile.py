@@ -66,31 +66,29 @@ SKINNY = dict(
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=2048),  # batch 1, PDL + L2 prefetch
-        dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
-        dict(USE_DOT=False, PREFETCH=True, PREFETCH_L2=0, ACT=2, BLOCK_N=8),  # gate|up pairs
+        dict(USE_DOT=False, PREFETCH=True),  # batch 1, PDL
+        dict(USE_DOT=True, PREFETCH=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        dict(USE_DOT=False, PREFETCH=True, ACT=2, BLOCK_N=8),  # gate|up pairs
         # the shipped batch-1 configs under PDL: the first K chunk peeled before the wait
-        dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
-        dict(USE_DOT=False, PREFETCH=False, PRELOAD=2, PREFETCH_L2=0, ACT=2, BLOCK_N=8),
+        dict(USE_DOT=False, PREFETCH=False, PRELOAD=1, ACT=2, BLOCK_N=8),
+        dict(USE_DOT=False, PREFETCH=False, PRELOAD=2, ACT=2, BLOCK_N=8),
         dict(
             USE_DOT=False,
             PREFETCH=False,
             PRELOAD=2,
-            PREFETCH_L2=0,
             ACT=0,
             HAS_RES=False,
             HAS_NORM=False,
             BLOCK_N=8,
             EVEN_K=False,
         ),
-        dict(USE_DOT=True, PREFETCH=False, PRELOAD=1, PREFETCH_L2=0, ACT=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
-        dict(USE_DOT=True, PREFETCH=False, PREFETCH_L2=0, ACT=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        dict(USE_DOT=True, PREFETCH=False, PRELOAD=1, ACT=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+        dict(USE_DOT=True, PREFETCH=False, ACT=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
         # the norm handoff at batch 1 under PDL: producer epilogue, pre-normed consumer
         dict(
             USE_DOT=False,
             PREFETCH=False,
             PRELOAD=1,
-            PREFETCH_L2=0,
             ACT=0,
             HAS_RES=False,
             HAS_NORM=False,
@@ -101,7 +99,6 @@ SKINNY = dict(
             USE_DOT=False,
             PREFETCH=False,
             PRELOAD=1,
-            PREFETCH_L2=0,
             ACT=2,
             HAS_RES=False,
             HAS_NORM=False,
@@ -120,7 +117,7 @@ def test_skinny_gemm_compiles(variant):
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True, PRE_L2=8192),
+        dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=False, ACT=True, USE_PDL=True),
         dict(HAS_NORM=False, HAS_RES=False, HAS_BIAS=True, ACT=False, USE_PDL=False),
     ],
 )

@@ -38,25 +38,6 @@ def test_argmax_matches_torch(rows, vocab):
     assert torch.equal(got_bf16, x.to(torch.bfloat16).argmax(dim=-1))
 
 
-PREFETCH = 4096  # bytes of each row (K = 1000 rows are shorter: whole rows)
-
-
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize(
-    "variant", ["plain", "norm_res", "norm_res_act", "norm_act_bias", "norm_res_act_pairs", "norm_act_bias_pairs"]
-)
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (2 * 1042, 4096)])
-def test_skinny_linear_with_l2_prefetch(n, k, variant, m):
-    """The prefetch only hints the cache: results equal the reference (ragged last rows too)."""
-    from kernels.skinny_gemm import fallback_config, skinny_linear_triton
-
-    x, w, kw = skinny_inputs(m, n, k, variant)
-    cfg = dict(fallback_config(m), prefetch_l2=PREFETCH)
-    with no_sync():
-        y, _ = skinny_linear_triton(x, w, config=cfg, **kw)
-    assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2
-
-
 @pytest.mark.parametrize("preload", [1, 2])
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("variant", ["plain", "norm_res", "norm_res_act", "norm_res_act_pairs"])
@@ -83,11 +64,11 @@ def test_skinny_linear_peeled_chunks_under_pdl(n, k, variant, m, preload, monkey
     assert rel_err(y, reference_fp64(x, w, kw)[0]) < 1e-2
 
 
-def test_skinny_linear_l2_prefetch_in_cuda_graph():
+def test_skinny_linear_in_cuda_graph():
     from kernels.skinny_gemm import fallback_config, skinny_linear_triton
 
     x, w, kw = skinny_inputs(1, 6144, 1024, "norm_res_act")
-    cfg = dict(fallback_config(1), prefetch_l2=True)
+    cfg = fallback_config(1)
     xs = x.clone()
     skinny_linear_triton(xs, w, config=cfg, **kw)
     g = torch.cuda.CUDAGraph()
