@@ -122,5 +122,8 @@ def get_requests(args: argparse.Namespace, vocab_size: int, tokenizer=None) -> l
     return jsonl_requests(args.dataset_path, args.num_prompts, args.output_len, tokenizer)
 
 
-def vocab_size_of(model_dir: str) -> int:
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+def vocab_size_of(model: str) -> int:
+    """The vocabulary of a checkpoint directory or a GGUF file."""
+    from workers.models.arch import load_arch
+
+    return load_arch(model).vocab_size

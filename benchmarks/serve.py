@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -24,7 +23,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from benchmarks import common
-from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
+from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests, vocab_size_of
 from benchmarks.serve_client import GrpcClient, HttpClient, RequestFuncOutput
 
 METRICS = {
@@ -208,16 +207,12 @@ def _tokenizer_and_vocab(args: argparse.Namespace, server_info: dict) -> tuple[A
     # token-id prompts of the random dataset need only the vocabulary size
     needed = args.tokenizer or args.prompt_format == "text" or args.dataset != "random"
     if tok_dir and needed:
-        from transformers import AutoTokenizer
+        from cluster.model_source import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(tok_dir)
-    vocab = args.vocab_size or (common_vocab(model_dir) if model_dir else None)
+        tok = load_tokenizer(model_dir or tok_dir, args.tokenizer)  # a GGUF file's own too
+    vocab = args.vocab_size or (vocab_size_of(model_dir) if model_dir else None)
     vocab = vocab or int(server_info.get("vocab_size") or 0) or None
     return tok, vocab, model_dir
-
-
-def common_vocab(model_dir: str) -> int:
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
 def plot(res: dict[str, Any], selected: list[str], path: Path) -> None:
