@@ -40,7 +40,9 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass
-class _Final:
+class StreamEnd:
+    """The last item of a stream's queue: the final output, or the error that ended it."""
+
     output: RequestOutput | None
     error: str | None = None
 
@@ -52,7 +54,9 @@ class RequestStream:
     ``close()`` aborts the request if it has not finished.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str):
+    failure = "the engine failed"  # the error of a delta that ends the request without a message
+
+    def __init__(self, engine, request_id: str):
         self.engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -71,7 +75,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self.queue.get()
-        if isinstance(item, _Final):
+        if isinstance(item, StreamEnd):
             self.finished = True
             self.output = item.output
             if item.error:
@@ -79,7 +83,7 @@ class RequestStream:
                 raise EngineUnavailable(item.error)
             raise StopAsyncIteration
         if item.finish_reason == "error":
-            self.error = item.error or "the engine failed"
+            self.error = item.error or self.failure
             raise EngineUnavailable(self.error)
         return item
 
@@ -263,14 +267,14 @@ class AsyncEngine:
                 continue
             if m is not None and out is not None:
                 m.observe_finished(out, now - s.arrival)
-            s.queue.put_nowait(_Final(out, err))
+            s.queue.put_nowait(StreamEnd(out, err))
         if m is not None:
             m.update_engine(snap)
         if dead and not self.dead:
             self.dead = dead
             for rid, s in list(self._streams.items()):  # whatever the engine did not report
                 self._streams.pop(rid)
-                s.queue.put_nowait(_Final(None, dead))
+                s.queue.put_nowait(StreamEnd(None, dead))
             self._notify()
         elif self.dead and not dead:  # the workers were restarted
             self.dead = None

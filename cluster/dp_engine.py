@@ -34,7 +34,8 @@ from cluster.replica_client import (
     startup_timeout_s,
     wire_request,
 )
-from cluster.replica_stream import ReplicaStream, StreamEnd
+from cluster.async_engine import StreamEnd
+from cluster.replica_stream import ReplicaStream
 from cluster.replica_wire import (
     AddResult,
     PollBatch,
