@@ -312,12 +312,17 @@ class ModelRunner:
 
         sched = self.cfg.scheduler
         max_tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
-        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device)
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device, pool=pool)
         self.piecewise.capture()
         if self.spec is not None and self.spec.draft_model is not None:
             # the draft's window adds each sampling row's newest token to the step's tokens
+            draft_graphs = self.spec.proposer.graphs
             self.spec.proposer.piecewise = PiecewiseGraphs(
-                self.spec.draft_model, max_tokens + sched.max_num_seqs, self.device
+                self.spec.draft_model,
+                max_tokens + sched.max_num_seqs,
+                self.device,
+                pool=draft_graphs.pool if draft_graphs is not None else None,
             )
             self.spec.proposer.piecewise.capture()
 

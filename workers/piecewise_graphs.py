@@ -44,7 +44,7 @@ class PiecewiseGraphs:
     """Replaces ``model(input_ids, positions, meta, kv_caches)`` for steps of up to
     ``max_tokens`` tokens: ``forward`` has the model's signature and result."""
 
-    def __init__(self, model, max_tokens: int, device: torch.device):
+    def __init__(self, model, max_tokens: int, device: torch.device, pool=None):
         self.model = model
         self.layers = list(model.layers)
         self.buckets = token_buckets(max_tokens)
@@ -59,7 +59,7 @@ class PiecewiseGraphs:
         self.attn_out = torch.zeros(t, attn.num_heads * attn.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool = pool  # shared with the decode graphs: one step replays one kind at a time
         self.replays = 0
 
     # ------------------------------------------------------------- segments
