@@ -11,16 +11,12 @@ import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
+from tests.parallel.test_gpu_tensor_parallel import MAX_NEW, _generate, _gpus
 from tests.worker.test_gpu_engine import _hf_greedy, _prompts, assert_greedy_equal
 
 pytestmark = pytest.mark.gpu
 
-MAX_NEW = 24
 LAYERS = 4
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.fixture(scope="module")
@@ -37,42 +33,13 @@ def llama_ckpt(tmp_path_factory):
     )
 
 
-def _generate(model, prompts, **options) -> tuple[list[list[int]], list[dict]]:
-    import ray
-
-    from cluster import LLM, SamplingParams
-
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        async_scheduling=True,
-        sync_check="error",
-        max_model_len=1024,
-        kv_cache_memory_bytes=256 << 20,
-        **options,
-    )
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-            use_tqdm=False,
-        )
-        assert llm.engine.dead is None
-        ex = llm.engine.executor
-        stats = ray.get([w.stats.remote() for w in ex.workers], timeout=60)
-        info = [dict(i, **s) for i, s in zip(ex.info, stats)]
-        return [o.outputs[0].token_ids for o in outs], info
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2xtp2"])
 def test_pp2_greedy_matches_one_gpu(ray_local, llama_ckpt, tp):
     if _gpus() < 2 * tp:
         pytest.skip(f"PP=2 x TP={tp} needs {2 * tp} GPUs, this host has {_gpus()}")
     prompts = _prompts()
-    one, _ = _generate(llama_ckpt, prompts)
-    got, info = _generate(llama_ckpt, prompts, pipeline_parallel_size=2, tensor_parallel_size=tp)
+    one, _ = _generate(llama_ckpt, prompts, tp=1)
+    got, info = _generate(llama_ckpt, prompts, tp, pipeline_parallel_size=2)
     assert got == one
     expected, hf_logits = _hf_greedy(llama_ckpt, prompts, MAX_NEW, dtype=torch.float32)
     assert_greedy_equal(prompts, got, expected, hf_logits, torch.float32, LAYERS)
