@@ -8,13 +8,12 @@ where its tuning table has an ``add_norm`` entry). Everything else is ``kernels.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from kernels import ops
 from kernels.norm_handoff import Normed, PreNormed
-from kernels.settings import current
+from kernels.settings import TRITON_INTERPRETED, current
 
 
 def mlp_block(
@@ -72,7 +71,7 @@ def _handoff_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and ops.SKINNY_MAX_M >= 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        and not TRITON_INTERPRETED
         and current().norm_handoff
     )
 

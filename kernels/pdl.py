@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.settings import current
+from kernels.settings import TRITON_INTERPRETED, current
 
 try:  # triton >= 3.3 exposes grid dependency control
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -98,7 +97,7 @@ def enabled(t: torch.Tensor) -> bool:
     settings = current()
     if settings.pdl == "off" or not _token_limit_allows(settings.pdl, settings.pdl_max_tokens):
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if TRITON_INTERPRETED:
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capable(idx)

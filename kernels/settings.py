@@ -9,11 +9,16 @@ test, a benchmark calling kernels directly) runs the defaults: ``KernelSettings(
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
 TuningTable = Mapping[str, "dict | None"]
+
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""Whether Triton runs kernels in its interpreter. Triton reads ``TRITON_INTERPRET`` once, when
+it is imported; so does this, instead of at every launch."""
 
 
 @dataclass(frozen=True)
