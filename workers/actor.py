@@ -101,6 +101,7 @@ class WorkerActor:
             "tp_all_reduce": self.platform.collective_library,
             "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
             "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0),
+            "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
         }
 
     def clear_launch_times(self) -> None:

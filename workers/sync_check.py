@@ -13,8 +13,8 @@ Sync-debug mode does not see the caching allocator: when an allocation does not 
 the allocator frees its cached blocks (``cudaFree`` waits for the whole device) and
 retries. The armed check compares the allocator's retry count before and after the
 step and treats a retry like any other implicit sync; growth of the pool
-(``cudaMalloc``, a new segment) is reported, not refused: a step of a new size may
-grow it once.
+(``cudaMalloc``, a new segment) is counted (the worker's ``stats()["allocator_growths"]``),
+not refused: a step of a new size may grow it once.
 """
 
 from __future__ import annotations
