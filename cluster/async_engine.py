@@ -47,6 +47,22 @@ class StreamEnd:
     error: str | None = None
 
 
+def take_queued_additions(commands, held: list, add) -> None:
+    """An ``EngineCore.intake`` body for a command loop: take the ``("add", ...)`` commands at
+    the head of ``commands`` (a queue) and run ``add(cmd)`` on each, so requests that arrived
+    during a step join the plan about to be sent. The first other command goes to ``held``,
+    and it and everything queued behind it wait, in order, for the loop."""
+    while not held:
+        try:
+            cmd = commands.get_nowait()
+        except queue.Empty:
+            return
+        if cmd[0] == "add":
+            add(cmd)
+        else:
+            held.append(cmd)
+
+
 class RequestStream:
     """The deltas of one request group; iterate it, then read ``output``.
 
@@ -418,19 +434,8 @@ class AsyncEngine:
                 idle_wait = 0.01  # nothing schedulable right now: do not spin
 
     def _intake(self, core) -> None:
-        """``core.intake``: runs inside ``core.step()`` right before it schedules, so requests
-        that arrived during the step join the plan about to be sent. Only the additions at the
-        head of the queue are taken here; the first other command and all after it wait, in
-        order, for the loop."""
-        while not self._held:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                self._add(core, *cmd[1:])
-            else:
-                self._held.append(cmd)
+        """``core.intake``: the additions queued during a step join the plan about to be sent."""
+        take_queued_additions(self._cmds, self._held, lambda cmd: self._add(core, *cmd[1:]))
 
     # -------------------------------------------- engine thread: health hooks
     def _watch_wait(self, core) -> float:

@@ -53,6 +53,7 @@ class ReplicaActor:
     ``poll``, ``add`` and ``watch`` block in threads of their own)."""
 
     def __init__(self, cfg_bytes: bytes, index: int, max_waiting_requests: int = 1024):
+        from cluster.async_engine import take_queued_additions
         from cluster.engine import EngineCore
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s replica {index}: %(message)s")
@@ -62,7 +63,7 @@ class ReplicaActor:
         self.core = EngineCore(replica_config(cfg))
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list = []  # commands the intake hook met behind an addition: the loop's next
-        self.core.intake = self._intake
+        self.core.intake = lambda: take_queued_additions(self._cmds, self._held, self._add_command)
         self._cond = threading.Condition()
         self._deltas: list = []
         self._finals: list = []
@@ -205,8 +206,7 @@ class ReplicaActor:
                     self._post([], finals)
                     return
                 if cmd[0] == "add":
-                    self._add(cmd[1], cmd[2])
-                    cmd[3].set()
+                    self._add_command(cmd)
                 elif cmd[0] == "abort":
                     for rid in cmd[1]:
                         self._abort(rid, finals)
@@ -239,20 +239,9 @@ class ReplicaActor:
                 retry_at = time.monotonic() + backoff
             next_probe = time.monotonic() + PROBE_INTERVAL_S
 
-    def _intake(self) -> None:
-        """``core.intake``: inside ``core.step()``, right before it schedules, take the
-        additions at the head of the queue, so requests that arrived during the step join the
-        plan about to be sent; the first other command and all after it wait for the loop."""
-        while not self._held:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                self._add(cmd[1], cmd[2])
-                cmd[3].set()
-            else:
-                self._held.append(cmd)
+    def _add_command(self, cmd: tuple) -> None:
+        self._add(cmd[1], cmd[2])
+        cmd[3].set()
 
     def _recover(self, backoff: float) -> tuple[float, float]:
         """One restart attempt; returns (next backoff, when to retry if it failed)."""
