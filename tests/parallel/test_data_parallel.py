@@ -55,14 +55,19 @@ PROMPTS = [
 ]
 
 
+def _one_worker_tokens(model: str, prompts: list[dict]) -> list[list[int]]:
+    """Greedy tokens of one plain worker: what every parallel layout must reproduce."""
+    one = LLM(model=model, **OPTS)
+    try:
+        return [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        one.shutdown()
+
+
 def test_offline_dp3_equals_one_worker(three_nodes, ckpt_dir):
     model = str(ckpt_dir("llama"))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    one = LLM(model=model, **OPTS)
-    try:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    finally:
-        one.shutdown()
+    expected = _one_worker_tokens(model, prompts)
     for size in (3,):  # DP=2: the online tests below (same replicas, same prompts)
         llm = LLM(model=model, data_parallel_size=size, **OPTS)
         try:
@@ -109,11 +114,7 @@ def test_offline_dp2_x_pp2_equals_one_worker(three_nodes, ckpt_dir):
     """Composition: two replicas, each a two-stage pipeline (four workers on three nodes)."""
     model = str(ckpt_dir("llama", layers=4))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    one = LLM(model=model, **OPTS)
-    try:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    finally:
-        one.shutdown()
+    expected = _one_worker_tokens(model, prompts)
     llm = LLM(model=model, data_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True, **OPTS)
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
