@@ -44,7 +44,12 @@ def _row_key(seed_ptr, pos_ptr, row):
     return _mix32(key ^ (p & 0xFFFFFFFF).to(tl.uint32))
 
 
-@triton.jit(do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"])
+# The seed and position rows are often views into a stacked [3, rows] tensor, whose offset is
+# 16-byte aligned only for an even row count: specialising on it would compile a variant mid-serving.
+@triton.jit(
+    do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"],
+    do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"],
+)
 def _race_partial_kernel(
     probs_ptr,
     seed_ptr,

@@ -193,9 +193,16 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", rope_freqs=None) -> 
 
 
 def hf_gguf_greedy(
-    gguf_file: Path, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32, device: str = "cpu"
-) -> list[list[int]]:
-    """transformers' own load of a GGUF file (its dequantization and Q/K unpermute), greedy."""
+    gguf_file: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype=torch.float32,
+    device: str = "cpu",
+    top_logprobs: int = 0,
+):
+    """transformers' own load of a GGUF file (its dequantization and Q/K unpermute), greedy:
+    the tokens of each prompt, and with ``top_logprobs`` also each step's top log-probabilities
+    (``{token: logprob}`` dicts) as a second list."""
     import transformers
 
     model = (
@@ -204,12 +211,25 @@ def hf_gguf_greedy(
         .eval()
     )
     model.generation_config.eos_token_id = None  # plain argmax: never stop, never suppress EOS
-    outs = []
+    outs, tops = [], []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=device)
             g = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=bool(top_logprobs),
+                return_dict_in_generate=True,
             )
-            outs.append(g[0, len(p) :].tolist())
-    return outs
+            outs.append(g.sequences[0, len(p) :].tolist())
+            if top_logprobs:
+                steps = []
+                for logits in g.logits:
+                    lp = torch.log_softmax(logits[0].float(), dim=-1)
+                    v, i = lp.topk(top_logprobs)
+                    steps.append(dict(zip(i.tolist(), v.tolist())))
+                tops.append(steps)
+    return (outs, tops) if top_logprobs else outs
