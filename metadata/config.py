@@ -30,6 +30,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    quantization: Literal["fp8"] | None = None
+    """'fp8': the decoder layers' projections in FP8 (e4m3) with a scale per output row and
+    per token (dynamic; or a checkpoint's static ``input_scale``); a bf16/fp16 checkpoint is
+    quantized at load, an FP8 checkpoint (``weight_scale`` tensors, as llm-compressor and
+    vLLM write them) loads as is. The embedding, LM head and a draft model stay unquantized.
+    None: the checkpoint's dtype (an FP8 checkpoint then turns it on)."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """'safetensors': the checkpoint's own weights (its safetensors files, or the GGUF file's
     tensors); 'dummy' initialises random weights on the device from the shapes alone
@@ -43,6 +49,10 @@ class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_cache_memory_bytes: int | None = None
     """Memory budget for the KV cache; default 1 GiB on CPU, profiled on GPU."""
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    """'auto': the model dtype; 'fp8' (= 'fp8_e4m3'): keys and values stored in FP8 with a
+    scale per layer and tensor (the checkpoint's ``k_scale``/``v_scale``, else 1.0),
+    dequantized inside the attention kernels: twice the tokens in the same memory."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a cached prompt prefix (full blocks, chained hash)."""
     prefix_cache_hash: Literal["blake3", "sha256", "sha512"] = "blake3"

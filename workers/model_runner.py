@@ -32,6 +32,17 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def check_fp8_device(model, kv_dtype: torch.dtype, device: torch.device) -> None:
+    """FP8 weights or KV cache need e4m3 support: compute capability 8.9 (Ada) or newer."""
+    fp8 = kv_dtype == torch.float8_e4m3fn or model.projections()[0].weight_scale is not None
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise RuntimeError(
+            f"quantization='fp8' and kv_cache_dtype='fp8' need a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper); {torch.cuda.get_device_name(device)} has {cap}: drop them"
+        )
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the persistent request state of one rank.
 
@@ -59,8 +70,17 @@ class ModelRunner:
         # the kernel settings, read once here: every launch of this worker follows them
         install_kernel_settings(build_kernel_settings(cfg.kernels))
         self.model, self.arch = load_model(
-            model_dir, tp, self.dtype, device, max_model_len + 1, cfg.model.load_format, self.stage
+            model_dir,
+            tp,
+            self.dtype,
+            device,
+            max_model_len + 1,
+            cfg.model.load_format,
+            self.stage,
+            quantization=cfg.model.quantization,
         )
+        self.kv_dtype = torch.float8_e4m3fn if cfg.cache.kv_cache_dtype.startswith("fp8") else self.dtype
+        check_fp8_device(self.model, self.kv_dtype, device)
         self.num_layers = len(self.model.layers)  # this stage's
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.max_blocks_per_req = (max_model_len + self.block_size) // self.block_size
@@ -86,7 +106,7 @@ class ModelRunner:
     # ------------------------------------------------------------- KV cache
     def init_kv_cache(self, num_blocks: int | None = None) -> int:
         per_block = (
-            kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.dtype)
+            kv_cache.bytes_per_block(self.arch, self.num_kv_heads, self.block_size, self.kv_dtype)
             * self.num_layers
             // self.arch.num_layers
         )
@@ -108,7 +128,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             self.arch.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         if draft is not None:
@@ -133,7 +153,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         dummy = kv_cache.allocate(
-            self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim, self.dtype, self.device
+            self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim, self.kv_dtype, self.device
         )
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)

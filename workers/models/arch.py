@@ -88,4 +88,30 @@ def load_arch(model_dir: str | Path) -> ModelArch:
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        quantization=checkpoint_quantization(cfg.get("quantization_config"), path),
+    )
+
+
+def checkpoint_quantization(qcfg: dict | None, path: Path) -> str | None:
+    """'fp8' for an FP8 checkpoint (``quant_method`` 'fp8', or 'compressed-tensors' with
+    float 8-bit weights as llm-compressor writes them), None for an unquantized one; any
+    other scheme is refused."""
+    if not qcfg:
+        return None
+    method = qcfg.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = (qcfg.get("config_groups") or {}).values()
+        weights = [g.get("weights") or {} for g in groups]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+            if any(w.get("strategy") not in ("tensor", "channel") for w in weights):
+                raise ModelLoadError(
+                    f"{path}: FP8 weights with strategy {[w.get('strategy') for w in weights]} are not "
+                    "supported (per-tensor or per-channel scales only)"
+                )
+            return "fp8"
+    raise ModelLoadError(
+        f"{path}: quantization {method!r} is not supported; supported: FP8 checkpoints (quant_method "
+        "'fp8' or compressed-tensors float8), or an unquantized checkpoint with quantization='fp8'"
     )

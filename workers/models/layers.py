@@ -66,11 +66,16 @@ class MergedColumnLinear(nn.Module):
         total = sum(n for _, n in parts)
         self.weight = _param((total, in_f), dtype, None)
         self.bias = _param((total,), dtype, None) if bias else None
+        self.weight_scale = self.input_scale = None  # FP8 (``fp8_layout``, ``quantize_fp8``)
 
     def load_part(self, target: torch.Tensor, tensor: torch.Tensor, index: int) -> None:
         """Copy this rank's rows of checkpoint part ``index`` into ``target`` (weight or bias)."""
         start, length = self.parts[index]
+        if target is self.weight_scale and tensor.numel() == 1:  # a per-tensor FP8 scale: every row
+            tensor = tensor.reshape(1).expand(start + length)
         rows = tensor.narrow(0, start, length)
+        if target is self.weight_scale:
+            rows = rows.reshape(length)
         if self.interleave:
             target.data[index :: len(self.parts)].copy_(rows)
         else:
@@ -78,7 +83,7 @@ class MergedColumnLinear(nn.Module):
             target.data[off : off + length].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)[0]
+        return ops.linear(x, self.weight, self.bias, weight_scale=self.weight_scale, input_scale=self.input_scale)[0]
 
     def norm_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm", act: str | None = None
@@ -87,9 +92,38 @@ class MergedColumnLinear(nn.Module):
         ``residual`` is None, the first layer). One launch at decode batch sizes on CUDA
         (``ops.linear``'s skinny GEMM fuses the norm and the activation)."""
         y, new_res = ops.linear(
-            x, self.weight, self.bias, residual=residual, norm_weight=norm.weight, eps=norm.eps, act=act
+            x,
+            self.weight,
+            self.bias,
+            weight_scale=self.weight_scale,
+            input_scale=self.input_scale,
+            residual=residual,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            act=act,
         )
         return y, (x if residual is None else new_res)
+
+
+def fp8_layout(linear: nn.Module) -> None:
+    """Turn a (meta) ``MergedColumnLinear`` / ``RowParallelLinear`` into the FP8 checkpoint
+    layout before loading: an e4m3 weight and a float32 ``weight_scale`` per output row (a
+    checkpoint's per-tensor scale fills its part's rows)."""
+    w = linear.weight
+    linear.weight = _param(tuple(w.shape), torch.float8_e4m3fn, getattr(w, "shard", None))
+    linear.weight_scale = _param((w.shape[0],), torch.float32, None)
+
+
+def quantize_fp8(linear: nn.Module) -> None:
+    """Quantize a loaded 16/32-bit projection in place: e4m3 weight, one scale per output row."""
+    from kernels.fp8_reference import quantize_weight_fp8
+
+    w = linear.weight
+    wq, scale = quantize_weight_fp8(w.data)
+    linear.weight = nn.Parameter(wq, requires_grad=False)
+    linear.weight.shard = getattr(w, "shard", None)
+    linear.weight_scale = nn.Parameter(scale, requires_grad=False)
+    linear.weight_scale.shard = None
 
 
 def shard_rows(full: int, tp: TPGroup) -> tuple[int, int]:
@@ -110,9 +144,11 @@ class RowParallelLinear(_Sharded):
         self.weight = _param((out_f, in_f // tp.size), dtype, (1, tp.rank, tp.size))
         # the bias is added once, after the reduction
         self.bias = _param((out_f,), dtype, None) if bias else None
+        self.weight_scale = self.input_scale = None  # FP8 (``fp8_layout``, ``quantize_fp8``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(ops.linear(x, self.weight)[0])
+        y = ops.linear(x, self.weight, weight_scale=self.weight_scale, input_scale=self.input_scale)[0]
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

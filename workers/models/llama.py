@@ -57,6 +57,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, tp, dtype)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        # an FP8 KV cache's per-tensor scales (a checkpoint's ``k_scale``/``v_scale``; unused otherwise)
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, h, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
         """Attention over an already normalised ``h``."""
@@ -260,12 +262,28 @@ class LlamaForCausalLM(nn.Module):
             h, _ = self.norm(h, residual)
         return h
 
+    def projections(self) -> list[nn.Module]:
+        """Every decoder layer's projections (the FP8-quantizable weights)."""
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        return out
+
+    def use_fp8(self) -> None:
+        """After the projections became FP8: the fused 16-bit paths that read a projection's
+        weight directly (the norm handoffs of ``fused_norm_ops.mlp_block``) are off."""
+        for layer in self.layers:
+            layer.whole_mlp_block = False
+
     def tile_gemm_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each projection weight with how ``ops`` may run it at a mid-sized batch (for
         ``kernels.tile_gemm.precompile``)."""
         uses = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj.weight_scale is not None:
+                continue  # FP8: kernels.fp8_gemm, not the tile GEMM
             uses += [
                 (attn.qkv_proj.weight, "plain"),
                 (attn.o_proj.weight, "plain"),

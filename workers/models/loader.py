@@ -13,7 +13,7 @@ from safetensors import safe_open
 from workers.distributed import TPGroup
 from workers.models.arch import ModelArch, ModelLoadError, load_arch
 from workers.models.gguf_arch import is_gguf
-from workers.models.layers import MergedColumnLinear
+from workers.models.layers import MergedColumnLinear, fp8_layout, quantize_fp8
 from workers.models.llama import LlamaForCausalLM
 from workers.models.rope import cos_sin_cache
 from workers.pipeline import WHOLE_MODEL, PipelineStage
@@ -25,7 +25,9 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|weight_scale|input_scale)$")
+# FP8 checkpoints: a projection's static activation scale, an attention layer's KV-cache scales
+_SCALAR_RE = re.compile(r"^(.*)\.(input_scale|k_scale|v_scale)$")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -71,9 +73,12 @@ def load_model(
     max_positions: int,
     load_format: str = "safetensors",
     stage: PipelineStage = WHOLE_MODEL,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArch]:
     """A checkpoint directory (safetensors) or a ``.gguf`` file, chosen by the path's suffix;
-    ``load_format='dummy'`` takes only the shapes and initialises random weights."""
+    ``load_format='dummy'`` takes only the shapes and initialises random weights.
+    ``quantization='fp8'`` quantizes the decoder projections after loading, unless the
+    checkpoint already stores them in FP8 (which loads as is, whatever ``quantization``)."""
     gguf = None
     if is_gguf(model_path) and load_format != "dummy":
         from workers.models.gguf_loader import GGUFCheckpoint
@@ -84,8 +89,12 @@ def load_model(
         arch = load_arch(model_path)
         if load_format != "dummy":
             tensors = _safetensors_tensors(checkpoint_files(model_path))
+    stored_fp8 = arch.quantization == "fp8" and load_format != "dummy"
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions, stage)
+        if stored_fp8:
+            for proj in model.projections():
+                fp8_layout(proj)
     model = model.to_empty(device=device)
     model.tie_embeddings()
     model.cos_sin = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32).to(
@@ -93,8 +102,15 @@ def load_model(
     )
     if load_format == "dummy":
         _init_dummy(model)
+    else:
+        _fill(model, arch, tensors, model_path)
+    if quantization == "fp8" and not stored_fp8:
+        for proj in model.projections():
+            quantize_fp8(proj)
+    if quantization == "fp8" or stored_fp8:
+        model.use_fp8()
+    if load_format == "dummy":
         return model.eval(), arch
-    _fill(model, arch, tensors, model_path)
     factors = gguf.rope_factors() if gguf is not None else None
     if factors is not None:
         from workers.models.gguf_loader import cos_sin_with_factors
@@ -121,6 +137,9 @@ def _fill(
     params = dict(model.named_parameters(remove_duplicate=False))
     pending = _expected_slots(model, arch)
     for ckpt_name, tensor in tensors:
+        if _SCALAR_RE.match(ckpt_name.removeprefix("model.")):
+            _load_scalar(model, modules, ckpt_name, tensor, model_path)
+            continue
         pname, index = _map_name(ckpt_name)
         pname = model.stage_param_name(pname)
         if pname is None:  # a layer (or the embedding, the head) another pipeline stage holds
@@ -143,6 +162,33 @@ def _fill(
         raise ModelLoadError(f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _load_scalar(model, modules: dict, ckpt_name: str, tensor: torch.Tensor, model_path) -> None:
+    """An FP8 checkpoint's per-tensor scale: a projection's static ``input_scale`` (the fused
+    q|k|v and gate|up take the largest of their parts', as the one they quantize with) or an
+    attention layer's ``k_scale`` / ``v_scale`` for an FP8 KV cache."""
+    name = ckpt_name.removeprefix("model.")
+    m = _SCALAR_RE.match(name)
+    owner_name, kind = m.group(1), m.group(2)
+    if kind == "input_scale":
+        fused = _FUSED_RE.match(name)
+        owner_name = f"{fused.group(1)}.{_FUSED[fused.group(2)][0]}" if fused else owner_name
+    owner_name = model.stage_param_name(owner_name + ".x")
+    if owner_name is None:
+        return  # another pipeline stage's layer
+    owner = modules.get(owner_name[: -len(".x")])
+    if owner is None or not hasattr(owner, kind):
+        raise ModelLoadError(f"unexpected tensor '{ckpt_name}' in checkpoint {model_path}")
+    if tensor.numel() != 1:
+        raise ModelLoadError(f"'{ckpt_name}' has {tensor.numel()} values; only per-tensor scales are supported")
+    value = tensor.detach().float().reshape(1).cpu()  # a checkpoint tensor: on the host already
+    if kind == "input_scale":
+        old = owner.input_scale
+        value = value if old is None else torch.maximum(old.cpu(), value)
+        owner.input_scale = value.to(owner.weight.device)
+    else:
+        setattr(owner, kind, float(value))
+
+
 def _map_name(name: str) -> tuple[str, int | None]:
     name = name.removeprefix("model.")
     m = _FUSED_RE.match(name)
@@ -157,6 +203,8 @@ def _load_plain(param: torch.nn.Parameter, tensor: torch.Tensor, ckpt_name: str)
     if shard is not None:
         dim, rank, _ = shard
         tensor = _shard(tensor, dim, rank, param.shape[dim])
+    if ckpt_name.endswith("weight_scale"):  # per tensor ([] or [1]) or per row ([N, 1])
+        tensor = tensor.reshape(-1).expand(param.shape[0]) if tensor.numel() == 1 else tensor.reshape(-1)
     if tuple(tensor.shape) != tuple(param.shape):
         raise ModelLoadError(f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(tensor)

@@ -32,6 +32,8 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    quantization: str | None = None
+    """'fp8' for a checkpoint whose projections are stored in FP8 (``weight_scale`` tensors)."""
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         kv_heads = max(1, self.num_kv_heads // tp_size)
