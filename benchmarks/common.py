@@ -118,6 +118,8 @@ def remote_hardware_info(num_gpus: float) -> dict[str, Any] | None:
 # Common engine options as flags (None = engine default); anything else: --engine-option k=v.
 ENGINE_FLAGS: dict[str, type] = {
     "dtype": str,
+    "quantization": str,
+    "kv_cache_dtype": str,
     "max_model_len": int,
     "block_size": int,
     "max_num_seqs": int,

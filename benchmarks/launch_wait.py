@@ -22,7 +22,7 @@ import statistics
 
 from benchmarks.shapes import resolve_model
 
-MODES = ("async", "async+ngram", "async+draft", "async+preempt")
+MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8")
 
 
 def mode_options(mode: str, model: str) -> dict:
@@ -32,6 +32,8 @@ def mode_options(mode: str, model: str) -> dict:
         return {"speculative_method": "draft_model", "speculative_model": model, "num_speculative_tokens": 3}
     if mode == "async+preempt":
         return {"num_kv_blocks": 160}  # 48 requests of ~230 tokens in blocks of 16 do not fit
+    if mode == "async+fp8":  # FP8 weights (per-token activation quantization) and KV cache
+        return {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     return {}
 
 

@@ -122,6 +122,8 @@ def workload_roofline(
     output_lens: list[int],
     max_num_seqs: int,
     ceilings: dict[str, Any],
+    proj_bytes: int | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The workload's own floor on one GPU of the TP group (every rank reads its shard at once).
 
@@ -130,17 +132,20 @@ def workload_roofline(
     (``p + j`` tokens for the ``j``-th). Bytes over the measured copy bandwidth.
     Prefill: ``2 * matmul params`` FLOPs per prompt token, causal attention
     ``2 * p^2 * heads * head_dim`` per layer, one LM-head row per request; FLOPs over the
-    measured matmul rate. Decode compute and prefill weight reads are not counted."""
+    measured matmul rate. Decode compute and prefill weight reads are not counted.
+    ``proj_bytes`` / ``kv_dtype_bytes``: bytes per element of the decoder projections and the
+    KV cache where they differ from ``dtype_bytes`` (1 with FP8 weights / an FP8 KV cache;
+    the prefill FLOPs then still count at the measured 16-bit rate, a conservative floor)."""
     h, d = arch.hidden_size, arch.head_dim
     qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
     layer = h * qkv_out + arch.num_heads * d * h + 3 * arch.intermediate_size * h
     layer_extra = 2 * h + (qkv_out if arch.qkv_bias else 0) + (2 * d if arch.qk_norm else 0)
     lm_head = arch.vocab_size * h
-    step_params = arch.num_layers * (layer + layer_extra) + h + lm_head
-    weight_bytes_step = step_params * dtype_bytes / tp
+    pb = dtype_bytes if proj_bytes is None else proj_bytes
+    weight_bytes_step = (arch.num_layers * (layer * pb + layer_extra * dtype_bytes) + (h + lm_head) * dtype_bytes) / tp
     decode = [max(0, o - 1) for o in output_lens]
     steps = max(max(decode, default=0), -(-sum(decode) // max(1, max_num_seqs)))
-    kv_tok = arch.kv_bytes_per_token(dtype_bytes, tp)
+    kv_tok = arch.kv_bytes_per_token(dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes, tp)
     kv_bytes = sum(kv_tok * (o * p + o * (o - 1) // 2) for p, o in zip(prompt_lens, decode))
     flops = (
         sum(
@@ -238,6 +243,8 @@ def _roofline(model_dir, engine_cfg, device, opts, requests, res) -> dict[str, A
             [r.expected_output_len for r in requests],
             engine_cfg["scheduler"]["max_num_seqs"],
             ceil,
+            proj_bytes=1 if engine_cfg["model"].get("quantization") == "fp8" or arch.quantization == "fp8" else None,
+            kv_dtype_bytes=1 if engine_cfg["cache"].get("kv_cache_dtype", "auto").startswith("fp8") else None,
         )
     except Exception as exc:  # the throughput numbers stand on their own
         print(f"workload roofline: not computed ({exc!r})", file=sys.stderr)
