@@ -86,7 +86,9 @@ class Bench:
         self.load_s = time.perf_counter() - t0
         self.blocks_per_req = {c: -(-(c + steps + 1) // bs) for c in conf["context_lens"]}
         need = max(b * self.blocks_per_req[c] for b in conf["batch_sizes"] for c in conf["context_lens"])
-        per_block = bytes_per_block(arch, self.runner.num_kv_heads, bs, getattr(self.runner, "kv_dtype", self.runner.dtype))
+        per_block = bytes_per_block(
+            arch, self.runner.num_kv_heads, bs, getattr(self.runner, "kv_dtype", self.runner.dtype)
+        )
         if cuda:
             profile = getattr(self.runner, "_profile_free_bytes", None)
             budget = profile() if profile else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)

@@ -19,3 +19,15 @@ run python -m benchmarks.prefix_cache --shape llama-3.1-8b --num-prompts 200 --p
 run python -m benchmarks.spec_decode --shape llama-3.1-8b --self-draft --batch-sizes 1,8,32 --k 3 \
     --output "$out/spec_decode.json"
 run python -m benchmarks.launch_wait --shape qwen3-0.6b --wait-ms 100 --output "$out/launch_wait.json"
+# FP8 (issue 40): the 8B decode grid with FP8 weights (roofline: the FP8 weight bytes), the
+# 1000 x 1000 offline workload in bf16 and FP8 (weights + KV cache), the accuracy tables
+run python -m benchmarks.decode_roofline --shape llama-3.1-8b --batch-sizes 1,8,32,128,256 \
+    --context-lens 512,4096 --warmup 3 --iters 10 --placement local --engine-option quantization=fp8 \
+    --output "$out/grid-llama-3.1-8b-fp8.json"
+for q in bf16 fp8; do
+  extra=(); [ "$q" = fp8 ] && extra=(--quantization fp8 --kv-cache-dtype fp8)
+  run python -m benchmarks.throughput --shape llama-3.1-8b --input-len 1000 --output-len 1000 \
+      --num-prompts 1000 --max-model-len 2048 --async-scheduling "${extra[@]}" --output "$out/throughput-8b-$q.json"
+done
+run python -m benchmarks.fp8_accuracy --dtype bfloat16 --output "$out/fp8_accuracy.json"
+run python -m benchmarks.fp8_accuracy --shape llama-3.1-8b --dtype bfloat16 --output "$out/fp8_accuracy-8b.json"
