@@ -23,12 +23,14 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """This step's K/V into the paged cache; an FP8 cache (``float8_e4m3fn``) stores them
+    quantized with the per-tensor ``k_scale`` / ``v_scale`` (Python floats; ignored otherwise)."""
     if _use_triton(key):
         from kernels.kv_write import write_kv_triton
 
-        return write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    return reference.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        return write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return reference.write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(
@@ -43,8 +45,13 @@ def paged_attention(
     max_seq_len_upper_bound: int,
     scale: float,
     eager: bool = False,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``)."""
+    """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``).
+    ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (Python floats), applied
+    inside the attention kernel; ignored with any other cache dtype."""
     if _use_triton(q):
         from kernels.paged_attention import paged_attention_triton
 
@@ -59,6 +66,8 @@ def paged_attention(
             max_seq_len_upper_bound,
             scale,
             eager=eager,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return reference.paged_attention_reference(
         q,
@@ -70,6 +79,8 @@ def paged_attention(
         query_start_loc_cpu,
         max_seq_len_upper_bound,
         scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -116,17 +127,22 @@ def rope_and_attention(
     k_norm_weight=None,
     eps: float = 1e-6,
     eager: bool = False,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
     (``kernels.paged_attention`` with ``rope=``); otherwise the two
-    ops."""
+    ops. ``k_scale`` / ``v_scale``: an FP8 cache's scales, for its writes and reads."""
     if _use_triton(q) and rope_in_attention_applies(q.shape[0], max_query_len, max_seq_len_upper_bound):
         from kernels.paged_attention import paged_attention_triton
         from kernels.rope_inline import DecodeRope
 
-        rope = DecodeRope(positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+        rope = DecodeRope(
+            positions, k, v, cos_sin_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, k_scale, v_scale
+        )
         return paged_attention_triton(
             q,
             k_cache,
@@ -139,9 +155,23 @@ def rope_and_attention(
             scale,
             rope=rope,
             eager=eager,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     q = rope_and_write_kv(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+        positions,
+        q,
+        k,
+        v,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return paged_attention(
         q,
@@ -155,6 +185,8 @@ def rope_and_attention(
         max_seq_len_upper_bound,
         scale,
         eager=eager,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -195,17 +227,18 @@ def rope_and_write_kv(
     q_norm_weight=None,
     k_norm_weight=None,
     eps: float = 1e-6,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
-    """[q/k RMSNorm] + rotary + KV write in one launch on CUDA; returns the rotated q."""
+    """[q/k RMSNorm] + rotary + KV write in one launch on CUDA; returns the rotated q.
+    An FP8 cache stores the K/V quantized with ``k_scale`` / ``v_scale`` (ignored otherwise)."""
+    args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
     if _use_triton(q):
         from kernels.rope_kv import rope_and_write_kv_triton
 
-        return rope_and_write_kv_triton(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
-        )
-    return reference.rope_and_write_kv_reference(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
-    )
+        return rope_and_write_kv_triton(*args, k_scale=k_scale, v_scale=v_scale)
+    return reference.rope_and_write_kv_reference(*args, k_scale=k_scale, v_scale=v_scale)
 
 
 def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: str | None, out_dtype):
@@ -225,9 +258,24 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor, norm: bool, act: str | 
 
 
 def linear(
-    x, weight, bias=None, *, residual=None, norm_weight=None, eps: float = 1e-6, act: str | None = None, out_dtype=None
+    x,
+    weight,
+    bias=None,
+    *,
+    weight_scale=None,
+    input_scale=None,
+    residual=None,
+    norm_weight=None,
+    eps: float = 1e-6,
+    act: str | None = None,
+    out_dtype=None,
 ):
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
+
+    With ``weight_scale`` (float32 per output row) ``weight`` is FP8 (e4m3): the normed
+    ``x`` is quantized per row (or with the static per-tensor ``input_scale``) and
+    multiplied by ``kernels.fp8_gemm`` (its reference on the CPU), the scales applied in
+    the GEMM's epilogue.
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
     persistent GEMV of ``kernels.gemv`` where its config says ``"kernel": "gemv"``) with
@@ -237,6 +285,8 @@ def linear(
     rows where ``kernels/tile_gemm_tuning.json`` has an entry, ``kernels.tile_gemm`` with the
     row-pair SiLU*mul in its epilogue), then the SiLU*mul kernel on CUDA; the references on
     the CPU (where this is exactly the previous unfused model code)."""
+    if weight_scale is not None:
+        return _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype)
     cfg = skinny_config(x, weight, norm_weight is not None, act, out_dtype)
     # the tile table's 2-16-row class, where it has an entry, wins over the skinny config
     tile = tile_config(x, weight, bias) if cfg is not None and x.shape[0] > 1 else None
@@ -290,6 +340,30 @@ def linear(
             return (y.to(out_dtype) if out_dtype is not None else y), new_res
     else:
         y = torch.nn.functional.linear(x, weight, bias)
+    if act in ("silu_and_mul", "silu_and_mul_pairs"):
+        y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
+    elif act is not None:
+        raise ValueError(f"unknown activation {act!r}")
+    return (y.to(out_dtype) if out_dtype is not None else y), new_res
+
+
+def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype):
+    """``linear`` with an FP8 weight: norm, per-row (or static) FP8 quantization of the
+    input, the scaled FP8 GEMM, then the activation."""
+    new_res = None
+    if norm_weight is not None:
+        x, new_res = rms_norm(x, norm_weight, eps, residual)
+    if _use_triton(x):
+        from kernels.fp8_gemm import fp8_gemm_triton
+        from kernels.fp8_quant import quantize_rows_triton
+
+        xq, x_scale = quantize_rows_triton(x, input_scale)
+        y = fp8_gemm_triton(xq, x_scale, weight, weight_scale, bias, out_dtype=x.dtype)
+    else:
+        from kernels.fp8_reference import fp8_linear_reference, quantize_rows_reference
+
+        xq, x_scale = quantize_rows_reference(x, input_scale)
+        y = fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype=x.dtype)
     if act in ("silu_and_mul", "silu_and_mul_pairs"):
         y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:

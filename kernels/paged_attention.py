@@ -64,6 +64,7 @@ from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-e
     one_token_launch,
     one_token_stages,
 )
+from kernels.kv_write import check_kv_cache
 from kernels.paged_attention_kernel import _paged_attention_kernel
 from kernels.rope_inline import DecodeRope
 
@@ -108,6 +109,8 @@ def paged_attention_triton(
     config: dict | None = None,
     rope: DecodeRope | None = None,
     eager: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention; layouts as in ``kernels.reference``.
 
@@ -127,18 +130,28 @@ def paged_attention_triton(
     ``block_n`` /
     ``num_warps`` / ``num_stages`` (benchmarks). Rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten.
+
+    An FP8 (``float8_e4m3fn``) cache holds ``K / k_scale`` and ``V / v_scale``
+    (``kernels.kv_write``): the kernel dequantizes its tiles in registers (see
+    ``kernels.paged_attention_kernel``) and, with ``rope``, stores the new K/V quantized
+    with the same scales (``rope.k_scale`` / ``rope.v_scale`` must equal them). Python
+    floats, passed as runtime float32 arguments; ignored with any other cache dtype.
     """
     num_tokens, hq, head_dim = q.shape
     _, kv_block_size, hkv, _ = k_cache.shape
     num_reqs = query_start_loc.shape[0] - 1
     assert hq % hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    check_kv_cache(k_cache, v_cache)
+    k_scale, v_scale = float(k_scale), float(v_scale)
     if rope is not None:
         assert max_query_len == 1, "fused rope: one query token a request"
         assert head_dim % 2 == 0 and rope.cos_sin_cache.shape[-1] == head_dim
         assert rope.k.shape[1:] == (hkv, head_dim) and rope.v.shape[1:] == (hkv, head_dim)
         assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
         assert rope.cos_sin_cache.stride(-1) == 1 and rope.slot_mapping.shape[0] >= num_tokens
+        if k_cache.element_size() == 1:  # one FP8 cache: the scales it is read and written with
+            assert (rope.k_scale, rope.v_scale) == (k_scale, v_scale), "rope's KV scales differ from the launch's"
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -184,9 +197,13 @@ def paged_attention_triton(
     # with PDL, a one-tile split's K and V tile load before the wait (5 % off a Qwen3-0.6B
     # batch-1 step, 1 % off Llama-3.1-8B's; the keys alone were slower: docs/decisions.md);
     # a longer split's first tile is prefetched into L2 instead
-    preload = one_token and rope is not None and num_stages == 1 and launch["USE_PDL"]
-    if preload and not (config and "num_warps" in config):
-        num_warps = 8  # K and V tiles held across the wait: 4 warps spill (sm_90)
+    # An FP8 cache takes no preload (its tiles' conversion spills then, sm_90) and 8 warps for
+    # 128-key one-token tiles (at 4 the converted tiles take 166-255 registers; with the rope
+    # prologue and two stages they spill); test_kernels_fp8_kv compiles these for sm_90.
+    fp8 = k_cache.element_size() == 1
+    preload = one_token and rope is not None and num_stages == 1 and launch["USE_PDL"] and not fp8
+    if (preload or (fp8 and one_token and block_n >= 128)) and not (config and "num_warps" in config):
+        num_warps = 8  # K and V tiles held across the wait (or FP8 tiles converted): 4 warps spill (sm_90)
     kv_cap = min(triton.cdiv(max_seq_len_upper_bound, kv_block_size), block_table.shape[1])
     kv_cap *= kv_block_size
     _paged_attention_kernel[(grid0, hkv, num_splits)](
@@ -204,6 +221,8 @@ def paged_attention_triton(
         num_reqs,
         kv_cap,
         float(scale) * LOG2E,
+        k_scale,
+        v_scale,
         float(rope.eps) if rope is not None else 0.0,
         rope.cos_sin_cache.stride(0) if rope is not None else 0,
         *(

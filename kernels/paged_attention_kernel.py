@@ -1,7 +1,14 @@
 """The Triton kernel of ``kernels.paged_attention``, whose docstring describes it: the program
 layout (a query block x one KV head, the whole query-head group), the query-block indexing of
 prefill batches and the split-KV partials with their in-launch merge. The launch and its
-sizing (CPU ints only) are ``kernels.paged_attention`` and ``kernels.attention_splits``."""
+sizing (CPU ints only) are ``kernels.paged_attention`` and ``kernels.attention_splits``.
+
+An FP8 (e4m3) cache is read from the cache pointer's element type (its own compiled variant)
+and dequantized here, in registers: each K/V tile is converted to the query dtype (exact: every
+e4m3 value is a bf16 / fp16 / fp32 value), ``k_scale`` is folded into the scores' scale and
+``v_scale`` into the output (the partials, with splits) after the P.V accumulation; P is
+rounded to the query dtype instead of the cache's. Both scales are runtime float32 arguments
+(one variant for every layer and value), ignored with a 16-bit or float32 cache."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_merge import merge_splits
+from kernels.kv_write import to_cache
 from kernels.pdl import prefetch_lines_l2, wait_and_release
 from kernels.rope_inline import add_new_key, rope_cos_sin, rope_rows
 
@@ -33,7 +41,8 @@ def _find_request(qsl_ptr, qblock, num_reqs, BLOCK_Q: tl.constexpr):
 # block table's width follows each step's length bound: its row stride too.
 # num_reqs, kv_cap and stride_ls (num_tokens x heads) change with the batch: specialising on
 # them (== 1, % 16) would compile a new variant mid-serving for, e.g., an odd eager batch.
-@triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt", "stride_ls"])
+# The FP8 cache's scales are runtime values too (one variant for every layer).
+@triton.jit(do_not_specialize=["num_reqs", "kv_cap", "stride_bt", "stride_ls", "k_scale", "v_scale"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -55,6 +64,8 @@ def _paged_attention_kernel(
     num_reqs,
     kv_cap,
     scale_log2,
+    k_scale,
+    v_scale,
     eps,
     stride_cs,
     stride_knt,
@@ -101,6 +112,15 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # FP8 cache: tiles are dequantized to the query dtype (P rounded to it too), k_scale goes
+    # into the scores' scale, v_scale into the output. Otherwise P is rounded to the KV dtype.
+    KV_FP8: tl.constexpr = k_ptr.dtype.element_ty == tl.float8e4nv
+    tl.static_assert(not (KV_FP8 and PRELOAD), "FP8 cache: no preload (it spills on sm_90)")
+    P_DT: tl.constexpr = q_ptr.dtype.element_ty if KV_FP8 else v_ptr.dtype.element_ty
+    if KV_FP8:
+        qk_scale = scale_log2 * k_scale
+    else:
+        qk_scale = scale_log2
 
     if ONE_QBLOCK_PER_REQ:
         req = pid
@@ -200,12 +220,13 @@ def _paged_attention_kernel(
         DT = q_ptr.dtype.element_ty
         q = rope_rows(q_ptr, q_rows, offs_d, row_ok, qw_ptr, eps, cos, sin, Q_NORM, HEAD_DIM // 2, DT, False)
         kn_row = tl.zeros([1], dtype=tl.int64) + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
+        # (in the cache dtype: an FP8 cache's new K/V are attended as stored, quantized)
         k_new = rope_rows(
             kn_ptr, kn_row, offs_d, kn_row == kn_row, kw_ptr, eps, cos, sin, K_NORM, HEAD_DIM // 2, DT, False
-        ).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(
-            vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0
-        ).to(v_ptr.dtype.element_ty)
+        )
+        k_new = to_cache(k_new, k_scale, k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0)
+        v_new = to_cache(v_new, v_scale, v_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
@@ -237,17 +258,19 @@ def _paged_attention_kernel(
                 v = v_pre
             else:
                 v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
+        elif not KV_FP8:
             v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
+        if KV_FP8:  # the dequantization: e4m3 -> query dtype, exact (scales folded in)
+            k = k.to(P_DT)
         if UPCAST:
             k = k.to(tl.float32)
         # fp32 inputs: exact fp32 products (the default would be tf32). Inlined,
         # not a helper: nested jit calls are slow under the interpreter.
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -257,7 +280,9 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_lo = p.to(v_ptr.dtype.element_ty)  # P is rounded to the KV dtype, as on GPU
+        p_lo = p.to(P_DT)  # P is rounded to the KV dtype (FP8 cache: the query's), as on GPU
+        if KV_FP8:  # V loaded next to its use (sm_90: 254 registers instead of 171 if up front)
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(P_DT)
         if UPCAST:
             pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32))
         elif IEEE:
@@ -273,7 +298,7 @@ def _paged_attention_kernel(
         last_tile = (kv_end - 1) // BLOCK_N
         owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
         if owner & (ctx_len < kv_end):
-            m_i, l_i, acc = add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, scale_log2, v_ptr.dtype.element_ty)
+            m_i, l_i, acc = add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, qk_scale, P_DT)
         # Written after the loop: a cache store before it would order every tile's K/V
         # loads behind the new key (the compiler cannot rule out aliasing).
         if owner & (new_slot >= 0):
@@ -283,6 +308,8 @@ def _paged_attention_kernel(
             nv = pg * stride_vb + (new_slot % KV_BLOCK_SIZE) * stride_vt + kvh * stride_vh
             tl.store(v_ptr + nv + offs_d, v_new, mask=d_ok)
 
+    if KV_FP8:  # V's scale, after the P.V accumulation (the split merge is linear in it)
+        acc = acc * v_scale
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + qhead * stride_oh

@@ -12,11 +12,39 @@ Layouts (shared with the Triton kernels):
 No function here reads exact sequence lengths on the CPU: loops run over the
 CPU query starts and buffers are sized by ``max_seq_len_upper_bound``; the
 device ``seq_lens`` only enter masks.
+
+An FP8 KV cache (``torch.float8_e4m3fn``) stores ``clamp(x / scale, -448, 448)`` in e4m3
+(computed in float32) with per-tensor ``k_scale`` / ``v_scale`` and is read back as
+``k_fp8.float() * k_scale``; any other cache dtype ignores the scales.
 """
 
 from __future__ import annotations
 
 import torch
+
+KV_FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def kv_to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: ``clamp(x / scale, -448, 448)`` rounded to
+    e4m3 (float32 math) for an FP8 cache, else ``x.to(dtype)``."""
+    if dtype == KV_FP8_DTYPE:
+        # a device tensor divisor: CUDA multiplies by the reciprocal of a Python scalar one
+        x = x.float()
+        return (x / x.new_full((), scale)).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def kv_from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache entries in float32: ``x.float() * scale`` for FP8, else ``x.float()``."""
+    return x.float() * scale if x.dtype == KV_FP8_DTYPE else x.float()
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as uint8 (indexing and index_put of float8 tensors is not on every
+    device), else the cache itself."""
+    return cache.view(torch.uint8) if cache.dtype == KV_FP8_DTYPE else cache
 
 
 def write_kv_reference(
@@ -25,15 +53,19 @@ def write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter this step's K/V into the paged cache; slots < 0 (padding) are skipped."""
+    """Scatter this step's K/V into the paged cache; slots < 0 (padding) are skipped.
+    An FP8 cache stores them quantized with ``k_scale`` / ``v_scale``."""
     nb, bs, h, d = k_cache.shape
     valid = slot_mapping >= 0
     # Boolean selection is fine here: this reference runs on the CPU and as a test
     # oracle, never inside a GPU step (the Triton kernel skips -1 slots itself).
     idx = slot_mapping[valid]
-    k_cache.view(nb * bs, h, d)[idx] = key[valid].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[idx] = value[valid].to(v_cache.dtype)
+    _bytes(k_cache).view(nb * bs, h, d)[idx] = _bytes(kv_to_cache(key[valid], k_cache.dtype, k_scale))
+    _bytes(v_cache).view(nb * bs, h, d)[idx] = _bytes(kv_to_cache(value[valid], v_cache.dtype, v_scale))
 
 
 def paged_attention_reference(
@@ -46,11 +78,15 @@ def paged_attention_reference(
     query_start_loc_cpu: torch.Tensor,
     max_seq_len_upper_bound: int,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged KV.
 
     Query token i of request r sits at position ``seq_lens[r] - q_len[r] + i`` and
-    attends keys ``0..position``. Computed in float32.
+    attends keys ``0..position``. Computed in float32 (an FP8 cache dequantized as
+    ``k.float() * k_scale``, ``v.float() * v_scale``).
     """
     num_tokens, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -64,8 +100,12 @@ def paged_attention_reference(
         if e == s:
             continue
         blocks = block_table[r, :nblk].long().clamp(min=0)
-        k = k_cache[blocks].reshape(nblk * bs, hkv, d).float()
-        v = v_cache[blocks].reshape(nblk * bs, hkv, d).float()
+        if k_cache.dtype == KV_FP8_DTYPE:
+            k = kv_from_cache(_bytes(k_cache)[blocks].view(k_cache.dtype).reshape(nblk * bs, hkv, d), k_scale)
+            v = kv_from_cache(_bytes(v_cache)[blocks].view(v_cache.dtype).reshape(nblk * bs, hkv, d), v_scale)
+        else:
+            k = k_cache[blocks].reshape(nblk * bs, hkv, d).float()
+            v = v_cache[blocks].reshape(nblk * bs, hkv, d).float()
         k = k.repeat_interleave(group, dim=1)  # [L, hq, d]
         v = v.repeat_interleave(group, dim=1)
         qr = q[s:e].float()  # [n, hq, d]
@@ -139,11 +179,15 @@ def rope_and_write_kv_reference(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Optional per-head q/k RMSNorm, then rotary, then the KV write; returns rotated q.
 
     q ``[T, Hq, D]``, k/v ``[T, Hk, D]``. Exactly the unfused sequence the fused
-    kernel (``kernels.rope_kv``) replaces."""
+    kernel (``kernels.rope_kv``) replaces (an FP8 cache: the rotated k, in q's dtype,
+    quantized with ``k_scale``, v with ``v_scale``)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     if q_norm_weight is not None:
@@ -151,7 +195,7 @@ def rope_and_write_kv_reference(
     if k_norm_weight is not None:
         k = rms_norm_reference(k.reshape(-1, d), k_norm_weight, eps)[0].view(t, hk, d)
     q, k = rotary_embedding_reference(positions, q, k, cos_sin_cache)
-    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q
 
 

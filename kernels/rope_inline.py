@@ -25,7 +25,9 @@ class DecodeRope(NamedTuple):
     """What ``kernels.rope_kv`` would have taken, handed to the attention launch instead:
     the raw ``k``/``v`` ``[T, Hk, D]`` of this step's tokens (strided views of the fused
     QKV output are fine), their positions and cache slots (-1: padding, not written), the
-    ``[max_pos, D]`` cos|sin table and Qwen3's optional q/k norm weights."""
+    ``[max_pos, D]`` cos|sin table and Qwen3's optional q/k norm weights. ``k_scale`` /
+    ``v_scale``: an FP8 cache's per-tensor scales, with which the new K/V are stored (the
+    attention launch's own ``k_scale`` / ``v_scale``, which must be the same: one cache)."""
 
     positions: torch.Tensor
     k: torch.Tensor
@@ -35,6 +37,8 @@ class DecodeRope(NamedTuple):
     q_norm_weight: torch.Tensor | None = None
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @triton.jit
@@ -93,8 +97,10 @@ def rope_rows(
 @triton.jit
 def add_new_key(q, k_new, v_new, m_i, l_i, acc, row_ok, scale_log2, P_DT: tl.constexpr):
     """The online softmax's step for the one new key held in registers (``k_new``/``v_new``
-    ``[1, D]``, rotated) against the query rows ``q`` ``[R, D]``: returns the updated
-    ``(m_i, l_i, acc)``, P rounded to ``P_DT`` as the tiles' P is (base-2 scores)."""
+    ``[1, D]``, rotated, in the cache dtype) against the query rows ``q`` ``[R, D]``: returns
+    the updated ``(m_i, l_i, acc)``, P rounded to ``P_DT`` as the tiles' P is (base-2 scores;
+    an FP8 cache's ``k_scale`` is in ``scale_log2``, its ``v_scale`` applied to ``acc`` later,
+    as for the tiles)."""
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
     s_new = tl.where(row_ok, s_new, float("-inf"))
     m_new = tl.maximum(m_i, s_new)

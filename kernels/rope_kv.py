@@ -12,7 +12,9 @@ fused QKV projection output (strided views), and
   ``cos_sin_cache[pos] = cat(cos, sin)``, rounding to the dtype as the
   reference does;
 * writes the rotated k and the untouched v into the paged cache at
-  ``slot_mapping[t]``; slots < 0 (CUDA-graph padding) are skipped in-kernel;
+  ``slot_mapping[t]``; slots < 0 (CUDA-graph padding) are skipped in-kernel; an FP8
+  cache stores them quantized with ``k_scale`` / ``v_scale`` (``kernels.kv_write.to_cache``:
+  the rotated k is rounded to the model dtype first, as the reference's is);
 * stores the rotated q into a new contiguous ``[T, Hq, D]`` tensor.
 
 The math is exactly ``rms_norm_reference`` -> ``rotary_embedding_reference`` ->
@@ -28,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.kv_write import check_kv_cache, to_cache
 from kernels.pdl import wait_and_release
 
 
@@ -62,7 +65,7 @@ def _norm_rotate(
     return o1, o2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_scale", "v_scale"])
 def _rope_kv_kernel(
     pos_ptr,
     q_ptr,
@@ -78,6 +81,8 @@ def _rope_kv_kernel(
     num_q_heads,
     num_kv_heads,
     eps,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -126,14 +131,14 @@ def _rope_kv_kernel(
         offs_hk = tl.arange(0, BLOCK_HK)
         CT = k_cache_ptr.dtype.element_ty
         kc = k_cache_ptr + page * stride_kcb + in_page * stride_kct + offs_hk[:, None] * stride_kch + offs_d[None, :]
-        tl.store(kc, k1.to(DT).to(CT), mask=k_mask)
-        tl.store(kc + HALF, k2.to(DT).to(CT), mask=k_mask)
+        tl.store(kc, to_cache(k1.to(DT), k_scale, CT), mask=k_mask)
+        tl.store(kc + HALF, to_cache(k2.to(DT), k_scale, CT), mask=k_mask)
         vsrc = v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(vsrc, mask=k_mask, other=0.0)
         v2 = tl.load(vsrc + HALF, mask=k_mask, other=0.0)
         vc = v_cache_ptr + page * stride_vcb + in_page * stride_vct + offs_hk[:, None] * stride_vch + offs_d[None, :]
-        tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(vc + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(vc, to_cache(v1, v_scale, v_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(vc + HALF, to_cache(v2, v_scale, v_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
 def rope_and_write_kv_triton(
@@ -148,9 +153,14 @@ def rope_and_write_kv_triton(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` (strided views of a fused QKV output are fine);
-    caches ``[num_blocks, block_size, Hk, D]``; returns the rotated q, contiguous."""
+    caches ``[num_blocks, block_size, Hk, D]``; returns the rotated q, contiguous.
+    ``k_scale`` / ``v_scale``: the per-tensor scales of an FP8 cache (ignored otherwise)."""
+    check_kv_cache(k_cache, v_cache)
     num_tokens, hq, d = q.shape
     hk = k.shape[1]
     _, block_size, cache_heads, cache_d = k_cache.shape
@@ -180,6 +190,8 @@ def rope_and_write_kv_triton(
         hq,
         hk,
         float(eps),
+        float(k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         k.stride(0),

@@ -98,6 +98,8 @@ class Attention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 1e-6,
             eager=meta.eager,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return o.reshape(t, nq)
 
