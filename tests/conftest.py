@@ -22,6 +22,17 @@ def ray_local(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_gpu():
+    """A local Ray instance with the GPU, per GPU test module."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory):
     """Factory: a cached tiny checkpoint per (arch, options)."""
@@ -36,3 +47,15 @@ def ckpt_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+# fixtures that shut the session's local Ray instance down to start a simulated cluster (and
+# restore it after): anything joined to the local instance meanwhile would lose it
+_RAY_RESTARTING_FIXTURES = {"three_nodes"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the tests on a simulated multi-node cluster first, whatever order the command line
+    gives: the serving tests' session server joins the local Ray instance, which those
+    fixtures restart. The sort is stable: every other test keeps its order."""
+    items.sort(key=lambda item: 0 if _RAY_RESTARTING_FIXTURES & set(getattr(item, "fixturenames", ())) else 1)

@@ -22,16 +22,6 @@ FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
 
 
 @pytest.fixture(scope="module")
-def ray_gpu():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=True)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
     from tests.checkpoints import write_checkpoint
 
@@ -40,10 +30,13 @@ def fp8_ckpt(tmp_path_factory):
 
 
 def test_fp8_graphs_async_sync_check_equal_eager(ray_gpu, fp8_ckpt):
-    """CUDA graphs + async scheduling + sync_check='error' replay what eager FP8 computes."""
-    fast = _greedy(fp8_ckpt, dtype="bfloat16", async_scheduling=True, sync_check="error", **FP8)
-    eager = _greedy(fp8_ckpt, dtype="bfloat16", enforce_eager=True, **FP8)
-    assert fast[0] == eager[0]
+    """CUDA graphs + async scheduling + sync_check='error' compute what eager FP8 computes (the
+    two may pick other attention split counts: equal up to a near-tie)."""
+    fast_tops, eager_tops = [], []
+    fast = _greedy(fp8_ckpt, fast_tops, dtype="bfloat16", async_scheduling=True, sync_check="error", **FP8)[0]
+    eager = _greedy(fp8_ckpt, eager_tops, dtype="bfloat16", enforce_eager=True, **FP8)[0]
+    parted = assert_greedy_close(fast, fast_tops, eager, eager_tops)
+    assert parted.count(None) >= len(parted) - 1
 
 
 def test_fp8_gpu_kernels_agree_with_the_cpu_references(ray_gpu, fp8_ckpt):
@@ -71,7 +64,7 @@ def test_fp8_speculative_decoding_keeps_greedy_output(ray_gpu, fp8_ckpt, spec):
     assert_greedy_close(drafted, spec_tops, plain, plain_tops)
 
 
-def test_fp8_accuracy_on_the_default_model_gpu():
+def test_fp8_accuracy_on_the_default_model_gpu(ray_gpu):
     """The embedded default in bf16 vs FP8 weights / KV cache / both, on the GPU."""
     from tests.models.test_fp8_accuracy import BOUNDS, check_accuracy
 

@@ -10,16 +10,6 @@ from tests.models.test_gguf_model import check_default_model_matches_transformer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ray_gpu():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=True)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_default_model_greedy_matches_transformers_gguf_bf16(ray_gpu):
     answers = check_default_model_matches_transformers(16, "bfloat16", "cuda")

@@ -12,16 +12,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @pytest.fixture(scope="module")
-def ray_gpu():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=True)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_checkpoint(
         tmp_path_factory.mktemp("gpu-spec"),
