@@ -142,3 +142,25 @@ def test_unsupported_checkpoint_quantization_is_refused(ckpt_dir, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quantization 'awq' is not supported"):
         _load(dst)
+
+
+def test_fp8_with_async_speculation_and_prefix_caching(ray_local, fp8_pair):
+    """FP8 weights and KV cache under async scheduling and n-gram speculation (prefix caching
+    on) give the plain synchronous FP8 run's greedy output (caching off), up to a near-tie (a
+    verify pass rounds its rows in another batch shape)."""
+    from tests.models.test_gguf_model import assert_greedy_close
+
+    fp8, _ = fp8_pair
+    options = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    plain_tops, fast_tops = [], []
+    plain = _greedy(fp8, plain_tops, enable_prefix_caching=False, **options)[0]
+    fast = _greedy(
+        fp8,
+        fast_tops,
+        async_scheduling=True,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        **options,
+    )[0]
+    parted = assert_greedy_close(fast, fast_tops, plain, plain_tops)
+    assert parted.count(None) >= 2
