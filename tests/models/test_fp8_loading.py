@@ -164,3 +164,16 @@ def test_fp8_with_async_speculation_and_prefix_caching(ray_local, fp8_pair):
     )[0]
     parted = assert_greedy_close(fast, fast_tops, plain, plain_tops)
     assert parted.count(None) >= 2
+
+
+def test_fp8_kv_cache_holds_more_tokens_in_the_same_memory(ray_local, fp8_pair):
+    """One byte an element: the same KV budget holds 4x the blocks of a float32 cache."""
+    _, plain = fp8_pair
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(model=str(plain), block_size=8, max_model_len=128, kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv)
+        try:
+            blocks[kv] = llm.engine.executor.num_blocks
+        finally:
+            llm.shutdown()
+    assert blocks["fp8"] == 4 * blocks["auto"], blocks
