@@ -177,3 +177,10 @@ def test_fp8_kv_cache_holds_more_tokens_in_the_same_memory(ray_local, fp8_pair):
         finally:
             llm.shutdown()
     assert blocks["fp8"] == 4 * blocks["auto"], blocks
+
+
+def test_fp8_pipeline_stages_match_one_stage(ray_local, fp8_pair):
+    """Each pipeline stage loads (and scales) only its own FP8 layers: the same tokens."""
+    fp8, _ = fp8_pair
+    options = {"kv_cache_dtype": "fp8"}
+    assert _greedy(fp8, pipeline_parallel_size=2, **options)[0] == _greedy(fp8, **options)[0]
