@@ -34,7 +34,9 @@ def quantize_rows_reference(
         raise ValueError(f"quantize_rows: expected a 2-D tensor, got shape {tuple(x.shape)}")
     xf = x.float()
     if static_scale is None:
-        scale = xf.abs().amax(dim=1).clamp_min(SCALE_FLOOR) / FP8_MAX
+        # a tensor divisor: CUDA torch turns division by a Python scalar into a multiplication
+        # by its reciprocal, one ulp off the kernel's (and the CPU's) true division
+        scale = xf.abs().amax(dim=1).clamp_min(SCALE_FLOOR) / xf.new_full((), FP8_MAX)
     else:
         if static_scale.numel() != 1:
             raise ValueError(f"quantize_rows: static_scale must hold one value, got {tuple(static_scale.shape)}")

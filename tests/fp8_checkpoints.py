@@ -32,12 +32,13 @@ def write_fp8_checkpoint(
     out: Path,
     *,
     strategy: str = "channel",
-    tensor_scale: float | None = None,
+    tensor_scale: float | dict[str, float] | None = None,
     input_scales: dict[str, float] | None = None,
     kv_scales: tuple[float, float] | None = None,
 ) -> Path:
     """``src`` with its projections in FP8. ``strategy``: 'channel' (a scale per output row)
-    or 'tensor' (one scale, ``tensor_scale`` if given); ``input_scales``: a static activation
+    or 'tensor' (one scale, ``tensor_scale`` if given: one for all, or one per projection name
+    ``{"q_proj": ...}``); ``input_scales``: a static activation
     scale per projection name (``"q_proj": 0.01``, ...); ``kv_scales``: every attention
     layer's (k_scale, v_scale)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,8 @@ def write_fp8_checkpoint(
         if m is None:
             result[name] = t
             continue
-        q, scale = _quantize(t, strategy, tensor_scale)
+        ts = tensor_scale.get(m.group(2)) if isinstance(tensor_scale, dict) else tensor_scale
+        q, scale = _quantize(t, strategy, ts)
         result[name] = q
         result[f"{m.group(1)}.{m.group(2)}.weight_scale"] = scale
         if input_scales and m.group(2) in input_scales:

@@ -230,7 +230,9 @@ class ModelRunner:
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
         eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
-        compile them while serving (graph captures already did the decode ones)."""
+        compile them while serving (graph captures already did the decode ones). FP8
+        projections: every batch class of ``kernels.fp8_gemm`` (eager and pipeline-stage
+        steps capture nothing)."""
         draft = self.spec.draft_model if self.spec is not None else None
         uses = [
             u
@@ -239,10 +241,22 @@ class ModelRunner:
             for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])
         ]
         sched = self.cfg.scheduler
+        max_rows = min(sched.max_num_batched_tokens, self.max_model_len)
+        fp8 = [
+            (p.weight, p.weight_scale, p.bias, p.input_scale)
+            for m in (self.model, draft)
+            if m is not None
+            for p in m.projections()
+            if p.weight_scale is not None
+        ]
         with torch.no_grad():  # a draft model's projections too: its steps run eager
             self.tile_gemm_warm_launches = precompile_tile_gemm(
-                uses, max_rows=min(sched.max_num_batched_tokens, self.max_model_len), max_logit_rows=sched.max_num_seqs
+                uses, max_rows=max_rows, max_logit_rows=sched.max_num_seqs
             )
+            if fp8 and self.device.type == "cuda":  # FP8 projections: every batch class, now
+                from kernels.fp8_gemm import precompile as precompile_fp8
+
+                self.tile_gemm_warm_launches += precompile_fp8(fp8, self.dtype, max_rows)
 
     def _warm_eager_decode(self) -> None:
         """One scratch decode pass per eager one-token attention variant and per batch size,

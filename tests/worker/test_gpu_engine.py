@@ -214,9 +214,17 @@ def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
 
 
 @cuda
-def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"quantization": "fp8", "kv_cache_dtype": "fp8"}, {"quantization": "fp8", "enforce_eager": True}],
+    ids=["bf16", "fp8", "fp8-eager"],
+)
+def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt, options):
     """Start-up (graph capture, warm-up) leaves nothing for Triton to compile while serving:
-    mixed prefill/decode steps, sampled and greedy rows, logprobs, penalties."""
+    mixed prefill/decode steps, sampled and greedy rows, logprobs, penalties; with FP8 weights
+    and KV cache too, and eagerly (no graph captures compile anything then)."""
+    if options.get("quantization") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
     import ray
 
     from cluster import LLM, SamplingParams
@@ -230,6 +238,7 @@ def test_no_kernel_variant_compiled_after_start_up(ray_local, gpu_ckpt):
         block_size=16,
         max_num_batched_tokens=128,
         max_num_seqs=8,
+        **options,
     )
     try:
         params = [

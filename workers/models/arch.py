@@ -99,11 +99,18 @@ def checkpoint_quantization(qcfg: dict | None, path: Path) -> str | None:
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
+    if qcfg.get("weight_block_size") or qcfg.get("strategy") == "block":
+        raise ModelLoadError(
+            f"{path}: FP8 with block scales (weight_block_size {qcfg.get('weight_block_size')}) is not "
+            "supported; per-tensor or per-row scales only"
+        )
     if method == "fp8":
         return "fp8"
     if method == "compressed-tensors":
         groups = (qcfg.get("config_groups") or {}).values()
         weights = [g.get("weights") or {} for g in groups]
+        if not weights and qcfg.get("kv_cache_scheme"):
+            return None  # 16-bit weights; only the KV-cache scales (k_scale / v_scale) are stored
         if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
             if any(w.get("strategy") not in ("tensor", "channel") for w in weights):
                 raise ModelLoadError(

@@ -104,10 +104,10 @@ def load_model(
         _init_dummy(model)
     else:
         _fill(model, arch, tensors, model_path)
-    if quantization == "fp8" and not stored_fp8:
+    if (quantization == "fp8" or arch.quantization == "fp8") and not stored_fp8:  # incl. dummy weights
         for proj in model.projections():
             quantize_fp8(proj)
-    if quantization == "fp8" or stored_fp8:
+    if quantization == "fp8" or arch.quantization == "fp8":
         model.use_fp8()
     if load_format == "dummy":
         return model.eval(), arch
@@ -137,6 +137,7 @@ def _fill(
     params = dict(model.named_parameters(remove_duplicate=False))
     pending = _expected_slots(model, arch)
     for ckpt_name, tensor in tensors:
+        ckpt_name = _kv_scale_name(ckpt_name)
         if _SCALAR_RE.match(ckpt_name.removeprefix("model.")):
             _load_scalar(model, modules, ckpt_name, tensor, model_path)
             continue
@@ -160,6 +161,20 @@ def _fill(
     if pending:
         missing = sorted(n if i is None else f"{n}[part {i}]" for n, i in pending)
         raise ModelLoadError(f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_KV_SCALE_ALIASES = [  # other writers' names of an attention layer's KV-cache scales
+    (re.compile(r"^(.*\.self_attn)\.([kv])_proj\.([kv])_scale$"), r"\1.\3_scale"),  # ModelOpt / AutoFP8
+    (re.compile(r"^(.*\.self_attn)\.([kv])_proj\.output_scale$"), r"\1.\2_scale"),  # older llm-compressor
+]
+
+
+def _kv_scale_name(name: str) -> str:
+    """``self_attn.k_scale`` / ``v_scale`` for the layouts other tools write them in."""
+    for pattern, repl in _KV_SCALE_ALIASES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name
 
 
 def _load_scalar(model, modules: dict, ckpt_name: str, tensor: torch.Tensor, model_path) -> None:
