@@ -163,7 +163,11 @@ class Bench:
         step_s = statistics.median(piped)
         roof_s = (w_bytes + kv_bytes) / bw
         mm = conf.get("matmul_flops_per_s")  # absent: a caller that measured no matmul rate
-        floor_s = phase_floor_s(w_bytes, kv_bytes, runner.dtype.itemsize, batch, bw, mm) if mm else roof_s
+        # bytes a weight (FP8 projections 1, the rest 2): the GEMM FLOPs are 2 x weights x rows,
+        # at the measured 16-bit matmul rate (FP8 tensor cores are faster: with FP8 weights the
+        # compute part of this floor overestimates)
+        per_param = w_bytes / weight_bytes_per_step(runner.model, batch, count_params=True)
+        floor_s = phase_floor_s(w_bytes, kv_bytes, per_param, batch, bw, mm) if mm else roof_s
         if profile:
             profile.update(device_split(profile["kernel_us_per_step"], step_s * 1e3, roof_s * 1e3))
         return {

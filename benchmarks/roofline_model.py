@@ -44,9 +44,10 @@ def measure_bandwidth(device, nbytes: int, iters: int) -> dict[str, Any]:
     }
 
 
-def weight_bytes_per_step(model, batch: int) -> int:
+def weight_bytes_per_step(model, batch: int, count_params: bool = False) -> int:
     """Bytes of weights one decode step reads: every matrix once; of an untied
-    embedding table only the ``batch`` looked-up rows."""
+    embedding table only the ``batch`` looked-up rows. ``count_params``: the number of
+    weights instead (FP8 projections take one byte each, the rest two)."""
     seen, total = set(), 0
     emb = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -55,9 +56,10 @@ def weight_bytes_per_step(model, batch: int) -> int:
         if id(prm) in seen:
             continue
         seen.add(id(prm))
-        nbytes = prm.numel() * prm.element_size()
+        size = 1 if count_params else prm.element_size()
+        nbytes = prm.numel() * size
         if emb is not None and prm is emb.weight and not tied:
-            nbytes = batch * prm.shape[-1] * prm.element_size()
+            nbytes = batch * prm.shape[-1] * size
         total += nbytes
     return total
 
