@@ -340,11 +340,17 @@ def linear(
             return (y.to(out_dtype) if out_dtype is not None else y), new_res
     else:
         y = torch.nn.functional.linear(x, weight, bias)
+    return _activate(y, act, out_dtype), new_res
+
+
+def _activate(y, act: str | None, out_dtype):
+    """The unfused paths' epilogue: ``act`` (SiLU*mul of stacked halves or row pairs), then
+    the cast to ``out_dtype``."""
     if act in ("silu_and_mul", "silu_and_mul_pairs"):
         y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:
         raise ValueError(f"unknown activation {act!r}")
-    return (y.to(out_dtype) if out_dtype is not None else y), new_res
+    return y.to(out_dtype) if out_dtype is not None else y
 
 
 def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype):
@@ -364,11 +370,7 @@ def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weigh
 
         xq, x_scale = quantize_rows_reference(x, input_scale)
         y = fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype=x.dtype)
-    if act in ("silu_and_mul", "silu_and_mul_pairs"):
-        y = silu_and_mul(y, pairs=act == "silu_and_mul_pairs")
-    elif act is not None:
-        raise ValueError(f"unknown activation {act!r}")
-    return (y.to(out_dtype) if out_dtype is not None else y), new_res
+    return _activate(y, act, out_dtype), new_res
 
 
 def tile_ready(x, weight) -> bool:

@@ -7,7 +7,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # helper modules whose asserts are the tests' checks: rewritten as in a test module
-pytest.register_assert_rewrite("tests.sim_worker", "tests.benchmark_results", "tests.serve_helpers")
+pytest.register_assert_rewrite(
+    "tests.sim_worker", "tests.benchmark_results", "tests.serve_helpers", "tests.greedy_close"
+)
 pytest_plugins = ["tests.serve_helpers"]  # the serving tests' server fixtures
 
 

@@ -130,7 +130,7 @@ def test_fp8_tensor_parallel_matches_one_rank(ray_local, fp8_pair):
     """Stored per-row scales shard with their rows (q|k|v, gate|up) or stay whole (o, down).
     Each rank of a row-parallel projection scales its activations over its own half of the
     row, so TP 2 rounds differently from TP 1: the sequences are equal up to a near-tie."""
-    from tests.models.test_gguf_model import assert_greedy_close
+    from tests.greedy_close import assert_greedy_close
 
     fp8, _ = fp8_pair
     tops1, tops2 = [], []
@@ -158,7 +158,7 @@ def test_fp8_with_async_speculation_and_prefix_caching(ray_local, fp8_pair):
     """FP8 weights and KV cache under async scheduling and n-gram speculation (prefix caching
     on) give the plain synchronous FP8 run's greedy output (caching off), up to a near-tie (a
     verify pass rounds its rows in another batch shape)."""
-    from tests.models.test_gguf_model import assert_greedy_close
+    from tests.greedy_close import assert_greedy_close
 
     fp8, _ = fp8_pair
     options = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
@@ -207,7 +207,7 @@ def test_fp8_kv_scales_from_the_checkpoint_are_applied(ray_local, ckpt_dir, tmp_
     sides, the FP8 cache gives the 16-bit cache's output up to a near-tie."""
     from safetensors.torch import load_file, save_file
 
-    from tests.models.test_gguf_model import assert_greedy_close
+    from tests.greedy_close import assert_greedy_close
 
     fp8 = write_fp8_checkpoint(ckpt_dir("llama"), tmp_path_factory.mktemp("fp8-kv"), kv_scales=(1 / 16, 1 / 16))
     tensors = load_file(str(fp8 / "model.safetensors"))

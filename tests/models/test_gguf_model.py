@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import LLM, SamplingParams
+from tests.greedy_close import assert_greedy_close
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -82,25 +83,6 @@ def check_default_model_matches_transformers(max_tokens: int, dtype: str, device
         )
         assert_greedy_close(got, [o.outputs[0].logprobs for o in outs], expected, hf_tops)
     return [o.outputs[0].text for o in outs]
-
-
-def assert_greedy_close(got, got_tops, expected, expected_tops) -> list[int | None]:
-    """Equal up to each sequence's first difference, which must be a near-tie (each side's
-    token in the other's top log-probabilities there); returns where each sequence parted."""
-    parted: list[int | None] = []
-    for n, (a, b) in enumerate(zip(got, expected, strict=True)):
-        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        parted.append(i)
-        if i is None:
-            assert len(a) == len(b), (n, a, b)
-            continue
-        ours, theirs = got_tops[n][i], expected_tops[n][i]
-        assert a[i] in theirs and b[i] in ours, (
-            f"sequence {n} parts at token {i} on no near-tie: ours {a[i]} (transformers' top: {theirs}), "
-            f"transformers' {b[i]} (our top: {ours})"
-        )
-    print("sequences parted at", parted)
-    return parted
 
 
 def test_default_model_greedy_matches_transformers_gguf(ray_local, capsys):

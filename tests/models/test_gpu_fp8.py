@@ -8,7 +8,7 @@ import torch
 
 from tests.fp8_checkpoints import write_fp8_checkpoint
 from tests.models.test_fp8_loading import _greedy
-from tests.models.test_gguf_model import assert_greedy_close
+from tests.greedy_close import assert_greedy_close
 
 pytestmark = [
     pytest.mark.gpu,

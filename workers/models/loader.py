@@ -104,10 +104,10 @@ def load_model(
         _init_dummy(model)
     else:
         _fill(model, arch, tensors, model_path)
-    if (quantization == "fp8" or arch.quantization == "fp8") and not stored_fp8:  # incl. dummy weights
-        for proj in model.projections():
-            quantize_fp8(proj)
     if quantization == "fp8" or arch.quantization == "fp8":
+        if not stored_fp8:  # a 16-bit checkpoint, or dummy weights of either
+            for proj in model.projections():
+                quantize_fp8(proj)
         model.use_fp8()
     if load_format == "dummy":
         return model.eval(), arch
