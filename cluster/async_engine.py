@@ -15,10 +15,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from cluster.outputs import RequestOutput, StreamDelta
+from cluster.request_stream import EngineUnavailable, Overloaded, RequestStream, StreamEnd
 from metadata.config import EngineConfig
 from metadata.sampling_params import SamplingParams
 
@@ -29,22 +29,6 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
-
-
-class Overloaded(RuntimeError):
-    """Too many requests are waiting; the client should retry later (429 / RESOURCE_EXHAUSTED)."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine died or is shutting down (503 / UNAVAILABLE)."""
-
-
-@dataclass
-class StreamEnd:
-    """The last item of a stream's queue: the final output, or the error that ended it."""
-
-    output: RequestOutput | None
-    error: str | None = None
 
 
 def take_queued_additions(commands, held: list, add) -> None:
@@ -61,57 +45,6 @@ def take_queued_additions(commands, held: list, add) -> None:
             add(cmd)
         else:
             held.append(cmd)
-
-
-class RequestStream:
-    """The deltas of one request group; iterate it, then read ``output``.
-
-    Iteration raises ``EngineUnavailable`` if the engine fails the request.
-    ``close()`` aborts the request if it has not finished.
-    """
-
-    failure = "the engine failed"  # the error of a delta that ends the request without a message
-
-    def __init__(self, engine, request_id: str):
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.arrival = time.monotonic()
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.output: RequestOutput | None = None
-        self.finished = False
-        self.error: str | None = None
-        self.last_token_time: dict[int, float] = {}
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, StreamEnd):
-            self.finished = True
-            self.output = item.output
-            if item.error:
-                self.error = item.error
-                raise EngineUnavailable(item.error)
-            raise StopAsyncIteration
-        if item.finish_reason == "error":
-            self.error = item.error or self.failure
-            raise EngineUnavailable(self.error)
-        return item
-
-    async def result(self) -> RequestOutput:
-        """Drain the stream; the final output."""
-        async for _ in self:
-            pass
-        return self.output
-
-    def close(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:

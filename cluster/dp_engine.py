@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from cluster.async_engine import EngineUnavailable
+from cluster.request_stream import EngineUnavailable
 from cluster.dp_policy import PrefixLoadRouter
 from cluster.outputs import StreamDelta
 from cluster.replica_client import (
@@ -34,7 +34,7 @@ from cluster.replica_client import (
     startup_timeout_s,
     wire_request,
 )
-from cluster.async_engine import StreamEnd
+from cluster.request_stream import StreamEnd
 from cluster.replica_stream import ReplicaStream
 from cluster.replica_wire import (
     AddResult,

@@ -19,7 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from cluster.async_engine import AsyncEngine, EngineUnavailable, Overloaded
+from cluster.async_engine import AsyncEngine
+from cluster.request_stream import EngineUnavailable, Overloaded
 from cluster.input_processor import InvalidRequestError
 from cluster.openai_protocol import MAX_REQUEST_ID_CHARS, clip, valid_request_id
 from cluster.prompt_preprocessor import PromptPreprocessor

@@ -21,12 +21,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from cluster.async_engine import (
-    AsyncEngine,
-    EngineUnavailable,
-    Overloaded,
-    RequestStream,
-)
+from cluster.async_engine import AsyncEngine
+from cluster.request_stream import EngineUnavailable, Overloaded, RequestStream
 from cluster.input_processor import InvalidRequestError
 from cluster.metrics import CONTENT_TYPE
 from cluster.openai_protocol import (

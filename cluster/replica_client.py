@@ -110,7 +110,7 @@ def wire_request(
 
 def add_error(res: AddResult) -> BaseException:
     """The exception a refused add raises (the single-engine path's types)."""
-    from cluster.async_engine import EngineUnavailable, Overloaded
+    from cluster.request_stream import EngineUnavailable, Overloaded
     from cluster.input_processor import InvalidRequestError
 
     if res.error_kind == "invalid":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cluster.async_engine import RequestStream
+from cluster.request_stream import RequestStream
 
 if TYPE_CHECKING:
     from cluster.dp_engine import DataParallelEngine

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from cluster.async_engine import EngineUnavailable, RequestStream
+from cluster.request_stream import EngineUnavailable, RequestStream
 from cluster.openai_protocol import APIError, TokenText, now, usage
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from cluster import LLM, SamplingParams
-from cluster.async_engine import EngineUnavailable
+from cluster.request_stream import EngineUnavailable
 from cluster.input_processor import InvalidRequestError
 from tests.checkpoints import hf_greedy
 
