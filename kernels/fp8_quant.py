@@ -43,7 +43,7 @@ def _e4m3_rne(v):
 
 @triton.jit
 def _scale_and_cast(x, scale, EXACT_CAST: tl.constexpr):
-    y = tl.fdiv(x, scale, ieee_rounding=True)
+    y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
     if EXACT_CAST:
         q = _e4m3_rne(y)
@@ -78,7 +78,7 @@ def _quant_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.fdiv(tl.maximum(tl.max(amax, 0), SCALE_FLOOR_C), FP8_MAX_C, ieee_rounding=True)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), SCALE_FLOOR_C), FP8_MAX_C)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         ok = (k0 + offs) < K

@@ -272,10 +272,12 @@ def linear(
 ):
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
 
-    With ``weight_scale`` (float32 per output row) ``weight`` is FP8 (e4m3): the normed
-    ``x`` is quantized per row (or with the static per-tensor ``input_scale``) and
-    multiplied by ``kernels.fp8_gemm`` (its reference on the CPU), the scales applied in
-    the GEMM's epilogue.
+    With ``weight_scale`` (float32 per output row) ``weight`` is FP8 (e4m3). Up to
+    ``SKINNY_MAX_M`` rows it is weight-only: the 16-bit ``x`` (not quantized; ``input_scale``
+    is ignored) times the widened weight in one skinny-GEMM launch with the norm and
+    activation fused (the reference on the CPU). Larger batches: the normed ``x`` is quantized
+    per row (or with the static per-tensor ``input_scale``) and multiplied by
+    ``kernels.fp8_gemm`` (its reference on the CPU), the scales applied in its epilogue.
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
     persistent GEMV of ``kernels.gemv`` where its config says ``"kernel": "gemv"``) with
@@ -354,22 +356,27 @@ def _activate(y, act: str | None, out_dtype):
 
 
 def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype):
-    """``linear`` with an FP8 weight: norm, per-row (or static) FP8 quantization of the
-    input, the scaled FP8 GEMM, then the activation."""
+    """``linear`` with an FP8 weight (``kernels.fp8_linear``): weight-only in the skinny GEMM
+    up to ``SKINNY_MAX_M`` rows (no cuBLAS or GEMV path: any other choice of the skinny table
+    becomes the fallback tiles); else norm, FP8 quantization of the input, the scaled FP8
+    GEMM, then the activation."""
+    from kernels import fp8_linear
+
+    if x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M:
+        cfg = None
+        if _use_triton(x):
+            from kernels.skinny_gemm import fallback_config, kind_of, select_config
+
+            kind = kind_of(norm_weight is not None, act, out_dtype == torch.float32)
+            cfg = select_config(x.shape[0], *weight.shape, kind, current().skinny_table)
+            if cfg is None or cfg.get("kernel") == "gemv":
+                cfg = fallback_config(x.shape[0])
+        kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype)
+        return fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg, **kw)
     new_res = None
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
-    if _use_triton(x):
-        from kernels.fp8_gemm import fp8_gemm_triton
-        from kernels.fp8_quant import quantize_rows_triton
-
-        xq, x_scale = quantize_rows_triton(x, input_scale)
-        y = fp8_gemm_triton(xq, x_scale, weight, weight_scale, bias, out_dtype=x.dtype)
-    else:
-        from kernels.fp8_reference import fp8_linear_reference, quantize_rows_reference
-
-        xq, x_scale = quantize_rows_reference(x, input_scale)
-        y = fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype=x.dtype)
+    y = fp8_linear.w8a8_linear(x, weight, weight_scale, input_scale, bias)
     return _activate(y, act, out_dtype), new_res
 
 

@@ -209,15 +209,22 @@ def skinny_linear_reference(
     eps: float = 1e-6,
     act: str | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``act(linear(rms_norm(x [+ residual])))``, unfused: returns ``(y, new_residual)``.
 
     Without ``norm_weight`` it is ``linear`` (+ act); ``new_residual`` is
-    ``x + residual`` when a residual is given, else None."""
+    ``x + residual`` when a residual is given, else None. ``weight_scale [N]``: ``weight``
+    is FP8 with per-row scales, the product (weight-only: ``x`` not quantized) in float32,
+    scaled (+ bias), rounded to ``x``'s dtype."""
     new_res = None
     if norm_weight is not None:
         x, new_res = rms_norm_reference(x, norm_weight, eps, residual)
-    y = torch.nn.functional.linear(x, weight, bias)
+    if weight_scale is not None:
+        y = (x.float() @ weight.float().T) * weight_scale.float()[None, :]
+        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
     if act in ("silu_and_mul", "silu_and_mul_pairs"):
         y = silu_and_mul_reference(y, pairs=act == "silu_and_mul_pairs")
     elif act is not None:

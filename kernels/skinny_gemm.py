@@ -1,7 +1,7 @@
 """Skinny GEMM (decode-sized M), host side: the config of a call and its launch.
 
 ``y = act(norm(x [+ residual]) @ W^T + b)`` for ``x [M, K]`` with small ``M``, ``W [N, K]``;
-the kernel and its fusions (RMSNorm prologue, SiLU*mul epilogue, norm handoff) are
+the kernel and its fusions (RMSNorm prologue, SiLU*mul epilogue, FP8 weight-only, norm handoff) are
 ``kernels.skinny_gemm_kernel``.
 
 Which path and tile a call uses is a CPU decision by weight shape and M class
@@ -144,6 +144,7 @@ def skinny_linear_triton(
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
     prenormed_ss: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns ``(y, new_residual)``; ``new_residual = x + residual`` when a residual is
     given (it requires ``norm_weight``), else None. ``x [M, K]`` with ``M <= MAX_M``,
@@ -153,12 +154,17 @@ def skinny_linear_triton(
     ``out_dtype`` (e.g. float32 logits) stores the dtype-rounded result widened.
     ``prenormed_ss [M, P]`` (``kernels.norm_handoff``): ``x`` is already ``s * g`` of an
     RMSNorm whose ``sum(s^2)`` is the row sum of these partials; the result is scaled by
-    its ``rstd`` (``eps``) at the end, as the fused prologue would."""
+    its ``rstd`` (``eps``) at the end, as the fused prologue would.
+    ``weight_scale [N]`` (float32): ``weight`` is FP8 e4m3 with one scale per row, multiplied
+    by the 16-bit ``x`` as it is (weight-only; not with ``prenormed_ss``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert act in ACT_CODES, f"unknown activation {act!r}"
     assert residual is None or norm_weight is not None, "a residual is only fused into a norm"
     assert prenormed_ss is None or (
-        norm_weight is None and prenormed_ss.is_contiguous() and prenormed_ss.shape[0] == x.shape[0]
+        weight_scale is None
+        and norm_weight is None
+        and prenormed_ss.is_contiguous()
+        and prenormed_ss.shape[0] == x.shape[0]
     ), "pre-normed input"
     m, k = x.shape
     assert m <= MAX_M, f"skinny GEMM is for M <= {MAX_M}, got {m}"
@@ -191,6 +197,7 @@ def skinny_linear_triton(
         config,
         has_res=residual is not None,
         pre_normed=prenormed_ss is not None,
+        weight_scale=weight_scale,
     )
     return y, new_res
 
@@ -211,14 +218,17 @@ def launch_skinny(
     has_res: bool = False,
     epi_norm: bool = False,
     pre_normed: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> None:
     """One ``_skinny_kernel`` launch into ``y`` (tiles from ``config``). ``epi_norm``: ``r``
     is the residual to add and ``nw`` the next norm's weight, ``nr`` gets the new residual
     and ``ss [M, grid]`` the sum-of-squares partials; ``pre_normed``: ``ss [M, P]`` holds a
-    producer's partials. Otherwise ``nw`` (may be None) is the fused prologue's norm."""
+    producer's partials. Otherwise ``nw`` (may be None) is the fused prologue's norm.
+    ``weight_scale [N]`` float32: ``weight`` is FP8 e4m3 (16-bit weights only otherwise)."""
     m, k = x.shape
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n = weight.shape[0]
+    _check_weight_scale(weight, weight_scale, epi_norm or pre_normed)
     n_out = n // 2 if act is not None else n
     cfg = dict(fallback_config(m), **config)
     use_dot = cfg["use_dot"] or m > 1
@@ -235,6 +245,7 @@ def launch_skinny(
         nw if nw is not None else x,
         weight,
         bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight,
         y,
         nr,
         ss if ss is not None else y,
@@ -265,10 +276,30 @@ def launch_skinny(
         EPI_NORM=epi_norm,
         PRE_NORMED=pre_normed,
         BLOCK_P=min(1024, triton.next_power_of_2(n_parts)) if pre_normed else 1,
+        HAS_WSCALE=weight_scale is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **launch,
     )
+
+
+def _check_weight_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None, handoff: bool) -> None:
+    """An FP8 (e4m3) weight comes with its float32 ``[N]`` row scales, any other without;
+    the norm handoff (producer and consumer) is 16-bit only."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if weight_scale is None:
+        if fp8:
+            raise ValueError("skinny GEMM: an FP8 weight needs its weight_scale")
+        return
+    if not fp8 or handoff:
+        raise ValueError(f"skinny GEMM: weight_scale goes with an FP8 weight (not the handoff), got {weight.dtype}")
+    if weight_scale.dtype != torch.float32 or weight_scale.shape != (weight.shape[0],):
+        raise ValueError(
+            f"skinny GEMM: weight_scale must be float32 [{weight.shape[0]}], "
+            f"got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if not weight_scale.is_contiguous():
+        raise ValueError("skinny GEMM: weight_scale must be contiguous")
 
 
 def row_tiles(m: int, n: int, config: dict, act: str | None = None) -> tuple[int, int]:

@@ -26,6 +26,9 @@ Fusions, each removing a launch per layer (and its round trip through HBM):
   ``n`` at ``2n``, up row ``n`` at ``2n + 1``): a program then streams one
   contiguous row set, as a plain GEMV does, and splits the pairs in registers.
 
+* **FP8 weight-only** (``HAS_WSCALE``): an e4m3 weight tile is widened in registers and
+  multiplied by the 16-bit (not quantized) activations; each weight row's float32 scale
+  (``ws_ptr``) multiplies the accumulator in the epilogue. Half the weight bytes.
 * **Norm handoff** (``kernels.norm_handoff``): ``EPI_NORM`` does the next RMSNorm's
   elementwise part in the epilogue (residual add, ``s * g``, sum-of-squares partials);
   ``PRE_NORMED`` streams such an ``s * g`` and applies ``rstd`` from the partials at the end.
@@ -104,14 +107,14 @@ def _skinny_step(
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             if ACT == 1:
                 acc_u += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        elif IEEE:  # (.to: FP8 weights widened in registers; a no-op for 16-bit ones)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision="ieee")
             if ACT == 1:
-                acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
+                acc_u += tl.dot(a, tl.trans(wu.to(a.dtype)), input_precision="ieee")
         else:
-            acc += tl.dot(a, tl.trans(w))
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
             if ACT == 1:
-                acc_u += tl.dot(a, tl.trans(wu))
+                acc_u += tl.dot(a, tl.trans(wu.to(a.dtype)))
     else:
         af1 = a.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N rows
         acc += w.to(tl.float32) * af1
@@ -137,6 +140,7 @@ def _skinny_kernel(
     nw_ptr,
     w_ptr,
     b_ptr,
+    ws_ptr,
     y_ptr,
     nr_ptr,
     ss_ptr,
@@ -168,6 +172,7 @@ def _skinny_kernel(
     EPI_NORM: tl.constexpr = False,
     PRE_NORMED: tl.constexpr = False,
     BLOCK_P: tl.constexpr = 1,
+    HAS_WSCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     DT = x_ptr.dtype.element_ty
@@ -306,6 +311,10 @@ def _skinny_kernel(
     else:
         y = tl.sum(acc, 1)[None, :]
         y_u = tl.sum(acc_u, 1)[None, :]
+    if HAS_WSCALE:  # FP8 weights: one scale per weight row (before any pair split)
+        y = y * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if ACT == 1:
+            y_u = y_u * tl.load(ws_ptr + up_off + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
         y = y * rstd[:, None]

@@ -10,7 +10,8 @@ projections, batch 1 to 4096.
 Timings as in ``benchmarks.kernels.timing``: CUDA-graph replay of back-to-back calls (CUDA
 events), rotating over weight copies larger than L2 so every call reads its weights from HBM.
 "fp8" includes the activation quantization (the layer as the model would run it), "gemm"
-is the GEMM alone, "swap" the GEMM with ``swap_ab`` (batches up to 16); ``_scaled_mm`` is
+is the GEMM alone, "w-only" the weight-only path serving takes up to 16 rows (``ops.linear``:
+the skinny GEMM widening the FP8 weight, no activation quantization); ``_scaled_mm`` is
 timed with the same quantization. Bandwidth: the weight's bytes (2 a value for bf16, 1 for
 fp8) over the time. Each output's error against the float32 product of the bf16 operands is
 printed too (relative Frobenius norm).
@@ -42,6 +43,7 @@ def _scaled_mm(xq, xs, wq, ws):
 
 
 def bench(ms: list[int], shapes: list[str], fast_accum: bool = False, device: str = "cuda") -> list[dict]:
+    from kernels import ops
     from kernels.fp8_gemm import fp8_gemm_triton, select_fp8_config
     from kernels.fp8_quant import quantize_rows_triton
     from kernels.fp8_reference import quantize_weight_fp8
@@ -74,16 +76,17 @@ def bench(ms: list[int], shapes: list[str], fast_accum: bool = False, device: st
             row["fp8_us"] = graph_time_us([lambda p=p: fp8(*p) for p in w8])
             row["gemm_us"] = graph_time_us([lambda p=p: fp8_gemm_triton(xq, xs, *p, config=cfg) for p in w8])
             row["fp8_err"] = _rel_err(fp8(*w8[0]), exact)
-            row["swap_us"] = None
-            if m <= 16:  # decode: the swapped operands (native fp8 wgmma) against mma.sync on fp16 copies
-                swap = dict(cfg, swap_ab=True)
-                row["swap_us"] = graph_time_us([lambda p=p: fp8_gemm_triton(xq, xs, *p, config=swap) for p in w8])
+            row["wonly_us"] = None
+            if m <= ops.SKINNY_MAX_M:  # decode: what serving runs (weight-only skinny GEMM)
+                wonly = [lambda p=p: ops.linear(x, p[0], weight_scale=p[1]) for p in w8]
+                row["wonly_us"] = graph_time_us(wonly)
+                row["wonly_err"] = _rel_err(wonly[0]()[0], exact)
             try:
                 row["scaled_mm_err"] = _rel_err(mm(*w8[0]), exact)
                 row["scaled_mm_us"] = graph_time_us([lambda p=p: mm(*p) for p in w8])
             except (RuntimeError, TypeError, AttributeError) as e:  # no rowwise fp8 here, or a shape it refuses
                 row["scaled_mm_us"], row["scaled_mm_error"] = None, repr(e)[:160]
-            for key in ("bf16", "fp8", "gemm", "swap", "scaled_mm"):
+            for key in ("bf16", "fp8", "gemm", "wonly", "scaled_mm"):
                 us, nbytes = row[f"{key}_us"], n * k * (2 if key == "bf16" else 1)
                 row[f"{key}_gbps"] = None if us is None else nbytes / us / 1e3
             rows.append(row)
@@ -95,7 +98,7 @@ def bench(ms: list[int], shapes: list[str], fast_accum: bool = False, device: st
 
 HEADER = (
     f"{'shape':11s} {'M':>5s} {'class':7s} {'split':>5s} | {'bf16 us':>8s} {'GB/s':>6s} | "
-    f"{'fp8 us':>8s} {'GB/s':>6s} {'gemm us':>8s} {'swap us':>8s} | {'_scaled_mm':>10s} {'GB/s':>6s} | {'speedup':>8s} "
+    f"{'fp8 us':>8s} {'GB/s':>6s} {'gemm us':>8s} {'w-only':>8s} | {'_scaled_mm':>10s} {'GB/s':>6s} | {'speedup':>8s} "
     f"{'err fp8':>8s} {'err mm':>8s}"
 )
 
@@ -105,7 +108,7 @@ def _print_row(r: dict) -> None:
     print(
         f"{r['shape']:11s} {r['m']:5d} {r['config']['kind']:7s} {r['config']['split_k']:5d} | "
         f"{r['bf16_us']:8.2f} {r['bf16_gbps']:6.0f} | {r['fp8_us']:8.2f} {r['fp8_gbps']:6.0f} {r['gemm_us']:8.2f} "
-        + (f"{r['swap_us']:8.2f} | " if r["swap_us"] is not None else f"{'-':>8s} | ")
+        + (f"{r['wonly_us']:8.2f} | " if r["wonly_us"] is not None else f"{'-':>8s} | ")
         + (f"{smm:10.2f} {r['scaled_mm_gbps']:6.0f}" if smm is not None else f"{'n/a':>10s} {'':6s}")
         + f" | {r['bf16_us'] / r['fp8_us']:7.2f}x {r['fp8_err']:8.4f} {r.get('scaled_mm_err', float('nan')):8.4f}",
         flush=True,

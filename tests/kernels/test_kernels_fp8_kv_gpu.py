@@ -148,9 +148,10 @@ def test_gpu_fp8_decode_attention_with_rope(monkeypatch, pdl, n, bound):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     args = (c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc, c["slots"], c["table"], c["seq"], c["qsl"])
     assert ops.rope_in_attention_applies(n + 1, 1, c["bound"])
+    qsl_cpu = c["qsl"].cpu()  # (a host copy: before the no-sync region)
     with no_sync():
         out = ops.rope_and_attention(
-            *args, c["qsl"].cpu(), 1, c["bound"], c["scale"], c["qw"], c["kw"], 1e-6,
+            *args, qsl_cpu, 1, c["bound"], c["scale"], c["qw"], c["kw"], 1e-6,
             k_scale=c["k_scale"], v_scale=c["v_scale"],
         )  # fmt: skip
     assert_close_scaled(out[:n], exp[:n], BF16)
