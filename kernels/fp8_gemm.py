@@ -8,8 +8,8 @@ e4m3 tiles, the scales and bias applied once in the epilogue, rounded once to ``
 The weight tile is loaded as ``[BLOCK_K, BLOCK_N]`` from the ``[N, K]`` weight (K contiguous:
 the K-major B operand Hopper's fp8 wgmma takes), the activation tile ``[BLOCK_M, BLOCK_K]``.
 Below 64 rows (one warpgroup's wgmma) Triton falls back to ``mma.sync`` on fp16 copies of the
-tiles; ``swap_ab`` computes ``y^T = wq @ xq^T`` instead: the weight tile is wgmma's A operand,
-the activation tile ``[BLOCK_K, BLOCK_M]`` the K-major B (native fp8 wgmma at any batch).
+tiles. Serving sends batches of up to 16 rows to the weight-only skinny GEMM instead
+(``kernels.fp8_linear``); the "skinny" class here serves direct calls.
 
 Batch classes (``select_fp8_config``): "skinny" (M <= 16), "tile" (M <= 256), "prefill". Where
 the output tiles are too few to fill the GPU, K is split: each split stores its float32
@@ -35,7 +35,7 @@ from kernels.fp8_reference import FP8_DTYPE
 NUM_SMS = 132  # an H100 SXM's; the split-K target of select_fp8_config
 MAX_SPLIT_K = 16
 INT_KEYS = ("block_m", "block_n", "block_k", "group_m", "split_k", "num_warps", "num_stages")
-CONFIG_KEYS = INT_KEYS + ("fast_accum", "swap_ab")
+CONFIG_KEYS = INT_KEYS + ("fast_accum",)
 
 
 @triton.jit
@@ -77,7 +77,6 @@ def _fp8_gemm_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     # grouped ordering: GROUP_M M tiles run over the N tiles together (a W tile read once
     # from HBM serves them all); with one M tile (decode) plain N order
@@ -100,14 +99,9 @@ def _fp8_gemm_kernel(
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     ks = k_lo + offs_k
-    if SWAP_AB:  # acc^T = W x^T: the weight tile is the (64+ row) A operand, x^T a K-major B
-        a_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
-        b_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # [BLOCK_K, BLOCK_M]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        a_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-        b_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -122,8 +116,6 @@ def _fp8_gemm_kernel(
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc = tl.trans(acc)
     if num_splits > 1:
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         p_off = split.to(tl.int64) * stride_ps + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -185,7 +177,7 @@ def select_fp8_config(m: int, n: int, k: int, num_sms: int = NUM_SMS) -> dict:
         target = 0
     tiles = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"])
     split = _split_k(tiles, triton.cdiv(k, cfg["block_k"]), target) if target else 1
-    return dict(cfg, split_k=split, fast_accum=False, swap_ab=False)
+    return dict(cfg, split_k=split, fast_accum=False)
 
 
 def check_config(cfg: dict) -> None:
@@ -264,7 +256,6 @@ def fp8_gemm_triton(
         EVEN_K=k % bk == 0,
         HAS_BIAS=bias is not None,
         FAST_ACCUM=bool(cfg.get("fast_accum", False)),
-        SWAP_AB=bool(cfg.get("swap_ab", False)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
