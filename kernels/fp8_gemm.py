@@ -278,26 +278,3 @@ def fp8_gemm_triton(
             num_warps=4,
         )
     return out
-
-
-def precompile(projections, dtype: torch.dtype, max_rows: int) -> int:
-    """Compile (or load) now every variant serving can launch for these FP8 projections
-    (``(weight, weight_scale, bias, input_scale)`` each): the activation quantization and the
-    GEMM of each batch class (and the split-K reduce) at sizes up to ``max_rows``, on zeros.
-    Returns the launches made."""
-    from kernels.fp8_quant import quantize_rows_triton
-
-    seen, launches = set(), 0
-    for w, w_scale, bias, in_scale in projections:
-        key = (tuple(w.shape), bias is not None, in_scale is not None)
-        if key in seen:
-            continue
-        seen.add(key)
-        for m in (1, 16, 17, 256, 257):
-            if m > max_rows:
-                break
-            x = torch.zeros(m, w.shape[1], dtype=dtype, device=w.device)
-            xq, x_scale = quantize_rows_triton(x, in_scale)
-            fp8_gemm_triton(xq, x_scale, w, w_scale, bias, out_dtype=dtype)
-            launches += 1
-    return launches

@@ -231,8 +231,8 @@ class ModelRunner:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
         eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
         compile them while serving (graph captures already did the decode ones). FP8
-        projections: every batch class of ``kernels.fp8_gemm`` (eager and pipeline-stage
-        steps capture nothing)."""
+        projections: the activation-quantized GEMMs above 16 rows (``kernels.fp8_linear``;
+        eager and pipeline-stage steps capture nothing)."""
         draft = self.spec.draft_model if self.spec is not None else None
         uses = [
             u
@@ -254,7 +254,7 @@ class ModelRunner:
                 uses, max_rows=max_rows, max_logit_rows=sched.max_num_seqs
             )
             if fp8 and self.device.type == "cuda":  # FP8 projections: every batch class, now
-                from kernels.fp8_gemm import precompile as precompile_fp8
+                from kernels.fp8_linear import precompile as precompile_fp8
 
                 self.tile_gemm_warm_launches += precompile_fp8(fp8, self.dtype, max_rows)
 

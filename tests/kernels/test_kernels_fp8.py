@@ -475,3 +475,45 @@ def test_gpu_fp8_layer_in_a_cuda_graph(m):
 _GPU_TESTS = {n: fn for n, fn in globals().items() if n.startswith(("test_gpu_", "test_compile_"))}
 delegate_all(globals(), __file__)
 globals().update(_GPU_TESTS)
+
+
+def test_cublas_takes_large_fp8_batches_on_hopper_only():
+    """``kernels.fp8_linear.use_cublas``: above 128 rows on sm_90+ (rowwise-scaled cuBLASLt),
+    never below, never on sm_89, never for dimensions cuBLASLt refuses."""
+    from kernels.fp8_linear import CUBLAS_MIN_ROWS, use_cublas
+
+    assert CUBLAS_MIN_ROWS == 129
+    assert use_cublas(129, 4096, 4096, (9, 0)) and use_cublas(4096, 28672, 4096, (10, 0))
+    assert not use_cublas(128, 4096, 4096, (9, 0))
+    assert not use_cublas(4096, 4096, 4096, (8, 9))
+    assert not use_cublas(4096, 4100, 4096, (9, 0)) and not use_cublas(4096, 4096, 4104, (9, 0))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("m", [17, 128, 129, 1024])
+@pytest.mark.parametrize("static", [False, True])
+def test_gpu_w8a8_linear_matches_reference_on_both_routes(m, static):
+    """``w8a8_linear`` (the Triton FP8 GEMM up to 128 rows, cuBLASLt above) against the
+    float32 reference of the same quantized operands, with a bias; and replayed from a CUDA
+    graph (the piecewise graphs capture it) with the same result."""
+    from kernels.fp8_linear import w8a8_linear
+    from kernels.fp8_quant import quantize_rows_triton
+
+    n, k = 6144, 4096
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    wq, ws = ref.quantize_weight_fp8(torch.randn(n, k, generator=g, device="cuda") / k**0.5)
+    bias = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+    s = torch.tensor([0.01], device="cuda") if static else None
+    xq, xs = quantize_rows_triton(x, s)
+    y32 = ref.fp8_linear_reference(xq, xs, wq, ws, bias, torch.float32)
+    abs_sum = ref.fp8_linear_reference(xq.float().abs(), xs, wq.float().abs(), ws, None, torch.float32)
+    y = w8a8_linear(x, wq, ws, s, bias)
+    _assert_close_to_fp32(y, y32, torch.bfloat16, 1e-4, abs_sum + bias.float().abs())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g = w8a8_linear(x, wq, ws, s, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_g, y)
