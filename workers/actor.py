@@ -102,6 +102,7 @@ class WorkerActor:
             "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
             "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
+            "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph
         }
 
     def clear_launch_times(self) -> None:

@@ -98,6 +98,8 @@ class ModelRunner:
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
         self.piecewise = None  # workers.piecewise_graphs.PiecewiseGraphs, after capture
+        self.pad_query_lens = None  # verify lengths uneven steps pad to (None: the graphs')
+        self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         self._last_end_ev = None
@@ -401,12 +403,16 @@ class ModelRunner:
         if not plan.rows:
             return PendingStep(plan.step_id, self.tp.rank, t0)
         start_ev = self._record_event()
-        inp = build_step_inputs(plan, st, self.block_size, self.bounds_are_exact, self.graphs)
+        inp = build_step_inputs(
+            plan, st, self.block_size, self.bounds_are_exact, self.graphs, self.pad_query_lens, self.max_model_len
+        )
         key = inp.graph_key
         raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)
             raw_argmax = self.graphs.last_greedy  # q = 1 graphs only: one logits row a sampling row
+            if inp.pads is not None:  # a padded verify step: the real tokens' logits rows
+                logits = logits[inp.logits_idx]
         else:
             pw = self.piecewise
             forward = pw.forward if pw is not None and pw.fits(inp.input_ids.shape[0]) else self.model
@@ -418,7 +424,8 @@ class ModelRunner:
             else:
                 hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
-        seq_lens = inp.meta.seq_lens
+        seq_lens = inp.seq_lens  # (without a padded verify step's padding)
+        self.padded_steps += inp.pads is not None
         st.num_computed[inp.rows] = seq_lens
         if not inp.handles:
             if self.spec is not None:

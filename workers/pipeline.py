@@ -149,7 +149,7 @@ class PipelineComm:
         from workers.step_inputs import sampling_rows
 
         self.send_hidden(*out)
-        seq_lens = inp.meta.seq_lens
+        seq_lens = inp.seq_lens
         st.num_computed[inp.rows] = seq_lens
         if inp.handles and self.stage.is_first:
             rows, pos = sampling_rows(inp, seq_lens)

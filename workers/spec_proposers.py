@@ -15,7 +15,7 @@ from workers.device_state import DeviceState
 from workers.rejection_sampler import STREAM_DRAFT
 from kernels.ops import exponential_race
 from workers.sampler import sampling_probs
-from workers.step_inputs import StepInputs, build_window
+from workers.step_inputs import StepInputs, build_window, uniform_pads
 
 
 def ngram_drafts(hist: torch.Tensor, known: torch.Tensor, k: int, n_min: int, n_max: int) -> torch.Tensor:
@@ -89,6 +89,8 @@ class DraftModelProposer:
         self.max_position = max_position  # lookahead positions are clamped into the rotary table
         self.graphs = None  # DecodeGraphs of the draft (hidden states), set after capture
         self.piecewise = None  # PiecewiseGraphs of the draft, set after capture
+        self.pad_query_lens = None  # window lengths uneven steps pad to (None: the graphs')
+        self.padded_windows = 0
         self.block_size = block_size
         self.bounds_are_exact = bounds_are_exact
 
@@ -106,12 +108,20 @@ class DraftModelProposer:
         ubs = [u + s for u, s in zip(inp.ubs, samples)]
         starts = inp.meta.num_computed_tokens().long()  # device: KV length before this step
         n_blk = min((max(ubs) + k + bs - 1) // bs, st.block_table_cpu.shape[1])
+        # uneven windows of rows that all sample: padded to one captured length (uniform_pads)
+        query_lens = self.pad_query_lens or (self.graphs.query_lens if self.graphs is not None else None)
+        pads = uniform_pads(q_lens, ubs, query_lens, self.max_position) if query_lens and all(samples) else None
+        q_win, ubs_win = q_lens, ubs
+        if pads is not None:  # (a pad is at most k: the window still fits the k-lookahead table)
+            self.padded_windows += 1
+            q_win = [q + p for q, p in zip(q_lens, pads)]
+            ubs_win = [u + p for u, p in zip(ubs, pads)]
         # the block table (wide enough for the k lookahead drafts) rides in the window's copy
         win, _, _ = build_window(
-            st, inp.rows, inp.rows_cpu, q_lens, ubs, starts, bs, self.bounds_are_exact, table_blocks=n_blk
+            st, inp.rows, inp.rows_cpu, q_win, ubs_win, starts, bs, self.bounds_are_exact, table_blocks=n_blk
         )
         block_table = win.block_table
-        hidden = self._forward(win, len(q_lens), q_lens, max(ubs))
+        hidden = self._forward(win, len(q_win), q_win, max(ubs_win))
         if not sample_list:
             return  # a step without sampling rows only advances the draft's KV
         # the last known token of sampling row i sits at offset known - 1 - start in its window

@@ -165,13 +165,54 @@ class StepInputs:
     num_drafts_d: torch.Tensor | None = None  # [S] on the device
     window: Window | None = None
     graph_key: tuple[int, int, int] | None = None  # the decode graph it replays, picked while built
+    pads: list[int] | None = None  # padding tokens after each row's real ones (see uniform_pads)
+    real_seq_lens: torch.Tensor | None = None  # device lengths without the padding (None: meta's)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """Each row's device KV length after this step's real tokens."""
+        return self.meta.seq_lens if self.real_seq_lens is None else self.real_seq_lens
+
+
+def uniform_pads(q_lens: list[int], ubs: list[int], query_lens, max_len: int | None) -> list[int] | None:
+    """Padding tokens per row that give every row the same query length: the smallest of
+    ``query_lens`` (the captured ones) at least the longest row; None when the rows are
+    uniform already, no captured length fits, or a padded position would pass ``max_len``.
+
+    A speculative step whose rows carry different draft counts (rows near ``max_tokens``
+    get fewer) then replays the one verify graph instead of the piecewise forward's
+    per-layer attention launches. Padding tokens come after a row's real ones: causal
+    attention keeps them out of every real token's view, their slots beyond the row's
+    blocks are -1, and a position the row's blocks do hold gets KV past the row's length,
+    which (like a rejected draft's) is rewritten before anything reads it."""
+    top = max(q_lens)
+    if all(q == top for q in q_lens):
+        return None
+    q_pad = min((q for q in query_lens if q >= top), default=None)
+    if q_pad is None:
+        return None
+    pads = [q_pad - q for q in q_lens]
+    if max_len is not None and any(u + p > max_len for u, p in zip(ubs, pads)):
+        return None
+    return pads
 
 
 def build_step_inputs(
-    plan: StepPlan, st: DeviceState, block_size: int, bounds_are_exact: bool, graphs=None
+    plan: StepPlan,
+    st: DeviceState,
+    block_size: int,
+    bounds_are_exact: bool,
+    graphs=None,
+    pad_query_lens: tuple[int, ...] | None = None,
+    max_len: int | None = None,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
-    the inputs straight into its static buffers (``StepInputs.graph_key``)."""
+    the inputs straight into its static buffers (``StepInputs.graph_key``).
+    ``pad_query_lens``: query lengths a verify step with uneven draft counts may be padded to
+    (``uniform_pads``; the graphs' own when None and ``graphs`` is given); ``max_len``: the
+    longest position + 1 the model's rotary table holds."""
+    if pad_query_lens is None and graphs is not None:
+        pad_query_lens = graphs.query_lens
     rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
     for i, r in enumerate(plan.rows):
         row = st.row_of[r.handle]
@@ -184,11 +225,19 @@ def build_step_inputs(
         if r.sample:
             sample_idx.append(i)
             drafts.append(r.num_draft_tokens)
-    ends = list(accumulate(q_lens))  # one past each request's last token (host ints: no tensor)
     k_max = max(drafts, default=0)
+    pads = None
+    if k_max and pad_query_lens and len(sample_idx) == len(q_lens):  # every row verifies its drafts
+        if all(k + 1 == q for k, q in zip(drafts, q_lens)):
+            pads = uniform_pads(q_lens, ubs, pad_query_lens, max_len)
+    q_win, ubs_win = q_lens, ubs
+    if pads is not None:
+        q_win = [q + p for q, p in zip(q_lens, pads)]
+        ubs_win = [u + p for u, p in zip(ubs, pads)]
+    ends = list(accumulate(q_win))  # one past each request's last token (host ints: no tensor)
     logits_idx, bonus_idx, spec_idx, draft_tok = [], [], [], []
     for i, k in zip(sample_idx, drafts):
-        end = ends[i] - 1
+        end = ends[i] - 1 - (pads[i] if pads is not None else 0)  # the row's last real token
         base = len(logits_idx)
         logits_idx.extend(range(end - k, end + 1))
         bonus_idx.append(base + k)
@@ -198,11 +247,18 @@ def build_step_inputs(
     extra = [logits_idx, bonus_idx, sample_idx]
     if k_max:
         extra += [[v for r in spec_idx for v in r], [v for r in draft_tok for v in r], drafts]
-    key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs)) if graphs is not None else None
+    if pads is not None:
+        extra.append(pads)
+    key = None
+    if graphs is not None:
+        if pads is not None:
+            key = graphs.pick_shape(len(q_win), q_win, max(ubs_win))
+        else:
+            key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs))
     out = graphs.static_inputs(len(rows_cpu), ends[-1]) if key is not None else None
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(
-        st, None, rows_cpu, q_lens, ubs, None, block_size, bounds_are_exact, packed_extra=extra, out=out
+        st, None, rows_cpu, q_win, ubs_win, None, block_size, bounds_are_exact, packed_extra=extra, out=out
     )
     logits_i, bonus_i, sample_rows = back[:3]
     inp = StepInputs(
@@ -225,10 +281,13 @@ def build_step_inputs(
         max_drafts=k_max,
         window=win,
         graph_key=key,
+        pads=pads,
     )
     if k_max:
         s = len(sample_idx)
         inp.spec_idx, inp.draft_token_idx, inp.num_drafts_d = back[3].view(s, k_max), back[4].view(s, k_max), back[5]
+    if pads is not None:
+        inp.real_seq_lens = win.meta.seq_lens - back[6].to(win.meta.seq_lens.dtype)
     return inp
 
 

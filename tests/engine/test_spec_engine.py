@@ -212,3 +212,64 @@ def test_spec_benchmark_runs_on_cpu(ray_local, tmp_path):
     # the target as its own draft: c = 1, so all-accepted k=3 predicts (k+1)/(k+1) = 1
     assert self_row["acceptance_rate"] > 0.9 and abs(self_row["predicted_speedup"] - 1.0) < 0.05
     assert (tmp_path / "s.json").exists()
+
+
+def _pad_like_graphs(actor, k: int) -> None:
+    """What CUDA-graph capture sets on a GPU worker: uneven verify steps pad to 1 + k tokens a
+    row, the draft's uneven windows to k + 2 (here on the CPU, with no graphs to replay)."""
+    actor.runner.pad_query_lens = (1, 1 + k)
+    proposer = actor.runner.spec.proposer if actor.runner.spec is not None else None
+    if proposer is not None and hasattr(proposer, "pad_query_lens"):
+        proposer.pad_query_lens = (1, k + 2)
+
+
+def _padded_counts(actor) -> tuple[int, int]:
+    proposer = actor.runner.spec.proposer
+    return actor.runner.padded_steps, getattr(proposer, "padded_windows", 0)
+
+
+PAD_CASES = [("ngram", 3), ("self", 3), ("draft", 2)]
+
+
+@pytest.mark.parametrize("method,k", PAD_CASES, ids=[f"{m}-k{k}" for m, k in PAD_CASES])
+def test_padded_verify_steps_keep_outputs(ray_local, model, draft, greedy_ref, method, k):
+    """Verify steps whose rows carry different draft counts (rows near ``max_tokens`` get
+    fewer), padded to one query length as the GPU does to replay the verify graph: greedy
+    outputs still equal transformers', and seeded sampled outputs equal the unpadded run's."""
+    import ray
+
+    spec = {"num_speculative_tokens": k, "async_scheduling": True}
+    if method == "ngram":
+        spec.update(speculative_method="ngram")
+    else:
+        spec.update(speculative_method="draft_model", speculative_model=str(model if method == "self" else draft))
+    reqs = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    sampled = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=5 + 2 * i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    runs = {}
+    for padded in (False, True):
+        llm = _llm(model, **spec)
+        try:
+            workers = llm.engine.executor.workers
+            if padded:
+                ray.get([w.__ray_call__.remote(_pad_like_graphs, k) for w in workers])
+            g = llm.generate(reqs, greedy, use_tqdm=False)
+            s = llm.generate(reqs, sampled, use_tqdm=False)
+            runs[padded] = ([o.outputs[0].token_ids for o in g], [o.outputs[0].token_ids for o in s])
+            counts = ray.get(workers[0].__ray_call__.remote(_padded_counts))
+            llm.engine.scheduler.blocks.check_all_free()
+        finally:
+            llm.shutdown()
+        if padded:
+            assert counts[0] > 0, "no verify step was padded: the test did not exercise padding"
+            if method != "ngram":
+                assert counts[1] > 0, "no draft window was padded"
+        else:
+            assert counts == (0, 0)
+    for outs, ref in zip(runs[True][0], greedy_ref):
+        assert outs == ref[: len(outs)]
+    assert [len(o) for o in runs[True][0]] == [p.max_tokens for p in greedy]
+    assert runs[True][1] == runs[False][1]

@@ -203,3 +203,16 @@ def test_packed_extras_come_back_whole_and_aligned():
     win, back, rows = build_window(st, None, rows_cpu, [1, 2, 3], [10, 5, 3], None, BS, True, packed_extra=extras)
     assert [t.tolist() for t in back] == extras and rows.tolist() == rows_cpu
     assert all(t.data_ptr() % 16 == 0 for t in [*back, rows, win.capacity, win.block_table])
+
+
+def test_uniform_pads_rule():
+    """Uneven rows pad to the smallest captured length that fits the longest; uniform rows,
+    rows longer than every captured length, and padding past the rotary table: no padding."""
+    from workers.step_inputs import uniform_pads
+
+    assert uniform_pads([4, 2, 1], [30, 40, 50], (1, 4), 100) == [0, 2, 3]
+    assert uniform_pads([3, 2], [30, 40], (1, 4, 6), 100) == [1, 2]
+    assert uniform_pads([4, 4], [30, 40], (1, 4), 100) is None
+    assert uniform_pads([5, 2], [30, 40], (1, 4), 100) is None
+    assert uniform_pads([4, 2], [30, 99], (1, 4), 100) is None  # 99 + 2 > 100
+    assert uniform_pads([4, 2], [30, 98], (1, 4), 100) == [0, 2]
