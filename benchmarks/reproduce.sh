@@ -18,6 +18,8 @@ run python -m benchmarks.prefix_cache --shape llama-3.1-8b --num-prompts 200 --p
     --suffix-len 32 --output-len 64 --max-model-len 4096 --output "$out/prefix_cache.json"
 run python -m benchmarks.spec_decode --shape llama-3.1-8b --self-draft --batch-sizes 1,8,32 --k 3 \
     --output "$out/spec_decode.json"
+run python -m benchmarks.serve --launch-server --shape qwen3-0.6b --async-scheduling \
+    --request-rates 4,16,64,inf --num-prompts 500 --input-len 512 --output-len 128 --output "$out/serve-rates.json"
 run python -m benchmarks.launch_wait --shape qwen3-0.6b --wait-ms 100 --output "$out/launch_wait.json"
 # FP8 (issue 40): the 8B decode grid with FP8 weights (roofline: the FP8 weight bytes), the
 # 1000 x 1000 offline workload in bf16 and FP8 (weights + KV cache), the accuracy tables

@@ -58,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_dataset_args(p)
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    g.add_argument(
+        "--request-rates",
+        type=_rates,
+        default=None,
+        help="comma-separated rates (e.g. 2,8,32,inf): one run each against the same server, "
+        "then a table of throughput, TTFT and TPOT (median / p99); overrides --request-rate",
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -75,6 +82,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_engine_args(p)
     common.add_output_args(p, "serve")
     return p.parse_args(argv)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates must be numbers or inf, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive (inf: all at once), got {text!r}")
+    return rates
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> str:
+    """One markdown row a rate: request and output throughput, TTFT and TPOT median / p99."""
+    lines = [
+        "| rate (req/s) | req/s | output tok/s | TTFT median / p99 (ms) | TPOT median / p99 (ms) | failed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in runs:
+        ttft = f"{r.get('median_ttft_ms', float('nan')):.1f} / {r.get('p99_ttft_ms', float('nan')):.1f}"
+        tpot = f"{r.get('median_tpot_ms', float('nan')):.2f} / {r.get('p99_tpot_ms', float('nan')):.2f}"
+        lines.append(
+            f"| {r['config']['request_rate']:g} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
+            f"| {ttft} | {tpot} | {r['failed']} |"
+        )
+    return "\n".join(lines)
 
 
 async def arrivals(
@@ -248,18 +281,36 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "launches: add --launch-server, or pass them to your own `python -m cluster.serve`"
         )
     if not args.launch_server:
-        return await _amain(args)
+        return await _sweep(args)
     from benchmarks.serve_client import launch_server
 
     model_dir, load_format = common.model_and_format(args)
     with launch_server(model_dir, load_format, opts, args.server_log, args.ready_timeout) as (http, grpc):
         args.host, args.base_url = "127.0.0.1", None
         args.port = http if args.backend == "http" else grpc
-        res = await _amain(args, opts)
+        res = await _sweep(args, opts)
     return res
 
 
-async def _amain(args: argparse.Namespace, launched: dict[str, Any] | None = None) -> dict[str, Any]:
+async def _sweep(args: argparse.Namespace, launched: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``--request-rates``: one run a rate against the same server (one JSON with every run)."""
+    if not args.request_rates:
+        return await _amain(args, launched)
+    runs = []
+    for rate in args.request_rates:
+        args.request_rate = rate
+        runs.append(await _amain(args, launched, write=False))
+    table = sweep_table(runs)
+    print(table, flush=True)
+    result = common.record("serve", args)
+    result.update(runs=runs, table=table)
+    common.write_json(common.output_paths(args, "serve")[0], result)
+    return result
+
+
+async def _amain(
+    args: argparse.Namespace, launched: dict[str, Any] | None = None, write: bool = True
+) -> dict[str, Any]:
     out_path, png = common.output_paths(args, "serve")
     selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     bad = [m for m in selected if m not in METRICS]
@@ -311,9 +362,10 @@ async def _amain(args: argparse.Namespace, launched: dict[str, Any] | None = Non
         "percentiles": percentiles,
         "launched_server_options": launched,
     }
-    common.write_json(out_path, result)
-    if png:
-        plot(result, selected, png)
+    if write:
+        common.write_json(out_path, result)
+        if png:
+            plot(result, selected, png)
     return result
 
 

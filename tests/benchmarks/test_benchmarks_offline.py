@@ -250,6 +250,28 @@ def test_serve_against_fake_openai_server(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_serve_rate_sweep_against_fake_openai_server(tmp_path, capsys):
+    """``--request-rates``: one run a rate against the same server, one JSON holding every run,
+    and the summary table; bad rates are refused with a message."""
+    from benchmarks.serve import main
+
+    out = tmp_path / "sweep.json"
+    with FakeOpenAIServer() as srv:
+        args = ["--backend", "http", "--port", str(srv.port), "--vocab-size", "512", "--num-prompts", "5"]
+        main([*args, "--input-len", "8", "--output-len", "4", "--request-rates", "40,inf", "--output", str(out)])
+    res = load(out)
+    assert [r["config"]["request_rate"] for r in res["runs"]] == [40, "inf"]  # (JSON has no inf)
+    for r in res["runs"]:
+        check_serve_result(r, 5)
+    assert len(srv.requests) == 2 * 6  # each run: an untimed test request, then the 5
+    table = capsys.readouterr().out
+    assert "| 40 |" in table and "| inf |" in table and res["table"] in table
+    for bad in ("0", "fast", "4,-1"):
+        with pytest.raises(SystemExit):
+            main([*args, "--request-rates", bad])
+    assert "rates must be" in capsys.readouterr().err
+
+
 def test_recorded_commit_is_this_checkout_or_named(monkeypatch, tmp_path):
     """Results name the code that produced them: this checkout's HEAD, the commit given in
     SYNCLESS_COMMIT, and nothing (never an enclosing repository's HEAD) for a bare export."""
