@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, reference
 from kernels.pdl import wait_and_release
 
 
@@ -146,3 +146,51 @@ def prepare_inputs_triton(
         **pdl.launch_kwargs(token_req),
     )
     return positions, input_ids, seq_lens, slots, qsl
+
+
+def prepare_inputs(
+    starts,
+    rows,
+    token_req,
+    offsets,
+    q_lens,
+    capacity,
+    token_ids,
+    block_table,
+    block_size: int,
+    every_request_has_tokens: bool = True,
+    out=None,
+    num_computed=None,
+):
+    """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
+    one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
+    each request's ``seq_len`` and query start from its tokens, so a request without query
+    tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference.
+    ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
+    static inputs, so a replay needs no copies); the results are those tensors.
+    ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
+    no gather launch)."""
+    if token_req.is_cuda and every_request_has_tokens:
+        return prepare_inputs_triton(
+            starts,
+            rows,
+            token_req,
+            offsets,
+            q_lens,
+            capacity,
+            token_ids,
+            block_table,
+            block_size,
+            out=out,
+            num_computed=num_computed,
+        )
+    if starts is None:
+        starts = num_computed[rows]
+    res = reference.prepare_inputs_reference(
+        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size
+    )
+    if out is None:
+        return res
+    for dst, src in zip(out, res):
+        dst.copy_(src)
+    return (*out, res[4])

@@ -48,10 +48,12 @@ def paged_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out=None,
 ) -> torch.Tensor:
     """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``).
     ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (Python floats), applied
-    inside the attention kernel; ignored with any other cache dtype."""
+    inside the attention kernel; ignored with any other cache dtype. ``out``: a ``q``-shaped
+    buffer the result is written to (and returned)."""
     if _use_triton(q):
         from kernels.paged_attention import paged_attention_triton
 
@@ -68,8 +70,9 @@ def paged_attention(
             eager=eager,
             k_scale=k_scale,
             v_scale=v_scale,
+            out=out,
         )
-    return reference.paged_attention_reference(
+    o = reference.paged_attention_reference(
         q,
         k_cache,
         v_cache,
@@ -82,6 +85,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    return o if out is None else out.copy_(o)
 
 
 # Largest (padded) decode batch whose attention launch also does the rope prologue: one
@@ -130,8 +134,10 @@ def rope_and_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out=None,
 ):
-    """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
+    """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection
+    (``out``: as ``paged_attention``'s).
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
     (``kernels.paged_attention`` with ``rope=``); otherwise the two
@@ -157,6 +163,7 @@ def rope_and_attention(
             eager=eager,
             k_scale=k_scale,
             v_scale=v_scale,
+            out=out,
         )
     q = rope_and_write_kv(
         positions,
@@ -187,6 +194,7 @@ def rope_and_attention(
         eager=eager,
         k_scale=k_scale,
         v_scale=v_scale,
+        out=out,
     )
 
 
@@ -410,56 +418,6 @@ def tile_config(x, weight, bias) -> dict | None:
     from kernels.tile_gemm import select_config
 
     return select_config(x.shape[0], weight.shape[0], weight.shape[1], "plain", current().tile_table)
-
-
-def prepare_inputs(
-    starts,
-    rows,
-    token_req,
-    offsets,
-    q_lens,
-    capacity,
-    token_ids,
-    block_table,
-    block_size: int,
-    every_request_has_tokens: bool = True,
-    out=None,
-    num_computed=None,
-):
-    """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
-    one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
-    each request's ``seq_len`` and query start from its tokens, so a request without query
-    tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference.
-    ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
-    static inputs, so a replay needs no copies); the results are those tensors.
-    ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
-    no gather launch)."""
-    if _use_triton(token_req) and every_request_has_tokens:
-        from kernels.input_prep import prepare_inputs_triton
-
-        return prepare_inputs_triton(
-            starts,
-            rows,
-            token_req,
-            offsets,
-            q_lens,
-            capacity,
-            token_ids,
-            block_table,
-            block_size,
-            out=out,
-            num_computed=num_computed,
-        )
-    if starts is None:
-        starts = num_computed[rows]
-    res = reference.prepare_inputs_reference(
-        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size
-    )
-    if out is None:
-        return res
-    for dst, src in zip(out, res):
-        dst.copy_(src)
-    return (*out, res[4])
 
 
 def argmax(x):

@@ -170,7 +170,7 @@ class DecodeGraphs:
     def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
         """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` rows and ``t``
         tokens, inside the graphs' static inputs: a step that writes them there (see
-        ``kernels.ops.prepare_inputs``'s ``out``) needs no copy before its replay."""
+        ``kernels.input_prep.prepare_inputs``'s ``out``) needs no copy before its replay."""
         return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
 
     def run(self, inputs, key: tuple[int, int, int]) -> torch.Tensor:

@@ -112,8 +112,8 @@ class PiecewiseGraphs:
         graphs[(t, 0)].replay()
         with pdl.step_tokens(t_real):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                o = layer.self_attn.attend_core(self.qkv[:t_real], positions, meta, kv, cos_sin)
-                self.attn_out[:t_real].copy_(o)
+                # attention writes straight into the next segment's static input (no copy)
+                layer.self_attn.attend_core(self.qkv[:t_real], positions, meta, kv, cos_sin, out=self.attn_out[:t_real])
                 graphs[(t, i + 1)].replay()
         self.replays += 1
         return self.hidden[:t_real]

@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import torch
 
-from kernels import ops
+from kernels.input_prep import prepare_inputs
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
 from workers.device_state import DeviceState, to_device
@@ -109,7 +109,7 @@ def build_window(
         rows = split[n_own + n_extra]
     if block_table is None:
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
-    positions, input_ids, seq_lens, slot_mapping, qsl_d = ops.prepare_inputs(
+    positions, input_ids, seq_lens, slot_mapping, qsl_d = prepare_inputs(
         starts,
         rows,
         token_req_d,

@@ -384,3 +384,27 @@ def test_exponential_race_u_that_rounds_to_one_in_float32():
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_writes_into_a_given_buffer(num_splits):
+    """``out=`` (a piecewise graph's static buffer, a row slice of a wider one): the kernel
+    and the CPU reference write the result there, return it, and leave other rows alone."""
+    from kernels import ops
+
+    c = make_attention_case(MIXED["q_lens"], MIXED["seq_lens"], 8, 2, pad_tokens=4, bound_slack=7, seed=3)
+    n = int(c["query_start_loc"][-1])
+    plain, expect = run_attention(c, num_splits=num_splits)
+    store = torch.full((c["q"].shape[0] + 5, *c["q"].shape[1:]), 7.0)
+    buf = store[: c["q"].shape[0]]
+    args = [c[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")]
+    sizes = (c["max_query_len"], c["max_seq_len_upper_bound"], c["scale"])
+    got = pa.paged_attention_triton(*args, *sizes, num_splits=num_splits, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:n].float(), plain, rtol=0, atol=0)
+    assert bool((store[c["q"].shape[0] :] == 7.0).all())
+    ref_buf = torch.zeros_like(c["q"])
+    args[3] = c["block_table"].clamp(min=0)
+    got = ops.paged_attention(*args, c["query_start_loc"], *sizes, out=ref_buf)
+    assert got.data_ptr() == ref_buf.data_ptr()
+    torch.testing.assert_close(ref_buf[:n].float(), expect, rtol=0, atol=0)

@@ -69,8 +69,8 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     real = step_inputs.to_device
     monkeypatch.setattr(step_inputs, "to_device", lambda t, dev: copies.append(t.numel()) or real(t, dev))
     kernel_args = []
-    real_prep = step_inputs.ops.prepare_inputs
-    monkeypatch.setattr(step_inputs.ops, "prepare_inputs", lambda *a, **k: kernel_args.extend(a) or real_prep(*a, **k))
+    real_prep = step_inputs.prepare_inputs
+    monkeypatch.setattr(step_inputs, "prepare_inputs", lambda *a, **k: kernel_args.extend(a) or real_prep(*a, **k))
     plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
     inp = build_step_inputs(plan, st, BS, True)
     assert len(copies) == 1, "rows, block table, lengths and indices travel in one copy"
