@@ -82,3 +82,41 @@ def test_spec_on_gpu_equals_plain_greedy_with_sync_check(ray_gpu, ckpt):
         assert stats.get("spec_draft_tokens", 0) > 0
         if spec["speculative_method"] == "draft_model":
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"]
+
+
+@cuda
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_uneven_draft_counts_replay_the_padded_verify_graph(ray_gpu, ckpt, method):
+    """Rows near their ``max_tokens`` carry fewer drafts: those verify steps are padded to
+    1 + k tokens a row and replay the verify graph (worker stats count them), and the greedy
+    outputs still equal plain decoding's (float32), with the sync check on."""
+    import ray
+
+    from cluster import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = [SamplingParams(temperature=0, max_tokens=9 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    spec = {"speculative_method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["speculative_model"] = str(ckpt)
+    outs = {}
+    for name, opts in (("plain", {}), ("spec", spec)):
+        llm = LLM(
+            model=str(ckpt),
+            device="cuda",
+            dtype="float32",
+            sync_check="error",
+            async_scheduling=True,
+            max_model_len=512,
+            max_num_seqs=8,
+            num_kv_blocks=256,
+            **opts,
+        )
+        try:
+            outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = ray.get([w.stats.remote() for w in llm.engine.executor.workers])
+        finally:
+            llm.shutdown()
+        padded = sum(s["padded_verify_steps"] for s in stats)
+        assert (padded > 0) == (name == "spec"), (name, padded)
+    assert outs["spec"] == outs["plain"]
