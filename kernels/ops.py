@@ -438,6 +438,21 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
+def ngram_propose(token_ids, rows, known, width: int, k: int, n_min: int, n_max: int) -> None:
+    """Prompt-lookup drafts of the sampling ``rows`` (``known``: their device token counts),
+    written into ``token_ids`` at ``known .. known + k - 1``: one launch on CUDA
+    (``kernels.ngram``), ``reference.ngram_drafts_reference`` elsewhere. ``width``: a host
+    bound on every ``known``."""
+    if _use_triton(token_ids):
+        from kernels.ngram import ngram_propose_triton
+
+        return ngram_propose_triton(token_ids, rows, known, width, k, n_min, n_max)
+    drafts = reference.ngram_drafts_reference(token_ids[rows, :width], known, k, n_min, n_max)
+    pos = known.long()[:, None] + torch.arange(k, device=known.device)[None, :]
+    keep = pos < token_ids.shape[1]  # (a draft past the table's last column is dropped)
+    token_ids[rows[:, None].expand(-1, k)[keep], pos[keep]] = drafts[keep]
+
+
 def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:
     """``kernels.tile_gemm.precompile`` of the installed tuning table (worker warm-up)."""
     from kernels.tile_gemm import precompile

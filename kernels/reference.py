@@ -232,6 +232,35 @@ def skinny_linear_reference(
     return (y.to(out_dtype) if out_dtype is not None else y), new_res
 
 
+def ngram_drafts_reference(hist: torch.Tensor, known: torch.Tensor, k: int, n_min: int, n_max: int) -> torch.Tensor:
+    """Prompt lookup: continue the latest earlier occurrence of the row's last ``n`` tokens
+    (longest ``n`` first). ``hist`` [R, W] token ids (positions >= ``known`` are ignored);
+    returns [R, k]. A row without a match proposes its last token repeated (it will most
+    likely be rejected, which costs nothing but the verify slots already scheduled)."""
+    R, W = hist.shape
+    dev = hist.device
+    known = known.long()
+    last = hist.gather(1, (known - 1).clamp(min=0)[:, None])
+    drafts = last.expand(R, k).clone()
+    found = torch.zeros(R, dtype=torch.bool, device=dev)
+    for n in range(n_max, n_min - 1, -1):
+        if n >= W:
+            continue
+        idx = (known[:, None] - n + torch.arange(n, device=dev)[None, :]).clamp(min=0)
+        suffix = hist.gather(1, idx)  # [R, n]
+        windows = hist.unfold(1, n, 1)  # [R, W - n + 1, n]
+        match = (windows == suffix[:, None, :]).all(dim=-1)
+        starts = torch.arange(windows.shape[1], device=dev)[None, :]
+        match &= starts + n < known[:, None]  # a continuation exists and it is not the suffix itself
+        best = torch.where(match, starts, -1).amax(dim=1)
+        take = (best >= 0) & ~found
+        cont = best.clamp(min=0)[:, None] + n + torch.arange(k, device=dev)[None, :]
+        cont = torch.minimum(cont, (known - 1)[:, None]).clamp(min=0)
+        drafts = torch.where(take[:, None], hist.gather(1, cont), drafts)
+        found |= take
+    return drafts
+
+
 # ------------------------------------------------------------- sampling noise
 _MASK32 = 0xFFFFFFFF
 

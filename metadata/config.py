@@ -279,8 +279,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     "speculative_method='ngram' takes no speculative_model; "
                     "use speculative_method='draft_model' for a draft checkpoint"
                 )
-            _range("prompt_lookup_min", sp.prompt_lookup_min, 1, 64)
-            _range("prompt_lookup_max", sp.prompt_lookup_max, 1, 64)
+            _range("prompt_lookup_min", sp.prompt_lookup_min, 1, 16)  # (kernels.ngram.MAX_N)
+            _range("prompt_lookup_max", sp.prompt_lookup_max, 1, 16)
             if sp.prompt_lookup_min > sp.prompt_lookup_max:
                 raise ConfigError(
                     f"prompt_lookup_min ({sp.prompt_lookup_min}) must be <= prompt_lookup_max ({sp.prompt_lookup_max})"

@@ -13,38 +13,9 @@ import torch
 
 from workers.device_state import DeviceState
 from workers.rejection_sampler import STREAM_DRAFT
-from kernels.ops import exponential_race
+from kernels.ops import exponential_race, ngram_propose
 from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window, uniform_pads
-
-
-def ngram_drafts(hist: torch.Tensor, known: torch.Tensor, k: int, n_min: int, n_max: int) -> torch.Tensor:
-    """Prompt lookup: continue the latest earlier occurrence of the row's last ``n`` tokens
-    (longest ``n`` first). ``hist`` [R, W] token ids (positions >= ``known`` are ignored);
-    returns [R, k]. A row without a match proposes its last token repeated (it will most
-    likely be rejected, which costs nothing but the verify slots already scheduled)."""
-    R, W = hist.shape
-    dev = hist.device
-    known = known.long()
-    last = hist.gather(1, (known - 1).clamp(min=0)[:, None])
-    drafts = last.expand(R, k).clone()
-    found = torch.zeros(R, dtype=torch.bool, device=dev)
-    for n in range(n_max, n_min - 1, -1):
-        if n >= W:
-            continue
-        idx = (known[:, None] - n + torch.arange(n, device=dev)[None, :]).clamp(min=0)
-        suffix = hist.gather(1, idx)  # [R, n]
-        windows = hist.unfold(1, n, 1)  # [R, W - n + 1, n]
-        match = (windows == suffix[:, None, :]).all(dim=-1)
-        starts = torch.arange(windows.shape[1], device=dev)[None, :]
-        match &= starts + n < known[:, None]  # a continuation exists and it is not the suffix itself
-        best = torch.where(match, starts, -1).amax(dim=1)
-        take = (best >= 0) & ~found
-        cont = best.clamp(min=0)[:, None] + n + torch.arange(k, device=dev)[None, :]
-        cont = torch.minimum(cont, (known - 1)[:, None]).clamp(min=0)
-        drafts = torch.where(take[:, None], hist.gather(1, cont), drafts)
-        found |= take
-    return drafts
 
 
 class NgramProposer:
@@ -55,9 +26,7 @@ class NgramProposer:
         self, st: DeviceState, inp: StepInputs, s_rows: torch.Tensor, known: torch.Tensor, draft_sampling=None
     ) -> None:
         width = min(st.token_ids.shape[1], max(inp.ubs) + 1)  # host bound on every known length
-        hist = st.token_ids[s_rows, :width]
-        drafts = ngram_drafts(hist, known, self.k, self.n_min, self.n_max)
-        write_drafts(st, s_rows, known, drafts)
+        ngram_propose(st.token_ids, s_rows, known, width, self.k, self.n_min, self.n_max)
 
 
 def write_drafts(st: DeviceState, s_rows: torch.Tensor, known: torch.Tensor, drafts: torch.Tensor) -> None:

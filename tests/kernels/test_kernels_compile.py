@@ -297,3 +297,12 @@ def test_tile_gemm_shipped_configs_compile_without_spills(key, cfg):
             {"part_ptr": "*fp32"},
             options=dict(num_warps=4),
         )
+
+
+@pytest.mark.parametrize("k,n_max", [(3, 3), (5, 16)])
+def test_ngram_kernel_compiles(k, n_max):
+    """``kernels.ngram``: runtime n loop with a data-dependent skip, a block loop inside."""
+    from kernels import ngram
+
+    const = dict(K=k, N_CAP=triton.next_power_of_2(n_max), BLOCK=256)
+    _compile(ngram._ngram_kernel, const, dict(tok_ptr="*i64", rows_ptr="*i64", known_ptr="*i64"))

@@ -9,7 +9,7 @@ from cluster.spec_scheduling import ngram_lookup
 from workers.rejection_sampler import SpecRows, verify_drafts
 from kernels.ops import exponential_race
 from kernels.reference import uniform_noise
-from workers.spec_proposers import ngram_drafts
+from kernels.reference import ngram_drafts_reference as ngram_drafts
 
 V, K = 6, 3
 
