@@ -438,6 +438,15 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
+def uniform_rows(seeds, positions):
+    """``reference.uniform_noise(seeds, positions, 1)[:, 0]``: one Triton launch on CUDA."""
+    if _use_triton(seeds):
+        from kernels.sampling import uniform_rows_triton
+
+        return uniform_rows_triton(seeds, positions)
+    return reference.uniform_noise(seeds, positions, 1)[:, 0]
+
+
 def ngram_propose(token_ids, rows, known, width: int, k: int, n_min: int, n_max: int) -> None:
     """Prompt-lookup drafts of the sampling ``rows`` (``known``: their device token counts),
     written into ``token_ids`` at ``known .. known + k - 1``: one launch on CUDA

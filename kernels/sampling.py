@@ -152,3 +152,28 @@ def exponential_race_triton(
     )
     _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS, **launch)
     return out
+
+
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])
+def _uniform_rows_kernel(seed_ptr, pos_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``uniform_noise(seeds, positions, 1)[:, 0]``: token 0's U of each row's hash key."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    s = tl.load(seed_ptr + offs, mask=ok, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
+    key = _mix32((s & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((s >> 32).to(tl.uint32) ^ 0x9E3779B9))
+    p = tl.load(pos_ptr + offs, mask=ok, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
+    key = _mix32(key ^ (p & 0xFFFFFFFF).to(tl.uint32))
+    x = _mix32(_mix32(key) ^ (key >> 7))  # token id 0: key ^ 0
+    u = ((x >> 8).to(tl.float64) + 0.5) / 16777216.0
+    tl.store(out_ptr + offs, u.to(tl.float32), mask=ok)
+
+
+def uniform_rows_triton(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One U in (0, 1] per row, float32 [rows], bit for bit
+    ``kernels.reference.uniform_noise(seeds, positions, 1)[:, 0]`` (one launch instead of
+    some thirty torch ones: the speculative verify's acceptance draws)."""
+    n = seeds.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=seeds.device)
+    if n:
+        _uniform_rows_kernel[(triton.cdiv(n, 256),)](seeds, positions, out, n, BLOCK=256)
+    return out

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import exponential_race
-from kernels.reference import uniform_noise
+from kernels.ops import exponential_race, uniform_rows
 from workers.sampler import sampling_probs
 
 # XOR-ed into a request seed to give each random stream its own key
@@ -109,7 +108,7 @@ def _sampled_verify(rows: SpecRows, K: int, V: int) -> tuple[torch.Tensor, torch
         residual = (p - q).clamp_min(0.0)
     # if p == q the residual is empty, but then rejection has probability 0: fall back to p
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
-    u = uniform_noise(seeds ^ STREAM_ACCEPT, pos, 1)[:, 0]
+    u = uniform_rows(seeds ^ STREAM_ACCEPT, pos)
     accept = u * q_d < p_d
     recovered = exponential_race(residual, seeds ^ STREAM_RECOVER, pos)
     return accept.reshape(-1, K), recovered.reshape(-1, K)

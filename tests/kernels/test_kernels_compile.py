@@ -182,6 +182,9 @@ def test_sampling_kernels_compile():
     _compile(_argmax_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_race_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_race_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
+    from kernels.sampling import _uniform_rows_kernel
+
+    _compile(_uniform_rows_kernel, dict(BLOCK=256), ints, default_ptr="*fp32")
 
 
 def test_input_prep_and_rope_kv_compile():
