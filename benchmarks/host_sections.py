@@ -33,7 +33,7 @@ SECTIONS = [
     ("workers.model_runner:ModelRunner", "launch", "launch"),
     ("workers.model_runner", "build_step_inputs", "build_step_inputs"),
     ("workers.step_inputs", "to_device", "to_device (step inputs)"),
-    ("kernels.ops", "prepare_inputs", "prepare_inputs"),
+    ("workers.step_inputs", "prepare_inputs", "prepare_inputs"),
     ("workers.cuda_graphs:DecodeGraphs", "run", "graphs.run"),
     ("torch.cuda:CUDAGraph", "replay", "graph replay"),
     ("workers.model_runner", "build_sampling_batch", "build_sampling_batch"),
