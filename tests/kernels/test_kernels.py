@@ -398,9 +398,6 @@ def test_exponential_race_u_that_rounds_to_one_in_float32():
     assert got.tolist() == ref.exponential_race_reference(probs, seeds, pos).tolist() == [4283]
 
 
-delegate_all(globals(), __file__)  # parent process: each test reports its child run
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_writes_into_a_given_buffer(num_splits):
     """``out=`` (a piecewise graph's static buffer, a row slice of a wider one): the kernel
@@ -423,3 +420,6 @@ def test_paged_attention_writes_into_a_given_buffer(num_splits):
     got = ops.paged_attention(*args, c["query_start_loc"], *sizes, out=ref_buf)
     assert got.data_ptr() == ref_buf.data_ptr()
     torch.testing.assert_close(ref_buf[:n].float(), expect, rtol=0, atol=0)
+
+
+delegate_all(globals(), __file__)  # parent process: each test reports its child run
