@@ -37,6 +37,20 @@ def mode_options(mode: str, model: str) -> dict:
     return {}
 
 
+def workload(num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000) -> tuple[list, list]:
+    """Random prompts (token ids) and their sampling parameters: greedy and sampled rows
+    alternating, ``max_tokens`` 16-48 (rows finish at different steps)."""
+    from cluster import SamplingParams
+
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i, ignore_eos=True)
+        for i in range(num_prompts)
+    ]
+    return prompts, params
+
+
 def run_mode(
     mode: str,
     model: str,
@@ -50,7 +64,7 @@ def run_mode(
     """Launch times (ms) of one mode's steady state: after a warm-up request."""
     import ray
 
-    from cluster import LLM, SamplingParams
+    from cluster import LLM
 
     llm = LLM(
         model=model,
@@ -63,12 +77,7 @@ def run_mode(
         **mode_options(mode, model),
     )
     try:
-        rnd = random.Random(0)
-        prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
-        params = [
-            SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i, ignore_eos=True)
-            for i in range(num_prompts)
-        ]
+        prompts, params = workload(num_prompts, prompt_len, vocab)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
         ray.get([w.clear_launch_times.remote() for w in workers])

@@ -327,3 +327,23 @@ def test_roofline_table_lines(tmp_path, capsys):
     ]
     main([str(path)])
     assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
+    """``benchmarks.launch_calls`` on the CPU (no CUDA runtime calls to count): one record per
+    profiled launch and mode, the table, the JSON; a bad mode is refused."""
+    from benchmarks.launch_calls import KINDS, main
+
+    out = tmp_path / "calls.json"
+    runs = main(
+        ["--shape", "tiny", "--modes", "async,async+ngram", "--launches", "5", "--vocab", "500"]
+        + ["--output", str(out)]
+    )
+    assert set(runs) == {"async", "async+ngram"} and all(len(rows) == 5 for rows in runs.values())
+    for rows in runs.values():
+        assert [r["launch"] for r in rows] == [f"launch#{i}" for i in range(1, 6)]
+        assert all(r["ms"] > 0 and all(r[k] >= 0 for k in KINDS) for r in rows)
+    assert json.loads(out.read_text()) == runs
+    assert "| async+ngram | 5 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--modes", "async+nothing"])
