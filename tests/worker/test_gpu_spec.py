@@ -34,19 +34,17 @@ def _prompts():
     return out
 
 
-def _run(ckpt, **opts):
-    from cluster import LLM, SamplingParams
+def _llm(ckpt, **opts):
+    from cluster import LLM
 
-    llm = LLM(
-        model=str(ckpt),
-        device="cuda",
-        dtype="float32",
-        sync_check="error",
-        max_model_len=512,
-        max_num_seqs=8,
-        num_kv_blocks=256,
-        **opts,
-    )
+    base = dict(device="cuda", dtype="float32", sync_check="error", max_model_len=512, max_num_seqs=8)
+    return LLM(model=str(ckpt), num_kv_blocks=256, **base, **opts)
+
+
+def _run(ckpt, **opts):
+    from cluster import SamplingParams
+
+    llm = _llm(ckpt, **opts)
     try:
         greedy = llm.generate(
             [{"prompt_token_ids": p} for p in _prompts()],
@@ -92,7 +90,7 @@ def test_uneven_draft_counts_replay_the_padded_verify_graph(ray_gpu, ckpt, metho
     outputs still equal plain decoding's (float32), with the sync check on."""
     import ray
 
-    from cluster import LLM, SamplingParams
+    from cluster import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     params = [SamplingParams(temperature=0, max_tokens=9 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
@@ -101,17 +99,7 @@ def test_uneven_draft_counts_replay_the_padded_verify_graph(ray_gpu, ckpt, metho
         spec["speculative_model"] = str(ckpt)
     outs = {}
     for name, opts in (("plain", {}), ("spec", spec)):
-        llm = LLM(
-            model=str(ckpt),
-            device="cuda",
-            dtype="float32",
-            sync_check="error",
-            async_scheduling=True,
-            max_model_len=512,
-            max_num_seqs=8,
-            num_kv_blocks=256,
-            **opts,
-        )
+        llm = _llm(ckpt, async_scheduling=True, **opts)
         try:
             outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             stats = ray.get([w.stats.remote() for w in llm.engine.executor.workers])
