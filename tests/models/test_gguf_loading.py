@@ -117,3 +117,26 @@ def test_unsupported_gguf_refused_with_what_is_supported(tmp_path):
         load_arch(tmp_path / "junk.gguf")
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         load_arch(tmp_path / "missing.gguf")
+
+
+def test_a_gguf_pipeline_stage_dequantizes_only_its_tensors(ckpt_dir, tmp_path, monkeypatch):
+    """A later pipeline stage of a GGUF file dequantizes its own layers (and the final norm
+    and head), not the embedding or another stage's blocks; its weights equal the whole
+    model's."""
+    import torch
+
+    from workers.distributed import SINGLE
+    from workers.models import gguf_loader
+    from workers.models.loader import load_model
+    from workers.pipeline import PipelineStage
+
+    f = write_gguf(ckpt_dir("llama", layers=4), tmp_path / "stage.gguf", "Q8_0")
+    whole, _ = load_model(f, SINGLE, torch.float32, torch.device("cpu"), 64)
+    seen: list[str] = []
+    inner = gguf_loader._dequantize
+    monkeypatch.setattr(gguf_loader, "_dequantize", lambda t: seen.append(t.name) or inner(t))
+    stage, _ = load_model(f, SINGLE, torch.float32, torch.device("cpu"), 64, stage=PipelineStage(1, 2, 2, 4))
+    blocks = {int(n.split(".")[1]) for n in seen if n.startswith("blk.")}
+    assert blocks == {2, 3} and "token_embd.weight" not in seen and "output_norm.weight" in seen
+    for i in (0, 1):
+        assert torch.equal(stage.layers[i].mlp.down_proj.weight, whole.layers[i + 2].mlp.down_proj.weight)

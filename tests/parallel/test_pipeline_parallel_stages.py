@@ -88,3 +88,51 @@ def test_a_later_stage_needs_the_previous_hidden_states(ckpt_dir):
     )
     with pytest.raises(ValueError, match="pipeline stage 1 needs the previous stage's hidden states"):
         model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None, [])
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
+def test_a_stage_reads_only_its_own_tensors(ckpt_dir, monkeypatch, arch, kw):
+    """Each stage reads from disk the tensors of its layers (plus the embedding on the first,
+    the norm and head on the last; a tied head reads the embedding), never another stage's;
+    together the stages read every tensor once, as the whole model does."""
+    from safetensors import safe_open
+
+    from workers.models import loader
+
+    read: list[str] = []
+
+    class Spy:
+        def __init__(self, path, framework):
+            self.f = safe_open(path, framework=framework)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    ckpt = ckpt_dir(arch, layers=4, **kw)
+    load_model(ckpt, SINGLE, torch.float32, torch.device("cpu"), 64)
+    whole = sorted(read)
+    per_stage = []
+    for i, (a, b) in enumerate(stage_layers(4, 2, [1, 3])):
+        read.clear()
+        load_model(ckpt, SINGLE, torch.float32, torch.device("cpu"), 64, stage=PipelineStage(i, 2, a, b))
+        per_stage.append(sorted(read))
+        layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
+        assert layers == set(range(a, b)), (i, layers)
+    first, last = per_stage
+    assert any("embed_tokens" in n for n in first) and not any(n.startswith(("model.norm", "lm_head")) for n in first)
+    assert any(n.startswith("model.norm") for n in last)
+    tied = kw.get("tie_word_embeddings", False)
+    assert any("embed_tokens" in n for n in last) == tied  # the last stage's own head
+    assert sorted(set(first) | set(last)) == whole

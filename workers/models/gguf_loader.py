@@ -70,18 +70,20 @@ class GGUFCheckpoint:
         self.arch: ModelArch = load_gguf_arch(path, self.reader)
         self.llama = field(self.reader, "general.architecture") == "llama"
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) for every weight, dequantized and, for Llama,
+    def tensors(self, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor) for every weight (or each one whose name
+        ``wanted`` accepts: the others are never dequantized), dequantized and, for Llama,
         with Q/K rows restored. Unknown names pass through unchanged (the loader refuses them)."""
         for t in self.reader.tensors:
-            if t.name in _SKIP:
+            name = hf_name(t.name) or t.name
+            if t.name in _SKIP or (wanted is not None and not wanted(name)):
                 continue
             w = _dequantize(t)
             if self.llama and ".attn_q." in t.name:
                 w = unpermute_qk(w, self.arch.num_heads)
             elif self.llama and ".attn_k." in t.name:
                 w = unpermute_qk(w, self.arch.num_kv_heads)
-            yield hf_name(t.name) or t.name, torch.from_numpy(w)
+            yield name, torch.from_numpy(w)
 
     def rope_factors(self) -> torch.Tensor | None:
         """llama.cpp's per-frequency rope divisors (``rope_freqs.weight``, written for Llama 3

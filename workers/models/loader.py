@@ -84,11 +84,9 @@ def load_model(
         from workers.models.gguf_loader import GGUFCheckpoint
 
         gguf = GGUFCheckpoint(model_path)
-        arch, tensors = gguf.arch, gguf.tensors()
+        arch = gguf.arch
     else:
         arch = load_arch(model_path)
-        if load_format != "dummy":
-            tensors = _safetensors_tensors(checkpoint_files(model_path))
     stored_fp8 = arch.quantization == "fp8" and load_format != "dummy"
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions, stage)
@@ -103,6 +101,11 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model)
     else:
+        wanted = lambda n: _stage_reads(model, n)  # noqa: E731 - a stage reads only its own tensors
+        if gguf is not None:
+            tensors = gguf.tensors(wanted)
+        else:
+            tensors = _safetensors_tensors(checkpoint_files(model_path), wanted)
         _fill(model, arch, tensors, model_path)
     if quantization == "fp8" or arch.quantization == "fp8":
         if not stored_fp8:  # a 16-bit checkpoint, or dummy weights of either
@@ -120,12 +123,23 @@ def load_model(
     return model, arch
 
 
-def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_tensors(files: list[Path], wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint files, or those whose name ``wanted`` accepts (the
+    others are never read from disk)."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if "rotary_emb.inv_freq" not in name:
+                if "rotary_emb.inv_freq" not in name and (wanted is None or wanted(name)):
                     yield name, f.get_tensor(name)
+
+
+def _stage_reads(model: LlamaForCausalLM, ckpt_name: str) -> bool:
+    """Whether ``_fill`` places this checkpoint tensor in ``model`` (a pipeline stage holds
+    some layers only); scalar scales are always read (``_load_scalar`` places them)."""
+    ckpt_name = _kv_scale_name(ckpt_name)
+    if _SCALAR_RE.match(ckpt_name.removeprefix("model.")):
+        return True
+    return model.stage_param_name(_map_name(ckpt_name)[0]) is not None
 
 
 def _fill(
