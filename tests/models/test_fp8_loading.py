@@ -64,6 +64,27 @@ def test_online_quantization_makes_the_projections_fp8(fp8_pair):
     assert all(p.weight.dtype == torch.float32 for p in _load(plain).projections())  # off by default
 
 
+@pytest.mark.parametrize("tp_rank", [None, 0, 1])
+def test_quantization_at_load_equals_quantizing_the_loaded_weights(ckpt_dir, monkeypatch, tp_rank):
+    """Online FP8 quantizes each 16/32-bit tensor as it arrives, never holding the projection
+    in 16 bits: the result is bit for bit that of quantizing the loaded 16-bit model's
+    projections (this rank's rows and, row-parallel, its K slice), with no scale left unset."""
+    from workers.models import layers, loader
+
+    src = ckpt_dir("llama")
+    tp = TPGroup() if tp_rank is None else TPGroup(rank=tp_rank, size=2)
+    calls = []
+    monkeypatch.setattr(loader, "quantize_fp8", lambda lin: calls.append(lin))  # not the post-load path
+    model, _ = load_model(src, tp, torch.float32, torch.device("cpu"), 256, quantization="fp8")
+    assert calls == []
+    monkeypatch.undo()
+    plain, _ = load_model(src, tp, torch.float32, torch.device("cpu"), 256)
+    for got, want in zip(model.projections(), plain.projections()):
+        layers.quantize_fp8(want)
+        assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8))
+        assert torch.equal(got.weight_scale, want.weight_scale)
+
+
 def test_fp8_checkpoint_loads_the_stored_values(fp8_pair):
     """The stored e4m3 values and per-row scales land in the fused projections unchanged, and
     quantizing their dequantized copy at load gives back the same values."""

@@ -87,10 +87,13 @@ def load_model(
         arch = gguf.arch
     else:
         arch = load_arch(model_path)
-    stored_fp8 = arch.quantization == "fp8" and load_format != "dummy"
+    # FP8 projections take their FP8 layout before loading: a stored FP8 checkpoint's tensors
+    # load as they are, 16/32-bit ones are quantized one at a time as they arrive (the model
+    # never holds them in 16 bits); dummy weights are quantized after their initialisation
+    fp8_at_load = load_format != "dummy" and "fp8" in (quantization, arch.quantization)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp, dtype, max_positions, stage)
-        if stored_fp8:
+        if fp8_at_load:
             for proj in model.projections():
                 fp8_layout(proj)
     model = model.to_empty(device=device)
@@ -108,7 +111,7 @@ def load_model(
             tensors = _safetensors_tensors(checkpoint_files(model_path), wanted)
         _fill(model, arch, tensors, model_path)
     if quantization == "fp8" or arch.quantization == "fp8":
-        if not stored_fp8:  # a 16-bit checkpoint, or dummy weights of either
+        if not fp8_at_load:  # dummy weights of either
             for proj in model.projections():
                 quantize_fp8(proj)
         model.use_fp8()
@@ -164,6 +167,13 @@ def _fill(
             if pname == "lm_head.weight":  # tied checkpoints may still store it
                 continue
             raise ModelLoadError(f"unexpected tensor '{ckpt_name}' in checkpoint {model_path}")
+        owner_name = pname.rsplit(".", 1)[0]
+        if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype and pname.endswith(".weight"):
+            with torch.no_grad():  # a 16/32-bit projection weight into its FP8 layout
+                _load_quantized(modules[owner_name], param, tensor.to(param.device), index, ckpt_name)
+            pending.discard((pname, index))
+            pending.discard((owner_name + ".weight_scale", index))
+            continue
         tensor = tensor.to(param.dtype)
         with torch.no_grad():
             if index is not None:
@@ -175,6 +185,29 @@ def _fill(
     if pending:
         missing = sorted(n if i is None else f"{n}[part {i}]" for n, i in pending)
         raise ModelLoadError(f"{model_path}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _load_quantized(owner, param, tensor: torch.Tensor, index: int | None, ckpt_name: str) -> None:
+    """Online FP8 quantization at load: this rank's rows of a 16/32-bit weight, quantized per
+    row (``kernels.fp8_reference.quantize_weight_fp8``), placed with their scales as an FP8
+    checkpoint's would be. A row-parallel weight is sharded along K first (its rows' scales
+    are this rank's); a fused part's rows are whole rows (its scales need no sharding)."""
+    from kernels.fp8_reference import quantize_weight_fp8
+
+    if index is not None:
+        wq, scale = quantize_weight_fp8(tensor)
+        owner.load_part(param, wq, index)
+        owner.load_part(owner.weight_scale, scale, index)
+        return
+    shard = getattr(param, "shard", None)
+    if shard is not None:
+        dim, rank, _ = shard
+        tensor = _shard(tensor, dim, rank, param.shape[dim])
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ModelLoadError(f"tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    wq, scale = quantize_weight_fp8(tensor)
+    param.data.copy_(wq)
+    owner.weight_scale.data.copy_(scale)
 
 
 _KV_SCALE_ALIASES = [  # other writers' names of an attention layer's KV-cache scales
