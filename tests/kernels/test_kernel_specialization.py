@@ -15,38 +15,10 @@ import torch
 
 from kernels import attention_splits, paged_attention, pdl
 from kernels.rope_inline import DecodeRope
+from tests.kernels.launch_recorder import LaunchRecorder, launch_key
 
 ATTENTION = paged_attention._paged_attention_kernel
 REDUCE = attention_splits._reduce_splits_kernel
-
-
-class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def _variant(fn, args, kwargs) -> tuple[tuple, tuple]:
-    """(constexprs and launch options, specialisations) of one launch, as Triton keys it."""
-    values = {p.name: v for p, v in zip(fn.params, args)}
-    values.update(kwargs)
-    consts, spec = [], []
-    for p in fn.params:
-        v = values.get(p.name, p.default)
-        if p.is_constexpr:
-            consts.append((p.name, v))
-        elif p.do_not_specialize:
-            continue
-        elif isinstance(v, torch.Tensor):
-            spec.append((p.name, v.data_ptr() % 16 == 0))
-        elif isinstance(v, int) and not isinstance(v, bool):
-            spec.append((p.name, v == 1, v % 16 == 0))
-    consts += sorted((k, v) for k, v in kwargs.items() if k not in {p.name for p in fn.params})
-    return tuple(consts), tuple(spec)
 
 
 def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
@@ -67,7 +39,7 @@ def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
     seq_lens = torch.full((r,), bound - 8, dtype=torch.int32)
     qsl = torch.zeros(r + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    attn, red = _Recorder(ATTENTION), _Recorder(REDUCE)
+    attn, red = LaunchRecorder(ATTENTION), LaunchRecorder(REDUCE)
     monkeypatch.setattr(paged_attention, "_paged_attention_kernel", attn)
     monkeypatch.setattr(attention_splits, "_reduce_splits_kernel", red)
     paged_attention.paged_attention_triton(
@@ -79,10 +51,10 @@ def _launches(monkeypatch, q_lens, hq, hkv, d, bound, fused_rope=False, **opts):
 def _assert_one_variant_per_constexpr_set(launches):
     keys = defaultdict(set)
     for fn, (args, kwargs) in launches:
-        consts, spec = _variant(fn, args, kwargs)
-        keys[(fn.__name__, consts)].add(spec)
+        consts, spec, opts = launch_key(fn, args, kwargs)
+        keys[(fn.__name__, consts, opts)].add(spec)
     assert len(keys) >= 1
-    for (name, _), specs in keys.items():
+    for (name, _, _), specs in keys.items():
         if len(specs) > 1:
             differ = sorted(set.union(*(set(s) for s in specs)) - set.intersection(*(set(s) for s in specs)))
             pytest.fail(f"{name}: {len(specs)} variants for one constexpr set; differing: {differ}")
@@ -131,7 +103,7 @@ def test_split_k_tile_gemm_shares_variants_across_batch_sizes(monkeypatch, n):
 
     cfg = dict(block_m=32, block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=3)
     names = ("_tile_gemm_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel")
-    recs = {name: _Recorder(getattr(tile_gemm, name)) for name in names}
+    recs = {name: LaunchRecorder(getattr(tile_gemm, name)) for name in names}
     for name, rec in recs.items():
         monkeypatch.setattr(tile_gemm, name, rec)
     w = torch.randn(n, 256)

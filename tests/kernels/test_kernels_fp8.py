@@ -10,6 +10,7 @@ import torch
 
 from kernels import fp8_reference as ref  # plain torch
 from tests.interpreted import INTERPRETED, delegate_all
+from tests.kernels.launch_recorder import LaunchRecorder
 
 if INTERPRETED:
     from kernels import fp8_gemm, fp8_quant
@@ -245,50 +246,14 @@ def test_fp8_gemm_rejects_bad_operands():
     assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16
 
 
-class _Recorder:
-    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records instead of running."""
-
-    def __init__(self, kernel):
-        from triton.runtime.jit import JITFunction
-
-        # the interpreter's kernel object has no parameter list: rebuild the compiled one's
-        self.fn = JITFunction(kernel.fn, **kernel.kwargs) if hasattr(kernel, "kwargs") else kernel
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-    def variants(self) -> set:
-        """(constexprs, specialisations) of each launch, as Triton keys its compilations."""
-        out = set()
-        for args, kwargs in self.calls:
-            values = {p.name: v for p, v in zip(self.fn.params, args)} | kwargs
-            consts, spec = [], []
-            for p in self.fn.params:
-                v = values.get(p.name, p.default)
-                if p.is_constexpr:
-                    consts.append((p.name, v))
-                elif p.do_not_specialize:
-                    continue
-                elif isinstance(v, torch.Tensor):
-                    spec.append((p.name, str(v.dtype), v.data_ptr() % 16 == 0))
-                elif isinstance(v, int) and not isinstance(v, bool):
-                    spec.append((p.name, v == 1, v % 16 == 0))
-                elif v is None:
-                    spec.append((p.name, None))
-            opts = sorted((k, v) for k, v in kwargs.items() if k not in values or k.startswith("num_"))
-            out.add((tuple(consts), tuple(spec), tuple(opts)))
-        return out
-
-
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 2000)])  # 1000, 2000: not % 128 (% 16 for N)
 def test_batch_sizes_of_a_class_share_one_compilation(monkeypatch, n, k):
     """Every batch size of a class launches the same variant (``M`` and the split count are
     not specialised), split or not; the quantizer one for all batch sizes."""
-    recs = {name: _Recorder(getattr(fp8_gemm, name)) for name in ("_fp8_gemm_kernel", "_split_reduce_kernel")}
+    recs = {name: LaunchRecorder(getattr(fp8_gemm, name)) for name in ("_fp8_gemm_kernel", "_split_reduce_kernel")}
     for name, rec in recs.items():
         monkeypatch.setattr(fp8_gemm, name, rec)
-    qrec = _Recorder(fp8_quant._quant_rows_kernel)
+    qrec = LaunchRecorder(fp8_quant._quant_rows_kernel)
     monkeypatch.setattr(fp8_quant, "_quant_rows_kernel", qrec)
     wq = torch.zeros(n, k, dtype=FP8)
     ws = torch.ones(n)
