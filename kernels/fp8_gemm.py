@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_reference import FP8_DTYPE
+from kernels.tuning_file import check_tiles
 
 NUM_SMS = 132  # an H100 SXM's; the split-K target of select_fp8_config
 MAX_SPLIT_K = 16
 INT_KEYS = ("block_m", "block_n", "block_k", "group_m", "split_k", "num_warps", "num_stages")
-CONFIG_KEYS = INT_KEYS + ("fast_accum",)
 
 
 @triton.jit
@@ -182,12 +182,7 @@ def select_fp8_config(m: int, n: int, k: int, num_sms: int = NUM_SMS) -> dict:
 
 def check_config(cfg: dict) -> None:
     """Reject a config the kernel cannot run (a hand-written or swept one)."""
-    for key in INT_KEYS:
-        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
-            raise ValueError(f"fp8 GEMM config needs a positive int {key!r}: {cfg}")
-    for key in ("block_m", "block_n", "block_k"):
-        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"fp8 GEMM {key} must be a power of two >= 16: {cfg}")
+    check_tiles(cfg, INT_KEYS, "fp8 GEMM")
 
 
 def fp8_gemm_triton(

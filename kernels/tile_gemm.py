@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tuning_file import load_entries
+from kernels.tuning_file import check_tiles, load_entries
 
 MAX_M = 256
 # A batch of 2+ rows takes the smallest class that holds it. The 16-row class (2-16 rows)
@@ -203,12 +203,7 @@ CONFIG_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_sta
 
 def check_config(cfg: dict, k: int) -> None:
     """Reject a config this kernel cannot run (a bad tuning entry, a typo in a sweep)."""
-    for key in CONFIG_KEYS:
-        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
-            raise ValueError(f"tile GEMM config needs a positive int {key!r}: {cfg}")
-    for key in ("block_m", "block_n", "block_k"):
-        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"tile GEMM {key} must be a power of two >= 16: {cfg}")
+    check_tiles(cfg, CONFIG_KEYS, "tile GEMM")
     if k % (cfg["split_k"] * cfg["block_k"]):
         raise ValueError(f"tile GEMM: K={k} is not a multiple of split_k x block_k: {cfg}")
 

@@ -1,4 +1,5 @@
-"""Loading a measured tuning table (``{"entries": {key: config | null}, ...}``)."""
+"""Loading a measured tuning table (``{"entries": {key: config | null}, ...}``) and checking
+the GEMM tile configs such tables (and sweeps) hold."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def load_entries(
             if cfg is not None:
                 check(key, cfg)
     return entries
+
+
+def check_tiles(cfg: dict, int_keys: tuple[str, ...], what: str) -> None:
+    """Reject a GEMM config its kernel cannot run (a bad tuning entry, a typo in a sweep):
+    every ``int_keys`` a positive int, ``block_m`` / ``block_n`` / ``block_k`` powers of two
+    >= 16."""
+    for key in int_keys:
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise ValueError(f"{what} config needs a positive int {key!r}: {cfg}")
+    for key in ("block_m", "block_n", "block_k"):
+        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"{what} {key} must be a power of two >= 16: {cfg}")
