@@ -25,7 +25,7 @@ import platform
 
 import torch
 
-from benchmarks.kernels.timing import GEMM_SHAPES, graph_time_us, rotation_copies
+from benchmarks.kernels.timing import GEMM_SHAPES, gemm_args, graph_time_us, rotation_copies
 
 MS = (1, 8, 32, 128, 256, 1024, 4096)
 SHAPES = ("8b_qkv", "8b_o", "8b_gate_up", "8b_down")
@@ -122,11 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--fast-accum", action="store_true", help="Hopper's reduced-precision fp8 accumulation")
     p.add_argument("--output", help="write the rows (and the device) as JSON here")
     a = p.parse_args(argv)
-    ms = [int(v) for v in a.ms.split(",")]
-    shapes = a.shapes.split(",")
-    bad = [s for s in shapes if s not in GEMM_SHAPES]
-    if bad or any(m < 1 for m in ms):
-        p.error(f"unknown shapes {bad} (known: {sorted(GEMM_SHAPES)}) or a batch below 1")
+    ms, shapes = gemm_args(p, a.ms, a.shapes)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     import triton

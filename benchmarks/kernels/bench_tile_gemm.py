@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from benchmarks.kernels.timing import GEMM_SHAPES, graph_time_us, rotation_copies
+from benchmarks.kernels.timing import GEMM_SHAPES, gemm_args, graph_time_us, rotation_copies
 
 # A config replaces cuBLAS only when it is this much faster (run-to-run noise of one shape).
 WIN_MARGIN = 0.95
@@ -193,11 +193,7 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tuning-out", help="write the winners as a kernels.tile_gemm tuning file")
     a = p.parse_args(argv)
-    ms = [int(v) for v in a.ms.split(",")]
-    shapes = a.shapes.split(",")
-    bad = [s for s in shapes if s not in GEMM_SHAPES]
-    if bad or any(m < 1 for m in ms):
-        p.error(f"unknown shapes {bad} (known: {sorted(GEMM_SHAPES)}) or a batch below 1")
+    ms, shapes = gemm_args(p, a.ms, a.shapes)
     rows = bench(ms, shapes)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tile_gemm": rows}, f, indent=1)

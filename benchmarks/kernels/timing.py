@@ -78,6 +78,16 @@ KIND = {
 }
 
 
+def gemm_args(parser, ms: str, shapes: str) -> tuple[list[int], list[str]]:
+    """A GEMM benchmark's ``--ms`` and ``--shapes`` values, checked (``parser.error`` names
+    the known shapes)."""
+    rows, names = [int(v) for v in ms.split(",")], shapes.split(",")
+    bad = [s for s in names if s not in GEMM_SHAPES]
+    if bad or any(m < 1 for m in rows):
+        parser.error(f"unknown shapes {bad} (known: {sorted(GEMM_SHAPES)}) or a batch below 1")
+    return rows, names
+
+
 def gemm_call_kwargs(variant, m, k, dtype, dev):
     kw = {}
     if variant in ("norm", "norm_act", "norm_act_pairs"):
