@@ -21,7 +21,7 @@ from tests.kernels.test_kernels_fp8_kv import (
     reference_attention,
     rel_err,
 )
-from tests.kernels.test_kernels_gpu import decode_lens, no_sync, use_kernel_settings
+from tests.kernels.test_kernels_gpu import capture, decode_lens, no_sync, use_kernel_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -177,14 +177,7 @@ def test_gpu_fp8_decode_in_cuda_graph_and_one_variant_for_every_scale():
             c["q"], kc, vc, c["table"], c["seq"], c["qsl"], 1, bound, c["scale"], rope=rope, **scales
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for seed in range(3):  # only device values change between replays
         lens = torch.tensor(decode_lens(n, max_len=bound - 8, seed=seed), dtype=torch.int32)
         c["seq"][:n].copy_(lens.cuda())

@@ -44,6 +44,20 @@ def no_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def capture(step):
+    """``step()`` in a CUDA graph, after one warm-up call on a side stream (its kernels compile
+    outside the capture); returns ``(graph, the captured call's output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def make_attention_case(
     q_lens, seq_lens, hq, hkv, d=128, bs=16, dtype=torch.bfloat16, pad_tokens=0, bound=None, seed=0
 ):
@@ -189,14 +203,7 @@ def test_paged_attention_cuda_graph_decode(num_splits):
             num_splits=num_splits,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for seed in range(3):  # only device values change between replays
         c["seq_lens"].copy_(torch.tensor(decode_lens(nreq, max_len=bound, seed=seed)))
         c["q"].copy_(torch.randn_like(c["q"]))

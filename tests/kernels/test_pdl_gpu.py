@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import ops, pdl
-from tests.kernels.test_kernels_gpu import use_kernel_settings
+from tests.kernels.test_kernels_gpu import capture, use_kernel_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -134,14 +134,7 @@ def test_pdl_graph_chain_equals_plain_launches(batch, rope_in_attention, monkeyp
     assert pdl.enabled(probe)
     st["kv"] = [(k.clone(), v.clone()) for k, v in kv0]
     xs = torch.zeros_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _chain(xs, ws, st)  # compile the PDL variants outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(xs, ws, st)
+    graph, out = capture(lambda: _chain(xs, ws, st))  # the PDL variants compile outside it
     for _ in range(3):  # replays after garbage: a read before gdc_wait would see stale data
         out.fill_(float("nan"))
         xs.copy_(x)
