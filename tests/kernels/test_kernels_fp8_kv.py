@@ -266,15 +266,26 @@ def test_16_bit_cache_ignores_the_scales():
 # ----------------------------------------------------------------- decode with rope inside
 
 
-def rope_case(dtype, k_scale=0.5, v_scale=2.0, lens=(1, 16, 17, 64, 65, 129)):
-    """``make_case`` (a decode step, a padded request and a padded token, Qwen3's q/k norm)
-    with FP8 caches quantized with the scales; values about 150 x those of ``make_case`` (at
-    ``v_scale`` 2, a scale of 1.0 would clip the largest)."""
-    c = make_case(list(lens), 8, 2, 32, dtype, qk_norm=True, pad_reqs=1)
+def rope_case(
+    dtype,
+    k_scale=0.5,
+    v_scale=2.0,
+    lens=(1, 16, 17, 64, 65, 129),
+    heads=(8, 2, 32),
+    pad_reqs=1,
+    device="cpu",
+    bound=None,
+):
+    """``make_case`` (a decode step, padded requests and a padded token, Qwen3's q/k norm;
+    ``heads`` = (q heads, KV heads, head dim)) with FP8 caches quantized with the scales;
+    values about 150 x those of ``make_case`` (at ``v_scale`` 2, a scale of 1.0 would clip
+    the largest). ``bound``: the launch's length bound (default the table's); the reference
+    runs at the table's own (``ref_bound``: keys past ``seq_len`` are masked)."""
+    c = make_case(list(lens), *heads, dtype, qk_norm=True, pad_reqs=pad_reqs, device=device)
     c["v"] = c["v"] * 150
     c["k_cache"] = quantize(c["k_cache"].float(), k_scale)
     c["v_cache"] = quantize(c["v_cache"].float() * 150, v_scale)
-    return dict(c, k_scale=k_scale, v_scale=v_scale)
+    return dict(c, k_scale=k_scale, v_scale=v_scale, bound=bound or c["bound"], ref_bound=c["bound"])
 
 
 def rope_expected(c):
@@ -283,8 +294,9 @@ def rope_expected(c):
     q_rot = ref.rope_and_write_kv_reference(
         c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc, c["slots"], c["qw"], c["kw"], 1e-6, **scales
     )
+    table, qsl = c["table"].clamp(min=0), c["qsl"]
     out = ref.paged_attention_reference(
-        q_rot, kc, vc, c["table"].clamp(min=0), c["seq"], c["qsl"], c["qsl"], c["bound"], c["scale"], **scales
+        q_rot, kc, vc, table, c["seq"], qsl, qsl.cpu(), c["ref_bound"], c["scale"], **scales
     )
     return out, kc, vc
 
@@ -376,9 +388,9 @@ def engine_fp8_attention_launches(monkeypatch):
     decode without rope, a prefill-shaped step."""
     from kernels import paged_attention, pdl
     from kernels.rope_inline import DecodeRope
-    from tests.kernels.test_kernel_specialization import _Recorder
+    from tests.kernels.launch_recorder import LaunchRecorder
 
-    rec = _Recorder(paged_attention._paged_attention_kernel)
+    rec = LaunchRecorder(paged_attention._paged_attention_kernel)
     monkeypatch.setattr(paged_attention, "_paged_attention_kernel", rec)
     monkeypatch.setattr(pdl, "launch_kwargs", lambda t: {"USE_PDL": True, "launch_pdl": True})
     hq, hkv, d = 32, 8, 128
@@ -451,7 +463,8 @@ def test_scales_pick_no_variant(monkeypatch):
     one variant (``test_kernel_specialization``'s record of the launches)."""
     from kernels import kv_write, paged_attention, rope_kv
     from kernels.rope_inline import DecodeRope
-    from tests.kernels.test_kernel_specialization import _assert_one_variant_per_constexpr_set, _Recorder
+    from tests.kernels.launch_recorder import LaunchRecorder
+    from tests.kernels.test_kernel_specialization import _assert_one_variant_per_constexpr_set
 
     recs = {
         (paged_attention, "_paged_attention_kernel"): None,
@@ -459,7 +472,7 @@ def test_scales_pick_no_variant(monkeypatch):
         (rope_kv, "_rope_kv_kernel"): None,
     }
     for mod, name in recs:
-        recs[(mod, name)] = _Recorder(getattr(mod, name))
+        recs[(mod, name)] = LaunchRecorder(getattr(mod, name))
         monkeypatch.setattr(mod, name, recs[(mod, name)])
         params = {p.name: p for p in recs[(mod, name)].fn.params}
         assert all(params[a].do_not_specialize for a in SCALE_ARGS), name
