@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from tests.kernels.test_kernels_attention_rope import make_case
 from tests.kernels.test_kernels_fp8_kv import (
     FP8,
     SCALES,
@@ -20,6 +19,8 @@ from tests.kernels.test_kernels_fp8_kv import (
     quantize,
     reference_attention,
     rel_err,
+    rope_case,
+    rope_expected,
 )
 from tests.kernels.test_kernels_gpu import capture, decode_lens, no_sync, use_kernel_settings
 
@@ -115,24 +116,7 @@ def test_gpu_fp8_paged_attention(shape, splits, fused_reduce, k_scale, v_scale):
 
 
 def rope_gpu_case(lens, k_scale=0.5, v_scale=2.0, bound=None):
-    c = make_case(lens, HQ, HKV, D, BF16, qk_norm=True, pad_reqs=2, device="cuda")
-    c["v"] = c["v"] * 150
-    c["k_cache"] = quantize(c["k_cache"].float(), k_scale)
-    c["v_cache"] = quantize(c["v_cache"].float() * 150, v_scale)
-    # the reference at the table's own bound (keys past seq_len are masked), the launch at ``bound``
-    return dict(c, k_scale=k_scale, v_scale=v_scale, bound=bound or c["bound"], ref_bound=c["bound"])
-
-
-def rope_reference(c):
-    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
-    scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
-    q = ref.rope_and_write_kv_reference(
-        c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc, c["slots"], c["qw"], c["kw"], 1e-6, **scales
-    )
-    out = ref.paged_attention_reference(
-        q, kc, vc, c["table"].clamp(min=0), c["seq"], c["qsl"], c["qsl"].cpu(), c["ref_bound"], c["scale"], **scales
-    )
-    return out, kc, vc
+    return rope_case(BF16, k_scale, v_scale, lens, heads=(HQ, HKV, D), pad_reqs=2, device="cuda", bound=bound)
 
 
 @pytest.mark.parametrize("pdl", ["on", "off"])
@@ -144,7 +128,7 @@ def test_gpu_fp8_decode_attention_with_rope(monkeypatch, pdl, n, bound):
 
     use_kernel_settings(monkeypatch, pdl=pdl)
     c = rope_gpu_case(decode_lens(n, max_len=min(bound or 2000, 2000) - 8, seed=n), bound=bound)
-    exp, kc_exp, vc_exp = rope_reference(c)
+    exp, kc_exp, vc_exp = rope_expected(c)
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     args = (c["positions"], c["q"], c["k"], c["v"], c["cs"], kc, vc, c["slots"], c["table"], c["seq"], c["qsl"])
     assert ops.rope_in_attention_applies(n + 1, 1, c["bound"])
@@ -189,7 +173,7 @@ def test_gpu_fp8_decode_in_cuda_graph_and_one_variant_for_every_scale():
         with no_sync():
             graph.replay()
         torch.cuda.synchronize()
-        exp, kc_exp, _ = rope_reference(c)
+        exp, kc_exp, _ = rope_expected(c)
         assert_close_scaled(out[:n], exp[:n], BF16)
         assert_keys_close(kc, kc_exp)
     watch = CompileWatch()
