@@ -365,37 +365,37 @@ def _activate(y, act: str | None, out_dtype):
 
 def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype):
     """``linear`` with an FP8 weight (``kernels.fp8_linear``): weight-only skinny GEMM up to
-    ``SKINNY_MAX_M`` rows; else norm, FP8 quantization of the input, FP8 GEMM, activation."""
+    ``SKINNY_MAX_M`` rows (the norm and activation fused where the skinny table fuses them);
+    else norm, FP8 quantization of the input, FP8 GEMM, activation."""
     from kernels import fp8_linear
 
-    new_res = None
-    if x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M:
-        cfg = None
-        if _use_triton(x):
-            cfg = _fp8_skinny_config(x, weight, norm_weight is not None, act, out_dtype)
-            if cfg is None:  # unfused, as the 16-bit path there: norm kernel, plain GEMM, act kernel
-                if norm_weight is not None:
-                    x, new_res = rms_norm(x, norm_weight, eps, residual)
-                plain = _fp8_skinny_config(x, weight, False, None, None, fused_only=False)
-                y = fp8_linear.weight_only_linear(x, weight, weight_scale, bias, plain)[0]
-                return _activate(y, act, out_dtype), new_res
-        kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype)
-        return fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg, **kw)
+    small = x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
+    if small:
+        cfg = _fp8_skinny_config(x, weight, norm_weight is not None, act, out_dtype) if _use_triton(x) else None
+        if cfg is not None or not _use_triton(x):  # fused (on the CPU: its reference)
+            kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype)
+            return fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg, **kw)
+    new_res = None  # unfused, as the 16-bit path: norm kernel, GEMM, activation kernel
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
-    y = fp8_linear.w8a8_linear(x, weight, weight_scale, input_scale, bias)
+    if small:
+        plain = _fp8_skinny_config(x, weight, False, None, None)
+        y = fp8_linear.weight_only_linear(x, weight, weight_scale, bias, plain)[0]
+    else:
+        y = fp8_linear.w8a8_linear(x, weight, weight_scale, input_scale, bias)
     return _activate(y, act, out_dtype), new_res
 
 
-def _fp8_skinny_config(x, weight, norm: bool, act, out_dtype, fused_only: bool = True) -> dict | None:
-    """The skinny table's tiles for an FP8 weight of this shape (its 16-bit entries), the
-    fallback tiles where it names the GEMV (no FP8 GEMV); where it says "unfused" (None) at
-    more than one row: None (``fused_only``) or the fallback tiles."""
+def _fp8_skinny_config(x, weight, norm: bool, act, out_dtype) -> dict | None:
+    """The skinny table's tiles for an FP8 weight of this shape (its 16-bit entries); the
+    fallback tiles where it names the GEMV (no FP8 GEMV), or says "unfused" at one row or for
+    a plain GEMM (no cuBLAS path for FP8); None where it says "unfused" for a fused call at
+    more than one row (the caller runs the norm and activation kernels around a plain GEMM)."""
     from kernels.skinny_gemm import fallback_config, kind_of, select_config
 
     m = x.shape[0]
     cfg = select_config(m, *weight.shape, kind_of(norm, act, out_dtype == torch.float32), current().skinny_table)
-    if cfg is None and m > 1 and fused_only:
+    if cfg is None and m > 1 and (norm or act is not None):
         return None
     return fallback_config(m) if cfg is None or cfg.get("kernel") == "gemv" else cfg
 
