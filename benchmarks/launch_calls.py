@@ -52,7 +52,10 @@ def _summarise(prof) -> list[dict]:
     events = prof.events()
     calls = [e for e in events if e.name.startswith("cu")]
     rows = []
-    for launch in (e for e in events if e.name.startswith("launch#")):
+    from torch.autograd import DeviceType
+
+    # (a record_function range also appears as a GPU-side annotation: the host's only)
+    for launch in (e for e in events if e.name.startswith("launch#") and e.device_type == DeviceType.CPU):
         lo, hi = launch.time_range.start, launch.time_range.end
         inside = [c for c in calls if lo <= c.time_range.start and c.time_range.end <= hi]
         worst = max(inside, key=lambda c: c.time_range.elapsed_us(), default=None)

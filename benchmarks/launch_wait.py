@@ -118,19 +118,26 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--output", default=None, help="write the raw launch times as JSON here")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not args.wait_ms > 0:
+        p.error(f"unknown modes {bad} (known: {', '.join(MODES)}) or --wait-ms not positive")
     model, fmt = resolve_model(args.model, None if args.model else args.shape)
-    runs = [run_mode(m, model, fmt, args.wait_ms) for m in args.modes.split(",")]
-    rows = [summarize(r) for r in runs]
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"runs": runs, "summary": rows}, f)
-    print(f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | preemptions |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print(f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | preemptions |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    runs, rows = [], []
+    for mode in modes:  # a row as each mode ends: a long run shows its progress
+        runs.append(run_mode(mode, model, fmt, args.wait_ms))
+        r = summarize(runs[-1])
+        rows.append(r)
         print(
             f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
-            f"| {r['preemptions']} |"
+            f"| {r['preemptions']} |",
+            flush=True,
         )
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"runs": runs, "summary": rows}, f)
     return rows
 
 

@@ -438,13 +438,22 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
-def uniform_rows(seeds, positions):
-    """``reference.uniform_noise(seeds, positions, 1)[:, 0]``: one Triton launch on CUDA."""
-    if _use_triton(seeds):
-        from kernels.sampling import uniform_rows_triton
+def verify_slots(*args, **kw):
+    """Speculative verification of every draft slot (``kernels.spec_verify``): one launch on CUDA."""
+    if _use_triton(args[0]):
+        from kernels.spec_verify import verify_slots_triton
 
-        return uniform_rows_triton(seeds, positions)
-    return reference.uniform_noise(seeds, positions, 1)[:, 0]
+        return verify_slots_triton(*args, **kw)
+    return reference.verify_slots_reference(*args, **kw)
+
+
+def accept_commit(*args, **kw):
+    """The accepted drafts plus one token a row, committed to the device state: one launch on CUDA."""
+    if _use_triton(args[0]):
+        from kernels.spec_verify import accept_commit_triton
+
+        return accept_commit_triton(*args, **kw)
+    return reference.accept_commit_reference(*args, **kw)
 
 
 def ngram_propose(token_ids, rows, known, width: int, k: int, n_min: int, n_max: int) -> None:

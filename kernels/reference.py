@@ -336,3 +336,72 @@ def prepare_inputs_reference(
     qsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32, device=q_lens.device)
     qsl[1:] = q_lens.cumsum(0).int()
     return positions, input_ids, seq_lens, slot_mapping, qsl
+
+
+# XOR-ed into a request seed to give each random stream of speculative decoding its own key
+STREAM_ACCEPT = 0x5EC0_0001
+STREAM_RECOVER = 0x5EC0_0002
+STREAM_DRAFT = 0x5EC0_0003
+
+
+def verify_slots_reference(
+    logits, spec_idx, input_ids, draft_idx, num_drafts, temperature, seeds, positions,
+    draft_probs=None, draft_rows=None, probs: bool = False,
+):  # fmt: skip
+    """``kernels.spec_verify.verify_slots_triton`` in torch: rejection sampling of every draft
+    slot (Leviathan et al. 2023). Returns ``(accept int8 [R, K], recovered int64 [R, K])``."""
+    R, K = spec_idx.shape
+    x = logits[spec_idx.reshape(-1)].float()  # [R * K, V]
+    d = input_ids[draft_idx.reshape(-1)][:, None]
+    t = temperature.repeat_interleave(K)
+    greedy = x.argmax(dim=-1)
+    if probs:
+        p = x / x.sum(dim=-1, keepdim=True)
+    else:
+        p = (x / torch.where(t > 0, t, torch.ones_like(t))[:, None]).softmax(dim=-1)
+    p_d = p.gather(1, d)[:, 0]
+    if draft_probs is None:  # a point mass on the draft
+        q_d, residual = torch.ones_like(p_d), p.scatter(1, d, 0.0)
+    else:
+        q = draft_probs[draft_rows, :K].reshape(R * K, -1)
+        q_d, residual = q.gather(1, d)[:, 0], (p - q).clamp_min(0.0)
+    # if p == q the residual is empty, but then rejection has probability 0: fall back to p
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    seeds = seeds.repeat_interleave(K)
+    pos = ((positions - num_drafts)[:, None] + torch.arange(K, device=x.device)[None, :]).reshape(-1)
+    accept = uniform_noise(seeds ^ STREAM_ACCEPT, pos, 1)[:, 0] * q_d < p_d
+    recovered = torch.where(accept, 0, exponential_race_reference(residual, seeds ^ STREAM_RECOVER, pos))
+    accept = torch.where(t > 0, accept, greedy == d[:, 0])
+    recovered = torch.where(t > 0, recovered, greedy).reshape(R, K)
+    valid = torch.arange(K, device=x.device)[None, :] < num_drafts[:, None]
+    return (accept.reshape(R, K) & valid).to(torch.int8), torch.where(valid, recovered, 0)
+
+
+def accept_commit_reference(
+    accept, recovered, input_ids, draft_idx, num_drafts, bonus, positions, rows, token_table, num_computed,
+    output_counts=None,
+):  # fmt: skip
+    """``kernels.spec_verify.accept_commit_triton`` in torch: each row keeps its leading
+    accepted drafts, then its recovered token (or the bonus token if every draft passed);
+    the tokens go into ``token_table[rows]`` from the row's first new position (none past
+    the last column), ``num_computed[rows]`` advances, ``output_counts`` counts them.
+    Returns ``(tokens [R, K + 1], num_accepted [R], known [R])``."""
+    R, K = accept.shape
+    dev = accept.device
+    slot = torch.arange(K + 1, device=dev)[None, :]
+    ok = (accept != 0) & (slot[:, :K] < num_drafts[:, None])
+    n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+    tokens = torch.cat([input_ids[draft_idx], bonus[:, None]], dim=1)
+    fallback = torch.cat([recovered, bonus[:, None]], dim=1)
+    last = torch.where(n_acc < num_drafts, fallback.gather(1, n_acc[:, None])[:, 0], bonus)
+    tokens = torch.where(slot == n_acc[:, None], last[:, None], tokens)
+    first = positions.long() - num_drafts
+    pos = first[:, None] + slot
+    keep = pos < token_table.shape[1]
+    rows2 = rows.long()[:, None].expand(-1, K + 1)
+    token_table[rows2[keep], pos[keep]] = tokens[keep]
+    num_computed[rows] = (first + n_acc).to(num_computed.dtype)
+    if output_counts is not None:
+        emitted = (slot <= n_acc[:, None]).to(output_counts.dtype)
+        output_counts.index_put_((rows2, tokens), emitted, accumulate=True)
+    return tokens, n_acc, first + n_acc + 1

@@ -30,18 +30,21 @@ def _mix32(x):
     return x
 
 
+@triton.jit
+def _hash_key(seed, pos):
+    """``kernels.reference.noise_row_key`` of an int64 (seed, position), in registers."""
+    s = seed.to(tl.uint64, bitcast=True)
+    key = _mix32((s & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((s >> 32).to(tl.uint32) ^ 0x9E3779B9))
+    return _mix32(key ^ (pos.to(tl.uint64, bitcast=True) & 0xFFFFFFFF).to(tl.uint32))
+
+
 # Sizes are not specialised on, so one compile serves every batch and vocabulary.
 @triton.jit
 def _row_key(seed_ptr, pos_ptr, row):
     """``kernels.reference.noise_row_key`` of one row, in registers: computing it here
     instead of in torch saves some twenty tiny launches a call (a step must stay far below
     the device's launch-queue depth, or its launch waits for the device)."""
-    s = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True)
-    lo = (s & 0xFFFFFFFF).to(tl.uint32)
-    hi = (s >> 32).to(tl.uint32)
-    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
-    p = tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True)
-    return _mix32(key ^ (p & 0xFFFFFFFF).to(tl.uint32))
+    return _hash_key(tl.load(seed_ptr + row).to(tl.int64), tl.load(pos_ptr + row).to(tl.int64))
 
 
 # The seed and position rows are often views into a stacked [3, rows] tensor, whose offset is
@@ -151,29 +154,4 @@ def exponential_race_triton(
         **launch,
     )
     _race_reduce_kernel[(rows,)](best, idx, out, num_splits, SPLITS=MAX_SPLITS, **launch)
-    return out
-
-
-@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])
-def _uniform_rows_kernel(seed_ptr, pos_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """``uniform_noise(seeds, positions, 1)[:, 0]``: token 0's U of each row's hash key."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    s = tl.load(seed_ptr + offs, mask=ok, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
-    key = _mix32((s & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((s >> 32).to(tl.uint32) ^ 0x9E3779B9))
-    p = tl.load(pos_ptr + offs, mask=ok, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
-    key = _mix32(key ^ (p & 0xFFFFFFFF).to(tl.uint32))
-    x = _mix32(_mix32(key) ^ (key >> 7))  # token id 0: key ^ 0
-    u = ((x >> 8).to(tl.float64) + 0.5) / 16777216.0
-    tl.store(out_ptr + offs, u.to(tl.float32), mask=ok)
-
-
-def uniform_rows_triton(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One U in (0, 1] per row, float32 [rows], bit for bit
-    ``kernels.reference.uniform_noise(seeds, positions, 1)[:, 0]`` (one launch instead of
-    some thirty torch ones: the speculative verify's acceptance draws)."""
-    n = seeds.shape[0]
-    out = torch.empty(n, dtype=torch.float32, device=seeds.device)
-    if n:
-        _uniform_rows_kernel[(triton.cdiv(n, 256),)](seeds, positions, out, n, BLOCK=256)
     return out

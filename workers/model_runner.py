@@ -223,6 +223,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
+        if self.spec is not None:
+            self.spec.warm_up(self.state)
         self._scratch_request_steps()
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage
@@ -434,17 +436,14 @@ class ModelRunner:
         s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
         so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch, raw_argmax)
-        if inp.max_drafts:
-            tokens, n_acc = self.spec.verify(logits, inp, batch, st, s_rows, so.token_ids)
-            first_pos = s_pos - inp.num_drafts_d  # position of the row's first new token
-            st.num_computed[s_rows] = (first_pos + n_acc).int()  # p + 1 + accepted
+        if inp.max_drafts:  # verified and committed (tokens, lengths, counts) on the device
+            tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows, so.token_ids)
         else:
-            tokens, n_acc, first_pos = so.token_ids[:, None], None, s_pos
-        self._commit_tokens(st, s_rows, first_pos, tokens, n_acc, count=batch.penalties is not None)
+            tokens, n_acc, known = so.token_ids[:, None], None, s_pos + 1
+            self._commit_tokens(st, s_rows, s_pos, so.token_ids, count=batch.penalties is not None)
         if self.pp is not None:  # stage 0 embeds them next step: device to device, no host
             self.pp.send_tokens(tokens[:, 0])
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
-            known = first_pos + (n_acc if n_acc is not None else 0) + 1
             self.spec.propose(st, inp, s_rows, known, batch)
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device, self._pinned)
@@ -454,24 +453,14 @@ class ModelRunner:
         return pending
 
     @staticmethod
-    def _commit_tokens(st, s_rows, first_pos, tokens, n_acc, count: bool = True) -> None:
+    def _commit_tokens(st, s_rows, pos, tokens, count: bool = True) -> None:
         """The sampled tokens feed the next step on the device, without visiting the host.
-        Slots past a row's accepted count hold rejected drafts: written beyond its known
-        length (harmless) and not counted for penalties. ``count=False`` (no row of the
-        step has a penalty, a host-known fact) skips the output-token counts: only
-        penalties read them, and a row's penalties never change."""
-        width = tokens.shape[1]
-        if width == 1:
-            st.token_ids[s_rows, first_pos] = tokens[:, 0]
-            if count:
-                st.output_counts[s_rows, tokens[:, 0]] += 1
-            return
-        slot = torch.arange(width, device=tokens.device)[None, :]
-        pos = (first_pos[:, None] + slot).clamp(max=st.token_ids.shape[1] - 1)
-        rows2 = s_rows[:, None].expand(-1, width)
-        st.token_ids[rows2, pos] = tokens
+        ``count=False`` (no row of the step has a penalty, a host-known fact) skips the
+        output-token counts: only penalties read them, and a row's penalties never change.
+        (Speculative steps commit inside their verification: ``SpecDecoder.verify``.)"""
+        st.token_ids[s_rows, pos] = tokens
         if count:
-            st.output_counts.index_put_((rows2, tokens), (slot <= n_acc[:, None]).int(), accumulate=True)
+            st.output_counts[s_rows, tokens] += 1
 
     def _record_event(self):
         if not (self.cfg.measure_device_timeline and self.device.type == "cuda"):

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from metadata.config import EngineConfig
+from kernels.ops import accept_commit, verify_slots
 from workers.device_state import DeviceState
-from workers.rejection_sampler import SpecRows, verify_drafts
+from workers.rejection_sampler import SpecRows, verify_and_commit
 from workers.sampler import SamplingBatch
 from workers.spec_proposers import DraftModelProposer, NgramProposer
 from workers.step_inputs import StepInputs
@@ -74,27 +75,46 @@ class SpecDecoder:
         st: DeviceState,
         s_rows: torch.Tensor,
         bonus: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        K = inp.max_drafts
-        draft_probs = None
-        if self.method == "draft_model" and not batch.all_greedy:
-            draft_probs = st.ensure_draft_probs(self.k)[s_rows, :K]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verifies the step's drafts and commits the outputs to ``st`` (tokens, lengths,
+        penalty counts): ``(tokens [R, K + 1], num_accepted [R], known [R])``."""
+        sampled = self.method == "draft_model" and not batch.all_greedy
         rows = SpecRows(
-            logits=logits_all[inp.spec_idx].float(),
-            draft_tokens=inp.input_ids[inp.draft_token_idx],
+            logits=logits_all,
+            spec_idx=inp.spec_idx,
+            input_ids=inp.input_ids,
+            draft_idx=inp.draft_token_idx,
             num_drafts=inp.num_drafts_d,
-            draft_probs=draft_probs,
+            positions=batch.positions,
             temperature=batch.temperature,
             top_k=batch.top_k,
             top_p=batch.top_p,
             min_p=batch.min_p,
             seeds=batch.seeds,
-            positions=batch.positions - inp.num_drafts_d,
-            all_greedy=batch.all_greedy,
+            draft_probs=st.ensure_draft_probs(self.k) if sampled else None,
+            draft_rows=s_rows if sampled else None,
             any_top_k_top_p=batch.any_top_k_top_p,
             any_min_p=batch.any_min_p,
         )
-        return verify_drafts(rows, bonus)
+        counts = st.output_counts if batch.penalties is not None else None
+        return verify_and_commit(rows, bonus, s_rows, st.token_ids, st.num_computed, counts)
+
+    def warm_up(self, st: DeviceState) -> None:
+        """Compiles every verify and commit kernel variant this method uses before serving
+        (on scratch tensors of the state's dtypes: ``st`` is not touched)."""
+        dev, k, vocab = st.token_ids.device, self.k, st.output_counts.shape[1]
+        ids = torch.zeros(k, dtype=torch.int64, device=dev)
+        idx, one = ids.view(1, k), torch.ones(1, dtype=torch.int64, device=dev)
+        logits, t = torch.ones(k, vocab, device=dev), torch.ones(1, device=dev)
+        variants = [(None, None)]
+        if self.method == "draft_model":
+            variants.append((torch.ones(1, k, vocab, device=dev), ids[:1]))
+        for q, q_rows in variants:
+            for probs in (False, True):
+                acc, rec = verify_slots(logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs)
+        for counts in (None, torch.zeros_like(st.output_counts[:1])):
+            table, computed = torch.zeros_like(st.token_ids[:1]), torch.zeros_like(st.num_computed[:1])
+            accept_commit(acc, rec, ids, idx, one * k, ids[:1], one * k, ids[:1], table, computed, counts)
 
     # ------------------------------------------------------------ propose
     def propose(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from workers.device_state import DeviceState
-from workers.rejection_sampler import STREAM_DRAFT
 from kernels.ops import exponential_race, ngram_propose
+from kernels.reference import STREAM_DRAFT
 from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window, uniform_pads
 

@@ -357,21 +357,6 @@ def test_exponential_race(rows, vocab, splits, block):
     assert got.tolist() == ref.exponential_race_reference(probs, neg, far).tolist()
 
 
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_uniform_rows_bit_identical_to_the_reference(rows):
-    """The speculative verify's acceptance draws: one U a row, bit for bit the reference's
-    (negative seeds, positions past 2^32, a strided view of stacked rows)."""
-    g = torch.Generator().manual_seed(rows)
-    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=g)
-    pos = torch.randint(0, 1 << 40, (rows,), generator=g)
-    stacked = torch.stack([seeds, pos])  # views into one [2, rows] tensor, as the sampler passes
-    got = smp.uniform_rows_triton(stacked[0], stacked[1])
-    want = ref.uniform_noise(seeds, pos, 1)[:, 0]
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-    assert bool((got > 0).all()) and bool((got <= 1).all())
-    assert not torch.equal(smp.uniform_rows_triton(seeds + 1, pos), got)
-
-
 def test_exponential_race_ties_and_strides():
     probs = torch.zeros(3, 500)
     probs[1, 123] = 1.0  # a single candidate

@@ -182,9 +182,21 @@ def test_sampling_kernels_compile():
     _compile(_argmax_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_race_partial_kernel, dict(BLOCK=2048, USE_PDL=True), ints, default_ptr="*fp32")
     _compile(_race_reduce_kernel, dict(SPLITS=64, USE_PDL=True), ints, default_ptr="*fp32")
-    from kernels.sampling import _uniform_rows_kernel
 
-    _compile(_uniform_rows_kernel, dict(BLOCK=256), ints, default_ptr="*fp32")
+
+def test_spec_verify_kernels_compile():
+    from kernels.spec_verify import _accept_commit_kernel, _verify_slots_kernel
+
+    i64 = {n: "*i64" for n in ("spec_idx_ptr", "ids_ptr", "draft_idx_ptr", "nd_ptr", "seeds_ptr", "pos_ptr")}
+    i64.update(q_rows_ptr="*i64", recovered_ptr="*i64", accept_ptr="*i8", logits_ptr="*bf16")
+    for has_q in (False, True):
+        for probs in (False, True):
+            _compile(_verify_slots_kernel, dict(HAS_Q=has_q, PROBS=probs, BLOCK=1024), i64, default_ptr="*fp32")
+    i64 = {n: "*i64" for n in ("recovered_ptr", "ids_ptr", "draft_idx_ptr", "nd_ptr", "bonus_ptr", "pos_ptr")}
+    i64.update(rows_ptr="*i64", tok_table_ptr="*i64", tokens_ptr="*i64", n_acc_ptr="*i64", known_ptr="*i64")
+    i64.update(accept_ptr="*i8")
+    for count in (False, True):
+        _compile(_accept_commit_kernel, dict(COUNT=count), i64, default_ptr="*i32")
 
 
 def test_input_prep_and_rope_kv_compile():

@@ -488,16 +488,3 @@ def test_exponential_race_matches_reference(rows):
     ref_bad = ((top2[:, 0] - ref_picked) > 1e-5 * top2[:, 0]).nonzero().flatten().tolist()
     assert not bad and not ref_bad, f"kernel off the best on rows {bad}, reference on {ref_bad}"
     assert torch.equal(got[clear], want[clear])
-
-
-@pytest.mark.parametrize("rows", [1, 300])
-def test_uniform_rows_match_reference(rows):
-    """The speculative acceptance draws, bit for bit the torch reference's, without a sync."""
-    from kernels.sampling import uniform_rows_triton
-
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    seeds = torch.randint(-(2**62), 2**62, (rows,), device="cuda", generator=g)
-    pos = torch.randint(0, 1 << 40, (rows,), device="cuda", generator=g)
-    with no_sync():
-        got = uniform_rows_triton(seeds, pos)
-    assert torch.equal(got, ref.uniform_noise(seeds, pos, 1)[:, 0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.spec_scheduling import ngram_lookup
-from workers.rejection_sampler import SpecRows, verify_drafts
+from workers.rejection_sampler import SpecRows, verify_and_commit
 from kernels.ops import exponential_race
 from kernels.reference import uniform_noise
 from kernels.reference import ngram_drafts_reference as ngram_drafts
@@ -14,23 +14,33 @@ from kernels.reference import ngram_drafts_reference as ngram_drafts
 V, K = 6, 3
 
 
-def _rows(logits, drafts, num_drafts, draft_probs, temperature, seeds, positions):
+def _verify(logits, drafts, num_drafts, draft_probs, temperature, seeds, positions, bonus):
+    """``verify_and_commit`` of rows given as ``logits [R, K, V]``, ``drafts [R, K]`` and
+    ``positions``: each row's first draft position. Returns ``(tokens, num_accepted)``."""
     R = logits.shape[0]
-    return SpecRows(
-        logits=logits,
-        draft_tokens=drafts,
+    idx = torch.arange(R * K).view(R, K)
+    rows = SpecRows(
+        logits=logits.reshape(R * K, V),
+        spec_idx=idx,
+        input_ids=drafts.reshape(-1),
+        draft_idx=idx,
         num_drafts=num_drafts,
-        draft_probs=draft_probs,
+        positions=positions + num_drafts,
         temperature=temperature,
         top_k=torch.zeros(R, dtype=torch.int64),
         top_p=torch.ones(R),
         min_p=torch.zeros(R),
         seeds=seeds,
-        positions=positions,
-        all_greedy=bool((temperature == 0).all()),
+        draft_probs=draft_probs,
+        draft_rows=torch.arange(R) if draft_probs is not None else None,
         any_top_k_top_p=False,
         any_min_p=False,
     )
+    table = torch.zeros(R, 64, dtype=torch.int64)
+    computed = torch.zeros(R, dtype=torch.int32)
+    tokens, n_acc, known = verify_and_commit(rows, bonus, torch.arange(R), table, computed, None)
+    assert torch.equal(known, positions + n_acc + 1)
+    return tokens, n_acc
 
 
 def _sample_many(R, probs_q, target_logits, bonus_logits, use_draft_probs):
@@ -44,8 +54,7 @@ def _sample_many(R, probs_q, target_logits, bonus_logits, use_draft_probs):
     logits = target_logits.expand(R, K, V).clone()
     draft_probs = probs_q.expand(R, K, V).clone() if use_draft_probs else None
     bonus = exponential_race(bonus_logits.softmax(-1).expand(R, V), seeds, pos + K)
-    rows = _rows(logits, drafts, torch.full((R,), K), draft_probs, torch.ones(R), seeds, pos)
-    return verify_drafts(rows, bonus), drafts
+    return _verify(logits, drafts, torch.full((R,), K), draft_probs, torch.ones(R), seeds, pos, bonus), drafts
 
 
 def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
@@ -102,10 +111,8 @@ def test_greedy_verification_matches_argmax_chain():
             drafts[r, bad[r]] = (argmax[r, bad[r]] + 1) % V
     num = torch.randint(0, K + 1, (R,), generator=g)
     bonus = torch.randint(0, V, (R,), generator=g)
-    rows = _rows(
-        logits, drafts, num, None, torch.zeros(R), torch.zeros(R, dtype=torch.int64), torch.zeros(R, dtype=torch.int64)
-    )
-    tokens, n_acc = verify_drafts(rows, bonus)
+    zeros = torch.zeros(R, dtype=torch.int64)
+    tokens, n_acc = _verify(logits, drafts, num, None, torch.zeros(R), zeros, zeros, bonus)
     for r in range(R):
         k = int(num[r])
         a = 0

@@ -82,3 +82,24 @@ def test_eager_decode_passes_leave_no_trace(ckpt_dir):
     assert _serve(warmed) == _serve(fresh)
     for a, b in zip(warmed.logits, fresh.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_spec_kernel_warm_up_leaves_the_state_untouched(ckpt_dir):
+    """``SpecDecoder.warm_up`` (run on GPUs before serving, to compile the verify and commit
+    kernels) runs here through the torch references: it works on scratch tensors only."""
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    model = str(ckpt_dir("llama"))
+    for method in ("ngram", "draft_model"):
+        extra = {"speculative_model": model} if method == "draft_model" else {}
+        cfg = EngineConfig.from_options(
+            num_kv_blocks=12, block_size=BS, max_num_seqs=4, speculative_method=method, **extra
+        )
+        r = ModelRunner(cfg, model, torch.device("cpu"), TPGroup(), 128)
+        r.init_kv_cache(12)
+        st = r.state
+        st.token_ids.random_(0, 50)
+        before = [t.clone() for t in (st.token_ids, st.num_computed, st.output_counts)]
+        r.spec.warm_up(st)
+        assert all(torch.equal(a, b) for a, b in zip(before, (st.token_ids, st.num_computed, st.output_counts)))
