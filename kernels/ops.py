@@ -1,9 +1,9 @@
 """Device dispatch: Triton kernels on CUDA, the torch references elsewhere.
 
 Every choice between kernels is made here (and, for GEMMs that also do the next RMSNorm, in
-``kernels.fused_norm_ops``), from CPU facts (shapes, dtypes, the batch size) and the installed
-``kernels.settings.KernelSettings``; the leaf kernels take the tuning entries they need as
-arguments and never reach back here.
+``kernels.fused_norm_ops``; for speculative decoding, in ``kernels.spec_ops``), from CPU
+facts (shapes, dtypes, the batch size) and the installed ``kernels.settings.KernelSettings``;
+the leaf kernels take the tuning entries they need as arguments and never reach back here.
 """
 
 from __future__ import annotations
@@ -436,39 +436,6 @@ def exponential_race(probs, seeds, positions):
 
         return exponential_race_triton(probs, seeds, positions)
     return reference.exponential_race_reference(probs, seeds, positions)
-
-
-def verify_slots(*args, **kw):
-    """Speculative verification of every draft slot (``kernels.spec_verify``): one launch on CUDA."""
-    if _use_triton(args[0]):
-        from kernels.spec_verify import verify_slots_triton
-
-        return verify_slots_triton(*args, **kw)
-    return reference.verify_slots_reference(*args, **kw)
-
-
-def accept_commit(*args, **kw):
-    """The accepted drafts plus one token a row, committed to the device state: one launch on CUDA."""
-    if _use_triton(args[0]):
-        from kernels.spec_verify import accept_commit_triton
-
-        return accept_commit_triton(*args, **kw)
-    return reference.accept_commit_reference(*args, **kw)
-
-
-def ngram_propose(token_ids, rows, known, width: int, k: int, n_min: int, n_max: int) -> None:
-    """Prompt-lookup drafts of the sampling ``rows`` (``known``: their device token counts),
-    written into ``token_ids`` at ``known .. known + k - 1``: one launch on CUDA
-    (``kernels.ngram``), ``reference.ngram_drafts_reference`` elsewhere. ``width``: a host
-    bound on every ``known``."""
-    if _use_triton(token_ids):
-        from kernels.ngram import ngram_propose_triton
-
-        return ngram_propose_triton(token_ids, rows, known, width, k, n_min, n_max)
-    drafts = reference.ngram_drafts_reference(token_ids[rows, :width], known, k, n_min, n_max)
-    pos = known.long()[:, None] + torch.arange(k, device=known.device)[None, :]
-    keep = pos < token_ids.shape[1]  # (a draft past the table's last column is dropped)
-    token_ids[rows[:, None].expand(-1, k)[keep], pos[keep]] = drafts[keep]
 
 
 def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:

@@ -405,3 +405,17 @@ def accept_commit_reference(
         emitted = (slot <= n_acc[:, None]).to(output_counts.dtype)
         output_counts.index_put_((rows2, tokens), emitted, accumulate=True)
     return tokens, n_acc, first + n_acc + 1
+
+
+def draft_sample_reference(logits, temperature, seeds, positions, draft_probs=None, rows=None, slot: int = 0):
+    """``kernels.draft_sample.draft_sample_triton`` in torch: the draft's argmax (every row
+    greedy if ``draft_probs`` is None), else for rows with temperature > 0 a seeded draw
+    from ``softmax(logits / T)``, whose distribution goes to ``draft_probs[rows, slot]``."""
+    x = logits.float()
+    greedy = x.argmax(dim=-1)
+    if draft_probs is None:
+        return greedy
+    hot = temperature > 0
+    p = (x / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
+    draft_probs[rows, slot] = torch.where(hot[:, None], p, draft_probs[rows, slot])
+    return torch.where(hot, exponential_race_reference(p, seeds ^ STREAM_DRAFT, positions), greedy)

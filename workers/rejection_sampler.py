@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import accept_commit, verify_slots
+from kernels.spec_ops import accept_commit, verify_slots
 from workers.sampler import sampling_probs
 
 

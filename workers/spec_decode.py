@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from metadata.config import EngineConfig
-from kernels.ops import accept_commit, verify_slots
+from kernels.spec_ops import accept_commit, draft_sample, verify_slots
 from workers.device_state import DeviceState
 from workers.rejection_sampler import SpecRows, verify_and_commit
 from workers.sampler import SamplingBatch
@@ -110,6 +110,8 @@ class SpecDecoder:
         if self.method == "draft_model":
             variants.append((torch.ones(1, k, vocab, device=dev), ids[:1]))
         for q, q_rows in variants:
+            if self.method == "draft_model":  # the draft's own next-token kernel
+                draft_sample(logits[:1], t, ids[:1], ids[:1], q, q_rows, 0)
             for probs in (False, True):
                 acc, rec = verify_slots(logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs)
         for counts in (None, torch.zeros_like(st.output_counts[:1])):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from workers.device_state import DeviceState
-from kernels.ops import exponential_race, ngram_propose
+from kernels.ops import exponential_race
+from kernels.spec_ops import draft_sample, ngram_propose
 from kernels.reference import STREAM_DRAFT
 from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window, uniform_pads
@@ -142,7 +143,11 @@ class DraftModelProposer:
 
     def _pick(self, logits, ds, pos, st: DeviceState, s_rows, i: int) -> torch.Tensor:
         """Greedy rows take the draft's argmax; sampled rows draw from the draft distribution
-        (same temperature/top-k/top-p/min-p as the target) and keep it for verification."""
+        (same temperature/top-k/top-p/min-p as the target) and keep it for verification.
+        Without top-k / top-p / min-p that is one launch (``kernels.draft_sample``)."""
+        if not (ds.any_top_k_top_p or ds.any_min_p):
+            probs = None if ds.all_greedy else st.ensure_draft_probs(self.k)
+            return draft_sample(logits, ds.temperature, ds.seeds, pos, probs, s_rows, i)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         if ds.all_greedy:

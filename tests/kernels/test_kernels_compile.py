@@ -197,6 +197,11 @@ def test_spec_verify_kernels_compile():
     i64.update(accept_ptr="*i8")
     for count in (False, True):
         _compile(_accept_commit_kernel, dict(COUNT=count), i64, default_ptr="*i32")
+    from kernels.draft_sample import _draft_sample_kernel
+
+    i64 = {n: "*i64" for n in ("seeds_ptr", "pos_ptr", "rows_ptr", "out_ptr")}
+    for sampled in (False, True):
+        _compile(_draft_sample_kernel, dict(SAMPLED=sampled, BLOCK=1024), i64 | {"logits_ptr": "*bf16"}, "*fp32")
 
 
 def test_input_prep_and_rope_kv_compile():

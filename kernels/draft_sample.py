@@ -1,0 +1,123 @@
+"""The draft model's next token per row in one Triton launch (instead of some fifteen).
+
+A greedy row takes the argmax of its draft logits (lowest id among the maxima, as torch).
+With ``draft_probs`` given, a row with temperature ``T > 0`` draws from
+``p = softmax(logits / T)`` by the seeded exponential race of ``kernels.sampling`` on the
+draft stream and stores ``p`` at ``draft_probs[rows[r], slot]``: the verification needs the
+draft's distribution. Rows with top-k / top-p / min-p take the torch path
+(``workers.spec_proposers``). ``kernels.reference.draft_sample_reference`` is the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import STREAM_DRAFT
+from kernels.sampling import _hash_key, _mix32
+
+_DRAFT = tl.constexpr(STREAM_DRAFT)  # (a jit global must be a constexpr)
+
+
+@triton.jit(
+    do_not_specialize=["vocab", "stride_l", "stride_qr", "stride_qk", "slot"],
+    do_not_specialize_on_alignment=["temp_ptr", "seeds_ptr", "pos_ptr", "rows_ptr"],
+)
+def _draft_sample_kernel(
+    logits_ptr,
+    temp_ptr,
+    seeds_ptr,
+    pos_ptr,
+    q_ptr,
+    rows_ptr,
+    out_ptr,
+    vocab,
+    stride_l,
+    stride_qr,
+    stride_qk,
+    slot,
+    SAMPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + r * stride_l
+    offs = tl.arange(0, BLOCK)
+    t = tl.load(temp_ptr + r).to(tl.float32) if SAMPLED else 0.0
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int64)
+    m = tl.full((), -3.0e38, tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        ids = start + offs
+        x = tl.load(row + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+        bm = tl.max(x, axis=0)
+        bi = tl.min(tl.where(x == bm, ids, 2147483647), axis=0).to(tl.int64)
+        best_i = tl.where(bm > best, bi, best_i)
+        best = tl.maximum(best, bm)
+        if t > 0:
+            z = tl.math.div_rn(x, t)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+    tok = best_i
+    if t > 0:
+        q_row = q_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride_qr + slot * stride_qk
+        key = _hash_key(tl.load(seeds_ptr + r).to(tl.int64) ^ _DRAFT, tl.load(pos_ptr + r).to(tl.int64))
+        key7 = key >> 7
+        top = tl.full((), -1.0, tl.float32)
+        for start in range(0, vocab, BLOCK):
+            ids = start + offs
+            ok = ids < vocab
+            x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
+            p = tl.where(ok, tl.exp(tl.math.div_rn(x, t) - m) / s, 0.0)
+            tl.store(q_row + ids, p, mask=ok)
+            h = _mix32(_mix32(key ^ ids.to(tl.uint32)) ^ key7)
+            e = (0.0 - tl.log(((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0))).to(tl.float32)
+            score = tl.where(ok, tl.math.div_rn(p, e), -1.0)
+            sm = tl.max(score, axis=0)
+            si = tl.min(tl.where(score == sm, ids, 2147483647), axis=0).to(tl.int64)
+            tok = tl.where(sm > top, si, tok)
+            top = tl.maximum(top, sm)
+    tl.store(out_ptr + r, tok)
+
+
+def draft_sample_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    slot: int = 0,
+    block: int = 1024,
+) -> torch.Tensor:
+    """int64 [n]: each row's draft token (see the module docstring). ``draft_probs`` None:
+    every row greedy. Else ``draft_probs [rows_total, k, V]`` (float32) receives the sampled
+    rows' distributions at ``[rows, slot]``."""
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    sampled = draft_probs is not None
+    q = draft_probs if sampled else logits
+    _draft_sample_kernel[(n,)](
+        logits,
+        temperature,
+        seeds,
+        positions,
+        q,
+        rows if sampled else positions,
+        out,
+        vocab,
+        logits.stride(0),
+        q.stride(0) if sampled else 0,
+        q.stride(1) if sampled else 0,
+        slot,
+        SAMPLED=sampled,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out

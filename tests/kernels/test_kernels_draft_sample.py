@@ -1,0 +1,61 @@
+"""The draft-token kernel (``kernels.draft_sample``) under the Triton interpreter against
+``kernels.reference.draft_sample_reference``, and on the GPU at a real vocabulary."""
+
+import pytest
+import torch
+
+from kernels.reference import draft_sample_reference
+from tests.interpreted import INTERPRETED, delegate_all
+
+if INTERPRETED:
+    from kernels import draft_sample
+else:
+    draft_sample = None  # only the child touches triton
+
+
+def _case(seed, n=9, V=70, k=3, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, V, generator=g) * 2
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie: the lowest id wins
+    temperature = torch.where(torch.arange(n) % 3 == 0, 0.0, 0.3 + torch.rand(n, generator=g))
+    seeds = torch.randint(-(2**62), 2**62, (n,), generator=g)
+    positions = torch.randint(0, 1 << 33, (n,), generator=g)
+    probs = torch.rand(n + 3, k, V, generator=g)
+    rows = torch.randperm(n + 3, generator=g)[:n]
+    return [x.to(device) for x in (logits, temperature, seeds, positions, probs, rows)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("slot", [0, 2])
+def test_draft_sample_kernel_matches_reference(seed, slot):
+    logits, t, seeds, pos, probs, rows = _case(seed)
+    mine = probs.clone()
+    got = draft_sample.draft_sample_triton(logits, t, seeds, pos, mine, rows, slot, block=16)
+    want = draft_sample_reference(logits, t, seeds, pos, probs, rows, slot)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(mine, probs, rtol=1e-5, atol=1e-7)  # p at [rows, slot] of sampled rows only
+    assert int(got[0]) == 5
+    hot = t > 0
+    assert not torch.equal(mine[rows[hot], slot], _case(seed)[4][rows[hot], slot])  # really written
+
+
+def test_draft_sample_kernel_greedy_only():
+    logits, t, seeds, pos, _, _ = _case(3)
+    got = draft_sample.draft_sample_triton(logits, t, seeds, pos, block=32)
+    assert torch.equal(got, logits.argmax(-1))
+
+
+delegate_all(globals(), __file__)  # parent process: each test reports its child run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_draft_sample_matches_reference():
+    from kernels.draft_sample import draft_sample_triton
+
+    args = _case(4, n=48, V=151_936, k=4)
+    logits, t, seeds, pos, probs, rows = [x.cuda() for x in args]
+    got = draft_sample_triton(logits.bfloat16(), t, seeds, pos, probs, rows, 1)
+    want = draft_sample_reference(args[0].bfloat16(), *args[1:], 1)
+    assert torch.equal(got.cpu(), want)
+    torch.testing.assert_close(probs.cpu(), args[4], rtol=1e-4, atol=1e-7)
