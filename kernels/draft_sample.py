@@ -1,4 +1,5 @@
-"""The draft model's next token per row in one Triton launch (instead of some fifteen).
+"""The draft model's lookahead loop in two launches a step: its next token per row (instead of
+some fifteen launches) and the next step's inputs (instead of some twenty).
 
 A greedy row takes the argmax of its draft logits (lowest id among the maxima, as torch).
 With ``draft_probs`` given, a row with temperature ``T > 0`` draws from
@@ -121,3 +122,64 @@ def draft_sample_triton(
         num_warps=4,
     )
     return out
+
+
+@triton.jit(
+    do_not_specialize=["n", "stride_bt", "n_blk", "max_position"],
+    do_not_specialize_on_alignment=["tok_ptr", "pos_ptr", "bt_ptr", "cap_ptr"],
+)
+def _draft_inputs_kernel(
+    tok_ptr,
+    pos_ptr,
+    bt_ptr,
+    cap_ptr,
+    pos_out_ptr,
+    ids_out_ptr,
+    seq_out_ptr,
+    slot_out_ptr,
+    n,
+    stride_bt,
+    n_blk,
+    max_position,
+    BS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    pos = tl.load(pos_ptr + offs, mask=ok, other=0).to(tl.int64)
+    page = tl.minimum(pos // BS, n_blk - 1)
+    blk = tl.load(bt_ptr + offs.to(tl.int64) * stride_bt + page, mask=ok, other=0).to(tl.int64)
+    cap = tl.load(cap_ptr + offs, mask=ok, other=0).to(tl.int64)
+    tl.store(pos_out_ptr + offs, pos, mask=ok)
+    tl.store(ids_out_ptr + offs, tl.load(tok_ptr + offs, mask=ok, other=0), mask=ok)
+    tl.store(seq_out_ptr + offs, (pos + 1).to(tl.int32), mask=ok)
+    tl.store(slot_out_ptr + offs, tl.where(pos < cap, blk * BS + pos % BS, -1), mask=ok)
+    tl.store(pos_ptr + offs, tl.minimum(pos + 1, max_position), mask=ok)
+
+
+def draft_step_inputs_triton(tokens, pos, block_table, capacity, block_size: int, max_position: int, out) -> None:
+    """One decode step of the draft model's lookahead loop, in one launch: ``out = (positions,
+    input_ids, seq_lens, slot_mapping)`` (e.g. a CUDA graph's static inputs) of ``tokens`` at
+    ``pos`` (KV slot -1 at or past ``capacity``), then ``pos`` advances in place (clamped to
+    ``max_position``). ``kernels.reference.draft_step_inputs_reference`` is the oracle."""
+    n = pos.shape[0]
+    if n == 0:
+        return
+    positions, input_ids, seq_lens, slots = out
+    _draft_inputs_kernel[(triton.cdiv(n, 128),)](
+        tokens,
+        pos,
+        block_table,
+        capacity,
+        positions,
+        input_ids,
+        seq_lens,
+        slots,
+        n,
+        block_table.stride(0),
+        block_table.shape[1],
+        max_position,
+        BS=block_size,
+        BLOCK=128,
+        num_warps=4,
+    )

@@ -419,3 +419,15 @@ def draft_sample_reference(logits, temperature, seeds, positions, draft_probs=No
     p = (x / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
     draft_probs[rows, slot] = torch.where(hot[:, None], p, draft_probs[rows, slot])
     return torch.where(hot, exponential_race_reference(p, seeds ^ STREAM_DRAFT, positions), greedy)
+
+
+def draft_step_inputs_reference(tokens, pos, block_table, capacity, block_size: int, max_position: int, out):
+    """``kernels.draft_sample.draft_step_inputs_triton`` in torch."""
+    positions, input_ids, seq_lens, slots = out
+    page = (pos // block_size).clamp(max=block_table.shape[1] - 1)
+    blk = block_table.gather(1, page[:, None])[:, 0].long()
+    positions.copy_(pos)
+    input_ids.copy_(tokens)
+    seq_lens.copy_(pos + 1)
+    slots.copy_(torch.where(pos < capacity, blk * block_size + pos % block_size, -1))
+    pos.copy_((pos + 1).clamp(max=max_position))

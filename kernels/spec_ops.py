@@ -50,3 +50,12 @@ def ngram_propose(token_ids, rows, known, width: int, k: int, n_min: int, n_max:
     pos = known.long()[:, None] + torch.arange(k, device=known.device)[None, :]
     keep = pos < token_ids.shape[1]  # (a draft past the table's last column is dropped)
     token_ids[rows[:, None].expand(-1, k)[keep], pos[keep]] = drafts[keep]
+
+
+def draft_step_inputs(*args, **kw) -> None:
+    """The draft lookahead loop's next step inputs, written into ``out`` (``kernels.draft_sample``)."""
+    if _use_triton(args[0]):
+        from kernels.draft_sample import draft_step_inputs_triton
+
+        return draft_step_inputs_triton(*args, **kw)
+    return reference.draft_step_inputs_reference(*args, **kw)

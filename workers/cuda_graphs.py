@@ -187,7 +187,8 @@ class DecodeGraphs:
         ):
             if src.data_ptr() != dst.data_ptr():  # not already written in place
                 dst[: src.shape[0]].copy_(src)
-        self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
+        if m.block_table.data_ptr() != self.block_table.data_ptr():  # (not already the static table)
+            self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
         if b > n:
             self.slots[t : b * q].fill_(-1)
             self.seq_lens[n:b].fill_(q)

@@ -13,7 +13,7 @@ import torch
 
 from workers.device_state import DeviceState
 from kernels.ops import exponential_race
-from kernels.spec_ops import draft_sample, ngram_propose
+from kernels.spec_ops import draft_sample, draft_step_inputs, ngram_propose
 from kernels.reference import STREAM_DRAFT
 from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window, uniform_pads
@@ -104,37 +104,51 @@ class DraftModelProposer:
         s_ubs = [ubs[i] for i in sample_list]
         n = len(sample_list)
         drafts = []
-        pos = known.long()  # position the next draft takes
+        pos = known.long().clone()  # position the next draft takes (advanced in place)
+        step_qsl = torch.arange(n + 1, dtype=torch.int32, device=st.device)
         for i in range(k):
             tok = self._pick(logits, draft_sampling, pos, st, s_rows, i)
             drafts.append(tok)
             if i == k - 1:
                 break
-            blk = bt.gather(1, (pos // bs).clamp(max=n_blk - 1)[:, None])[:, 0].long()
-            slots = torch.where(pos < cap, blk * bs + pos % bs, -1)
-            qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+            bound = max(s_ubs) + i + 1
+            key = self.graphs.pick_shape(n, [1] * n, bound) if self.graphs is not None else None
+            if key is not None:  # the inputs go straight into the graph's static buffers
+                out = self.graphs.static_inputs(n, n)
+                if bt.data_ptr() != self.graphs.block_table.data_ptr():  # (once: every step reads it)
+                    bt = self.graphs.block_table[:n, : bt.shape[1]].copy_(bt)
+            else:
+                out = (
+                    torch.empty_like(pos),
+                    torch.empty_like(pos),
+                    torch.empty_like(step_qsl[:n]),
+                    torch.empty_like(pos),
+                )
+            draft_step_inputs(tok, pos, bt, cap, bs, self.max_position, out)
             meta = AttentionMetadata(
-                query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=st.device),
-                query_start_loc_cpu=qsl_cpu,
-                seq_lens=(pos + 1).int(),
+                query_start_loc=step_qsl,
+                query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
+                seq_lens=out[2],
                 seq_lens_upper_bound=torch.tensor([u + i + 1 for u in s_ubs], dtype=torch.int32),
                 block_table=bt,
-                slot_mapping=slots,
-                positions=pos,
+                slot_mapping=out[3],
+                positions=out[0],
                 num_reqs=n,
                 num_actual_tokens=n,
                 max_query_len=1,
-                max_seq_len_upper_bound=max(s_ubs) + i + 1,
+                max_seq_len_upper_bound=bound,
                 bounds_are_exact=self.bounds_are_exact,
                 eager=True,  # graphs use their own
             )
-            hidden = self._forward(_Inputs(tok, pos, meta), n, [1] * n, meta.max_seq_len_upper_bound)
+            hidden = self._forward(_Inputs(out[1], out[0], meta), n, [1] * n, bound, key)
             logits = self.model.compute_logits(hidden)
-            pos = (pos + 1).clamp(max=self.max_position)
         write_drafts(st, s_rows, known, torch.stack(drafts, dim=1))
 
-    def _forward(self, inputs, n: int, q_lens: list[int], bound: int) -> torch.Tensor:
-        key = self.graphs.pick_shape(n, q_lens, bound) if self.graphs is not None else None
+    def _forward(self, inputs, n: int, q_lens: list[int], bound: int, key=False) -> torch.Tensor:
+        """The draft's forward over a window: a decode graph where one fits (``key``: already
+        picked, None for none), else a piecewise graph, else eager."""
+        if key is False:
+            key = self.graphs.pick_shape(n, q_lens, bound) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(inputs, key)
         if self.piecewise is not None and self.piecewise.fits(inputs.input_ids.shape[0]):

@@ -197,7 +197,10 @@ def test_spec_verify_kernels_compile():
     i64.update(accept_ptr="*i8")
     for count in (False, True):
         _compile(_accept_commit_kernel, dict(COUNT=count), i64, default_ptr="*i32")
-    from kernels.draft_sample import _draft_sample_kernel
+    from kernels.draft_sample import _draft_inputs_kernel, _draft_sample_kernel
+
+    i64 = {n: "*i64" for n in ("tok_ptr", "pos_ptr", "cap_ptr", "pos_out_ptr", "ids_out_ptr", "slot_out_ptr")}
+    _compile(_draft_inputs_kernel, dict(BS=16, BLOCK=128), i64, default_ptr="*i32")
 
     i64 = {n: "*i64" for n in ("seeds_ptr", "pos_ptr", "rows_ptr", "out_ptr")}
     for sampled in (False, True):

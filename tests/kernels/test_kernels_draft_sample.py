@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kernels.reference import draft_sample_reference
+from kernels.reference import draft_sample_reference, draft_step_inputs_reference
 from tests.interpreted import INTERPRETED, delegate_all
 
 if INTERPRETED:
@@ -43,6 +43,33 @@ def test_draft_sample_kernel_greedy_only():
     logits, t, seeds, pos, _, _ = _case(3)
     got = draft_sample.draft_sample_triton(logits, t, seeds, pos, block=32)
     assert torch.equal(got, logits.argmax(-1))
+
+
+def _inputs_case(seed, n=10, bs=4, n_blk=5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 100, (n,), generator=g)
+    pos = torch.randint(0, bs * n_blk + 6, (n,), generator=g)  # some past the table: last page
+    pos[0] = 40  # at max_position: clamped
+    table = torch.randint(0, 50, (n + 2, n_blk + 3), generator=g, dtype=torch.int32)[:n, :n_blk]  # strided
+    capacity = torch.randint(0, bs * n_blk + 2, (n,), generator=g)
+    return tokens, pos, table, capacity
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_draft_step_inputs_kernel_matches_reference(seed):
+    tokens, pos, table, capacity = _inputs_case(seed)
+    outs = []
+    for fn, p in ((draft_sample.draft_step_inputs_triton, pos.clone()), (draft_step_inputs_reference, pos.clone())):
+        out = (torch.zeros(10, dtype=torch.int64), torch.zeros(10, dtype=torch.int64))
+        out += (torch.zeros(10, dtype=torch.int32), torch.zeros(10, dtype=torch.int64))
+        fn(tokens, p, table, capacity, 4, 40, out)
+        outs.append((*out, p))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    positions, ids, seq, slots, nxt = outs[1]
+    assert torch.equal(positions, pos) and torch.equal(ids, tokens) and torch.equal(seq, (pos + 1).int())
+    assert torch.equal(nxt, (pos + 1).clamp(max=40))
+    assert bool((slots[pos >= capacity] == -1).all()) and bool((slots[pos < capacity] >= 0).all())
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
