@@ -5,8 +5,9 @@ A greedy row takes the argmax of its draft logits (lowest id among the maxima, a
 With ``draft_probs`` given, a row with temperature ``T > 0`` draws from
 ``p = softmax(logits / T)`` by the seeded exponential race of ``kernels.sampling`` on the
 draft stream and stores ``p`` at ``draft_probs[rows[r], slot]``: the verification needs the
-draft's distribution. Rows with top-k / top-p / min-p take the torch path
-(``workers.spec_proposers``). ``kernels.reference.draft_sample_reference`` is the oracle.
+draft's distribution. The token also goes into the token table, where the next step reads
+it. Rows with top-k / top-p / min-p take the torch path (``workers.spec_proposers``).
+``kernels.reference.draft_sample_reference`` is the oracle.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ _DRAFT = tl.constexpr(STREAM_DRAFT)  # (a jit global must be a constexpr)
 
 
 @triton.jit(
-    do_not_specialize=["vocab", "stride_l", "stride_qr", "stride_qk", "slot"],
-    do_not_specialize_on_alignment=["temp_ptr", "seeds_ptr", "pos_ptr", "rows_ptr"],
+    do_not_specialize=["vocab", "stride_l", "stride_qr", "stride_qk", "slot", "stride_t", "max_col"],
+    do_not_specialize_on_alignment=["temp_ptr", "seeds_ptr", "pos_ptr", "rows_ptr", "known_ptr"],
 )
 def _draft_sample_kernel(
     logits_ptr,
@@ -32,12 +33,16 @@ def _draft_sample_kernel(
     pos_ptr,
     q_ptr,
     rows_ptr,
+    table_ptr,
+    known_ptr,
     out_ptr,
     vocab,
     stride_l,
     stride_qr,
     stride_qk,
     slot,
+    stride_t,
+    max_col,
     SAMPLED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -81,6 +86,9 @@ def _draft_sample_kernel(
             tok = tl.where(sm > top, si, tok)
             top = tl.maximum(top, sm)
     tl.store(out_ptr + r, tok)
+    col = tl.load(known_ptr + r).to(tl.int64) + slot
+    if col <= max_col:  # past the table's last column: not written
+        tl.store(table_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride_t + col, tok)
 
 
 def draft_sample_triton(
@@ -88,14 +96,17 @@ def draft_sample_triton(
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-    slot: int = 0,
+    draft_probs: torch.Tensor | None,
+    rows: torch.Tensor,
+    slot: int,
+    table: torch.Tensor,
+    known: torch.Tensor,
     block: int = 1024,
 ) -> torch.Tensor:
-    """int64 [n]: each row's draft token (see the module docstring). ``draft_probs`` None:
-    every row greedy. Else ``draft_probs [rows_total, k, V]`` (float32) receives the sampled
-    rows' distributions at ``[rows, slot]``."""
+    """int64 [n]: each row's draft token (see the module docstring), also written into
+    ``table[rows, known + slot]`` (int64; none past its last column), where the next step
+    reads its inputs. ``draft_probs`` None: every row greedy. Else ``draft_probs
+    [rows_total, k, V]`` (float32) receives the sampled rows' distributions at ``[rows, slot]``."""
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
@@ -110,13 +121,17 @@ def draft_sample_triton(
         seeds,
         positions,
         q,
-        rows if sampled else positions,
+        rows,
+        table,
+        known,
         out,
         vocab,
         logits.stride(0),
         q.stride(0) if sampled else 0,
         q.stride(1) if sampled else 0,
         slot,
+        table.stride(0),
+        table.shape[1] - 1,
         SAMPLED=sampled,
         BLOCK=block,
         num_warps=4,

@@ -407,18 +407,30 @@ def accept_commit_reference(
     return tokens, n_acc, first + n_acc + 1
 
 
-def draft_sample_reference(logits, temperature, seeds, positions, draft_probs=None, rows=None, slot: int = 0):
+def write_column(table, rows, cols, tokens) -> None:
+    """``table[rows, cols] = tokens`` (``rows`` distinct), except where ``cols`` is past the
+    table's last column. No data-dependent shape (no host sync on a GPU): such a row writes
+    its last column's own value back."""
+    last = table.shape[1] - 1
+    keep = cols <= last
+    cols = torch.where(keep, cols, last)
+    table[rows, cols] = torch.where(keep, tokens, table[rows, cols])
+
+
+def draft_sample_reference(logits, temperature, seeds, positions, draft_probs, rows, slot: int, table, known):
     """``kernels.draft_sample.draft_sample_triton`` in torch: the draft's argmax (every row
     greedy if ``draft_probs`` is None), else for rows with temperature > 0 a seeded draw
-    from ``softmax(logits / T)``, whose distribution goes to ``draft_probs[rows, slot]``."""
+    from ``softmax(logits / T)``, whose distribution goes to ``draft_probs[rows, slot]``;
+    the token goes to ``table[rows, known + slot]``."""
     x = logits.float()
-    greedy = x.argmax(dim=-1)
-    if draft_probs is None:
-        return greedy
-    hot = temperature > 0
-    p = (x / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
-    draft_probs[rows, slot] = torch.where(hot[:, None], p, draft_probs[rows, slot])
-    return torch.where(hot, exponential_race_reference(p, seeds ^ STREAM_DRAFT, positions), greedy)
+    tok = x.argmax(dim=-1)
+    if draft_probs is not None:
+        hot = temperature > 0
+        p = (x / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
+        draft_probs[rows, slot] = torch.where(hot[:, None], p, draft_probs[rows, slot])
+        tok = torch.where(hot, exponential_race_reference(p, seeds ^ STREAM_DRAFT, positions), tok)
+    write_column(table, rows, known.long() + slot, tok)
+    return tok
 
 
 def draft_step_inputs_reference(tokens, pos, block_table, capacity, block_size: int, max_position: int, out):

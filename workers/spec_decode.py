@@ -111,7 +111,9 @@ class SpecDecoder:
             variants.append((torch.ones(1, k, vocab, device=dev), ids[:1]))
         for q, q_rows in variants:
             if self.method == "draft_model":  # the draft's own next-token kernel
-                draft_sample(logits[:1], t, ids[:1], ids[:1], q, q_rows, 0)
+                draft_sample(
+                    logits[:1], t, ids[:1], ids[:1], q, ids[:1], 0, torch.zeros_like(st.token_ids[:1]), ids[:1]
+                )
             for probs in (False, True):
                 acc, rec = verify_slots(logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs)
         for counts in (None, torch.zeros_like(st.output_counts[:1])):

@@ -14,7 +14,7 @@ import torch
 from workers.device_state import DeviceState
 from kernels.ops import exponential_race
 from kernels.spec_ops import draft_sample, draft_step_inputs, ngram_propose
-from kernels.reference import STREAM_DRAFT
+from kernels.reference import STREAM_DRAFT, write_column
 from workers.sampler import sampling_probs
 from workers.step_inputs import StepInputs, build_window, uniform_pads
 
@@ -28,13 +28,6 @@ class NgramProposer:
     ) -> None:
         width = min(st.token_ids.shape[1], max(inp.ubs) + 1)  # host bound on every known length
         ngram_propose(st.token_ids, s_rows, known, width, self.k, self.n_min, self.n_max)
-
-
-def write_drafts(st: DeviceState, s_rows: torch.Tensor, known: torch.Tensor, drafts: torch.Tensor) -> None:
-    k = drafts.shape[1]
-    pos = known.long()[:, None] + torch.arange(k, device=drafts.device)[None, :]
-    pos = pos.clamp(max=st.token_ids.shape[1] - 1)
-    st.token_ids[s_rows[:, None].expand(-1, k), pos] = drafts
 
 
 class _Inputs:
@@ -103,12 +96,10 @@ class DraftModelProposer:
         bt = block_table[sr]
         s_ubs = [ubs[i] for i in sample_list]
         n = len(sample_list)
-        drafts = []
         pos = known.long().clone()  # position the next draft takes (advanced in place)
         step_qsl = torch.arange(n + 1, dtype=torch.int32, device=st.device)
         for i in range(k):
-            tok = self._pick(logits, draft_sampling, pos, st, s_rows, i)
-            drafts.append(tok)
+            tok = self._pick(logits, draft_sampling, pos, st, s_rows, known, i)
             if i == k - 1:
                 break
             bound = max(s_ubs) + i + 1
@@ -142,7 +133,6 @@ class DraftModelProposer:
             )
             hidden = self._forward(_Inputs(out[1], out[0], meta), n, [1] * n, bound, key)
             logits = self.model.compute_logits(hidden)
-        write_drafts(st, s_rows, known, torch.stack(drafts, dim=1))
 
     def _forward(self, inputs, n: int, q_lens: list[int], bound: int, key=False) -> torch.Tensor:
         """The draft's forward over a window: a decode graph where one fits (``key``: already
@@ -155,19 +145,23 @@ class DraftModelProposer:
             return self.piecewise.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
-    def _pick(self, logits, ds, pos, st: DeviceState, s_rows, i: int) -> torch.Tensor:
-        """Greedy rows take the draft's argmax; sampled rows draw from the draft distribution
-        (same temperature/top-k/top-p/min-p as the target) and keep it for verification.
-        Without top-k / top-p / min-p that is one launch (``kernels.draft_sample``)."""
+    def _pick(self, logits, ds, pos, st: DeviceState, s_rows, known, i: int) -> torch.Tensor:
+        """Draft ``i`` of every sampling row, also written where the next step reads it
+        (``known + i``). Greedy rows take the draft's argmax; sampled rows draw from the draft
+        distribution (same temperature/top-k/top-p/min-p as the target) and keep it for
+        verification. Without top-k / top-p / min-p that is one launch (``kernels.draft_sample``)."""
         if not (ds.any_top_k_top_p or ds.any_min_p):
             probs = None if ds.all_greedy else st.ensure_draft_probs(self.k)
-            return draft_sample(logits, ds.temperature, ds.seeds, pos, probs, s_rows, i)
+            return draft_sample(logits, ds.temperature, ds.seeds, pos, probs, s_rows, i, st.token_ids, known)
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if ds.all_greedy:
-            return greedy
-        probs = sampling_probs(logits, ds.temperature, ds.top_k, ds.top_p, ds.min_p, ds.any_top_k_top_p, ds.any_min_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        st.ensure_draft_probs(self.k)[s_rows, i] = probs
-        drawn = exponential_race(probs, ds.seeds ^ STREAM_DRAFT, pos)
-        return torch.where(ds.temperature > 0, drawn, greedy)
+        tok = logits.argmax(dim=-1)
+        if not ds.all_greedy:
+            probs = sampling_probs(
+                logits, ds.temperature, ds.top_k, ds.top_p, ds.min_p, ds.any_top_k_top_p, ds.any_min_p
+            )
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            st.ensure_draft_probs(self.k)[s_rows, i] = probs
+            drawn = exponential_race(probs, ds.seeds ^ STREAM_DRAFT, pos)
+            tok = torch.where(ds.temperature > 0, drawn, tok)
+        write_column(st.token_ids, s_rows, known.long() + i, tok)
+        return tok

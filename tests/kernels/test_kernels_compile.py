@@ -202,7 +202,7 @@ def test_spec_verify_kernels_compile():
     i64 = {n: "*i64" for n in ("tok_ptr", "pos_ptr", "cap_ptr", "pos_out_ptr", "ids_out_ptr", "slot_out_ptr")}
     _compile(_draft_inputs_kernel, dict(BS=16, BLOCK=128), i64, default_ptr="*i32")
 
-    i64 = {n: "*i64" for n in ("seeds_ptr", "pos_ptr", "rows_ptr", "out_ptr")}
+    i64 = {n: "*i64" for n in ("seeds_ptr", "pos_ptr", "rows_ptr", "out_ptr", "table_ptr", "known_ptr")}
     for sampled in (False, True):
         _compile(_draft_sample_kernel, dict(SAMPLED=sampled, BLOCK=1024), i64 | {"logits_ptr": "*bf16"}, "*fp32")
 
