@@ -151,7 +151,7 @@ def _verify_slots_kernel(
 
 @triton.jit(
     do_not_specialize=["K", "stride_t", "max_col", "stride_c"],
-    do_not_specialize_on_alignment=_SMALL + ["rows_ptr", "bonus_ptr"],
+    do_not_specialize_on_alignment=["ids_ptr", "draft_idx_ptr", "nd_ptr", "bonus_ptr", "pos_ptr", "rows_ptr"],
 )
 def _accept_commit_kernel(
     accept_ptr,
