@@ -346,11 +346,18 @@ STREAM_DRAFT = 0x5EC0_0003
 
 def verify_slots_reference(
     logits, spec_idx, input_ids, draft_idx, num_drafts, temperature, seeds, positions,
-    draft_probs=None, draft_rows=None, probs: bool = False,
+    draft_probs=None, draft_rows=None, probs: bool = False, bonus_idx=None,
 ):  # fmt: skip
     """``kernels.spec_verify.verify_slots_triton`` in torch: rejection sampling of every draft
-    slot (Leviathan et al. 2023). Returns ``(accept int8 [R, K], recovered int64 [R, K])``."""
+    slot (Leviathan et al. 2023). Returns ``(accept int8 [R, K], recovered int64 [R, K],
+    bonus int64 [R] or None)``."""
     R, K = spec_idx.shape
+    bonus = None
+    if bonus_idx is not None:  # the ordinary sampler's draw at the row's sampled position
+        xb = logits[bonus_idx].float()
+        pb = (xb / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
+        drawn = exponential_race_reference(pb, seeds, positions)
+        bonus = torch.where(temperature > 0, drawn, xb.argmax(dim=-1))
     x = logits[spec_idx.reshape(-1)].float()  # [R * K, V]
     d = input_ids[draft_idx.reshape(-1)][:, None]
     t = temperature.repeat_interleave(K)
@@ -374,7 +381,7 @@ def verify_slots_reference(
     accept = torch.where(t > 0, accept, greedy == d[:, 0])
     recovered = torch.where(t > 0, recovered, greedy).reshape(R, K)
     valid = torch.arange(K, device=x.device)[None, :] < num_drafts[:, None]
-    return (accept.reshape(R, K) & valid).to(torch.int8), torch.where(valid, recovered, 0)
+    return (accept.reshape(R, K) & valid).to(torch.int8), torch.where(valid, recovered, 0), bonus
 
 
 def accept_commit_reference(

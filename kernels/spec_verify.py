@@ -9,6 +9,10 @@
   model's distribution or a point mass on the draft; on rejection it recovers a seeded draw
   from ``norm(max(0, p - q))`` (``p`` if that is empty).
 
+A program per row can also sample the row's bonus token (``bonus_idx``), as
+``workers.sampler.sample`` would without penalties or logprobs: the verify step then needs no
+separate sampler launches.
+
 The draws use the counter hash of ``kernels.sampling`` on the rejection sampler's streams,
 so the results are those of ``kernels.reference.verify_slots_reference`` (up to float
 rounding of the softmax). ``accept_commit_triton`` then keeps each row's leading accepted
@@ -32,6 +36,7 @@ _ACCEPT = tl.constexpr(STREAM_ACCEPT)  # (a jit global must be a constexpr)
 _RECOVER = tl.constexpr(STREAM_RECOVER)
 
 _SMALL = ["seeds_ptr", "pos_ptr", "temp_ptr", "nd_ptr", "spec_idx_ptr", "draft_idx_ptr", "ids_ptr", "q_rows_ptr"]
+_SMALL += ["bonus_idx_ptr"]
 
 
 @triton.jit(
@@ -49,8 +54,10 @@ def _verify_slots_kernel(
     pos_ptr,
     q_ptr,
     q_rows_ptr,
+    bonus_idx_ptr,
     accept_ptr,
     recovered_ptr,
+    bonus_ptr,
     vocab,
     K,
     stride_l,
@@ -61,13 +68,18 @@ def _verify_slots_kernel(
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)  # a draft slot, or K: the row's bonus token
     nd = tl.load(nd_ptr + r).to(tl.int64)
+    bonus = j == K
     acc = tl.full((), 0, tl.int32)
     rec = tl.full((), 0, tl.int64)
-    if j < nd:
-        row = logits_ptr + tl.load(spec_idx_ptr + r * K + j).to(tl.int64) * stride_l
-        d = tl.load(ids_ptr + tl.load(draft_idx_ptr + r * K + j).to(tl.int64)).to(tl.int64)
+    if (j < nd) | bonus:
+        if bonus:
+            row = logits_ptr + tl.load(bonus_idx_ptr + r).to(tl.int64) * stride_l
+            d = tl.full((), -1, tl.int64)
+        else:
+            row = logits_ptr + tl.load(spec_idx_ptr + r * K + j).to(tl.int64) * stride_l
+            d = tl.load(ids_ptr + tl.load(draft_idx_ptr + r * K + j).to(tl.int64)).to(tl.int64)
         t = tl.load(temp_ptr + r).to(tl.float32)
         offs = tl.arange(0, BLOCK)
         # pass 1: argmax (lowest id among the maxima, as torch) and softmax(l / T) statistics
@@ -92,24 +104,27 @@ def _verify_slots_kernel(
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
                 m = m_new
         if t > 0:
-            x_d = tl.load(row + d).to(tl.float32)
-            if PROBS:
-                p_d = x_d / s
-            else:
-                p_d = tl.exp(tl.math.div_rn(x_d, t) - m) / s
-            q_d = 1.0
-            q_row = q_ptr
-            if HAS_Q:
-                q_row = q_ptr + tl.load(q_rows_ptr + r).to(tl.int64) * stride_qr + j * stride_qk
-                q_d = tl.load(q_row + d)
-            pos = tl.load(pos_ptr + r).to(tl.int64) - nd + j
+            pos = tl.load(pos_ptr + r).to(tl.int64) - tl.where(bonus, 0, nd - j)  # this token's position
             seed = tl.load(seeds_ptr + r).to(tl.int64)
-            key = _hash_key(seed ^ _ACCEPT, pos)
-            xu = _mix32(_mix32(key) ^ (key >> 7))  # token id 0 of the acceptance stream
-            u = (((xu >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)).to(tl.float32)
-            acc = (u * q_d < p_d).to(tl.int32)
-            if acc == 0:  # pass 2: the recovered token, a race over the residual (or p)
+            q_row = q_ptr
+            if bonus:  # the ordinary sampler's draw (workers.sampler): its key, a race over p
+                key = _hash_key(seed, pos)
+            else:
+                x_d = tl.load(row + d).to(tl.float32)
+                if PROBS:
+                    p_d = x_d / s
+                else:
+                    p_d = tl.exp(tl.math.div_rn(x_d, t) - m) / s
+                q_d = 1.0
+                if HAS_Q:
+                    q_row = q_ptr + tl.load(q_rows_ptr + r).to(tl.int64) * stride_qr + j * stride_qk
+                    q_d = tl.load(q_row + d)
+                key = _hash_key(seed ^ _ACCEPT, pos)
+                xu = _mix32(_mix32(key) ^ (key >> 7))  # token id 0 of the acceptance stream
+                u = (((xu >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)).to(tl.float32)
+                acc = (u * q_d < p_d).to(tl.int32)
                 key = _hash_key(seed ^ _RECOVER, pos)
+            if acc == 0:  # pass 2: the recovered token, a race over the residual (or p)
                 key7 = key >> 7
                 best_r = tl.full((), -1.0, tl.float32)
                 best_ri = tl.full((), 0, tl.int64)
@@ -141,12 +156,15 @@ def _verify_slots_kernel(
                     best_r = tl.maximum(best_r, mr)
                     best_pi = tl.where(mp > best_p, ip, best_pi)
                     best_p = tl.maximum(best_p, mp)
-                rec = tl.where(mass > 0, best_ri, best_pi)
+                rec = tl.where((mass > 0) & ~bonus, best_ri, best_pi)
         else:
             acc = (best_i == d).to(tl.int32)
             rec = best_i
-    tl.store(accept_ptr + r * K + j, acc.to(tl.int8))
-    tl.store(recovered_ptr + r * K + j, rec)
+    if bonus:
+        tl.store(bonus_ptr + r, rec)
+    else:
+        tl.store(accept_ptr + r * K + j, acc.to(tl.int8))
+        tl.store(recovered_ptr + r * K + j, rec)
 
 
 @triton.jit(
@@ -219,25 +237,33 @@ def verify_slots_triton(
     draft_probs: torch.Tensor | None = None,
     draft_rows: torch.Tensor | None = None,
     probs: bool = False,
+    bonus_idx: torch.Tensor | None = None,
     block: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(accept int8 [R, K], recovered int64 [R, K])`` of the drafts ``input_ids[draft_idx]``
     against the target ``logits[spec_idx]`` (see the module docstring); ``positions``: each
     row's sampled position (its last draft's + 1); ``draft_probs [rows, >= K, V]`` at
     ``draft_rows``: the draft model's distributions (None: point masses). ``probs=True``:
     the rows hold (unnormalised) target probabilities instead of logits (top-k / top-p /
     min-p applied in torch); greedy rows then take their argmax. ``recovered`` is set
-    where a valid slot was rejected (and for greedy rows), else 0."""
+    where a valid slot was rejected (and for greedy rows), else 0. ``bonus_idx [R]``: also
+    sample each row's bonus token from ``logits[bonus_idx]`` as ``workers.sampler.sample``
+    would without penalties or logprobs (argmax, or its seeded draw at ``positions``);
+    returned third (else None)."""
     R, K = spec_idx.shape
     accept = torch.empty(R, K, dtype=torch.int8, device=logits.device)
     recovered = torch.empty(R, K, dtype=torch.int64, device=logits.device)
-    if R == 0 or K == 0:
-        return accept, recovered
+    has_bonus = bonus_idx is not None
+    if has_bonus and probs:
+        raise ValueError("the bonus token is sampled from logits, not from probabilities")
+    bonus = torch.empty(R, dtype=torch.int64, device=logits.device) if has_bonus else None
+    if R == 0 or K + has_bonus == 0:
+        return accept, recovered, bonus
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     has_q = draft_probs is not None
     q = draft_probs if has_q else logits
-    _verify_slots_kernel[(R, K)](
+    _verify_slots_kernel[(R, K + has_bonus)](
         logits,
         spec_idx,
         input_ids,
@@ -248,8 +274,10 @@ def verify_slots_triton(
         positions,
         q,
         draft_rows if has_q else num_drafts,
+        bonus_idx if has_bonus else num_drafts,
         accept,
         recovered,
+        bonus if has_bonus else recovered,
         logits.shape[1],
         K,
         logits.stride(0),
@@ -260,7 +288,7 @@ def verify_slots_triton(
         BLOCK=block,
         num_warps=4,
     )
-    return accept, recovered
+    return accept, recovered, bonus
 
 
 def accept_commit_triton(

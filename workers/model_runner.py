@@ -435,10 +435,10 @@ class ModelRunner:
             return PendingStep(plan.step_id, self.tp.rank, t0)
         s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
-        so = sample(logits[inp.bonus_idx] if inp.max_drafts else logits, batch, raw_argmax)
-        if inp.max_drafts:  # verified and committed (tokens, lengths, counts) on the device
-            tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows, so.token_ids)
+        if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
+            so, tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows)
         else:
+            so = sample(logits, batch, raw_argmax)
             tokens, n_acc, known = so.token_ids[:, None], None, s_pos + 1
             self._commit_tokens(st, s_rows, s_pos, so.token_ids, count=batch.penalties is not None)
         if self.pp is not None:  # stage 0 embeds them next step: device to device, no host

@@ -51,14 +51,18 @@ class SpecRows:
     any_min_p: bool
 
 
-def verify_slots_of(rows: SpecRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(accept int8 [R, K], recovered int64 [R, K])``, one launch on CUDA; rows with top-k,
-    top-p or min-p get their target distributions from ``sampling_probs`` first."""
+def verify_slots_of(rows: SpecRows, bonus_idx: torch.Tensor | None = None):
+    """``(accept int8 [R, K], recovered int64 [R, K], bonus [R] or None)``, one launch on CUDA;
+    ``bonus_idx``: also sample each row's bonus token from ``logits[bonus_idx]`` (only for
+    rows without top-k, top-p or min-p, which get their target distributions from
+    ``sampling_probs`` first)."""
     if not (rows.any_top_k_top_p or rows.any_min_p):
         return verify_slots(
             rows.logits, rows.spec_idx, rows.input_ids, rows.draft_idx, rows.num_drafts, rows.temperature,
-            rows.seeds, rows.positions, rows.draft_probs, rows.draft_rows,
+            rows.seeds, rows.positions, rows.draft_probs, rows.draft_rows, bonus_idx=bonus_idx,
         )  # fmt: skip
+    if bonus_idx is not None:
+        raise ValueError("top-k / top-p / min-p rows take their bonus token from workers.sampler.sample")
     R, K = rows.spec_idx.shape
 
     def flat(x):
@@ -82,17 +86,20 @@ def verify_slots_of(rows: SpecRows) -> tuple[torch.Tensor, torch.Tensor]:
 
 def verify_and_commit(
     rows: SpecRows,
-    bonus: torch.Tensor,
+    bonus: torch.Tensor | None,
     state_rows: torch.Tensor,
     token_table: torch.Tensor,
     num_computed: torch.Tensor,
     output_counts: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bonus_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verifies the drafts and commits each row's output on the device (``kernels.spec_verify``):
-    ``(tokens [R, K + 1], num_accepted [R], known [R])``; the first ``num_accepted + 1``
-    tokens of a row are its output (accepted drafts, then the recovered or bonus token)."""
-    accept, recovered = verify_slots_of(rows)
-    return accept_commit(
+    ``(bonus [R], tokens [R, K + 1], num_accepted [R], known [R])``; the first
+    ``num_accepted + 1`` tokens of a row are its output (accepted drafts, then the recovered or
+    bonus token). ``bonus`` None: sampled in the verify launch from ``logits[bonus_idx]``."""
+    accept, recovered, drawn = verify_slots_of(rows, bonus_idx if bonus is None else None)
+    bonus = drawn if bonus is None else bonus
+    return (bonus,) + accept_commit(
         accept, recovered, rows.input_ids, rows.draft_idx, rows.num_drafts, bonus, rows.positions, state_rows,
         token_table, num_computed, output_counts,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from metadata.config import EngineConfig
 from kernels.spec_ops import accept_commit, draft_sample, verify_slots
 from workers.device_state import DeviceState
 from workers.rejection_sampler import SpecRows, verify_and_commit
-from workers.sampler import SamplingBatch
+from workers.sampler import SamplerOutput, SamplingBatch, sample
 from workers.spec_proposers import DraftModelProposer, NgramProposer
 from workers.step_inputs import StepInputs
 
@@ -74,10 +74,15 @@ class SpecDecoder:
         batch: SamplingBatch,
         st: DeviceState,
         s_rows: torch.Tensor,
-        bonus: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Verifies the step's drafts and commits the outputs to ``st`` (tokens, lengths,
-        penalty counts): ``(tokens [R, K + 1], num_accepted [R], known [R])``."""
+    ) -> tuple[SamplerOutput, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Samples the bonus tokens, verifies the step's drafts and commits the outputs to
+        ``st`` (tokens, lengths, penalty counts): ``(sampler output of the bonus tokens,
+        tokens [R, K + 1], num_accepted [R], known [R])``. Without penalties, min_tokens,
+        logprobs, top-k, top-p or min-p the bonus tokens come from the verify launch itself."""
+        plain = batch.penalties is None and batch.min_tokens_mask is None and batch.max_num_logprobs < 0
+        so = None
+        if not (plain and not batch.any_top_k_top_p and not batch.any_min_p):
+            so = sample(logits_all[inp.bonus_idx], batch)
         sampled = self.method == "draft_model" and not batch.all_greedy
         rows = SpecRows(
             logits=logits_all,
@@ -97,7 +102,10 @@ class SpecDecoder:
             any_min_p=batch.any_min_p,
         )
         counts = st.output_counts if batch.penalties is not None else None
-        return verify_and_commit(rows, bonus, s_rows, st.token_ids, st.num_computed, counts)
+        bonus, tokens, n_acc, known = verify_and_commit(
+            rows, so.token_ids if so is not None else None, s_rows, st.token_ids, st.num_computed, counts, inp.bonus_idx
+        )
+        return so if so is not None else SamplerOutput(token_ids=bonus), tokens, n_acc, known
 
     def warm_up(self, st: DeviceState) -> None:
         """Compiles every verify and commit kernel variant this method uses before serving
@@ -115,7 +123,10 @@ class SpecDecoder:
                     logits[:1], t, ids[:1], ids[:1], q, ids[:1], 0, torch.zeros_like(st.token_ids[:1]), ids[:1]
                 )
             for probs in (False, True):
-                acc, rec = verify_slots(logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs)
+                bonus_idx = None if probs else ids[:1]
+                acc, rec, _ = verify_slots(
+                    logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs, bonus_idx=bonus_idx
+                )
         for counts in (None, torch.zeros_like(st.output_counts[:1])):
             table, computed = torch.zeros_like(st.token_ids[:1]), torch.zeros_like(st.num_computed[:1])
             accept_commit(acc, rec, ids, idx, one * k, ids[:1], one * k, ids[:1], table, computed, counts)

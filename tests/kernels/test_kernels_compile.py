@@ -189,6 +189,7 @@ def test_spec_verify_kernels_compile():
 
     i64 = {n: "*i64" for n in ("spec_idx_ptr", "ids_ptr", "draft_idx_ptr", "nd_ptr", "seeds_ptr", "pos_ptr")}
     i64.update(q_rows_ptr="*i64", recovered_ptr="*i64", accept_ptr="*i8", logits_ptr="*bf16")
+    i64.update(bonus_idx_ptr="*i64", bonus_ptr="*i64")
     for has_q in (False, True):
         for probs in (False, True):
             _compile(_verify_slots_kernel, dict(HAS_Q=has_q, PROBS=probs, BLOCK=1024), i64, default_ptr="*fp32")

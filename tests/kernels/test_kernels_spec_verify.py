@@ -42,18 +42,29 @@ def _case(seed, R=7, K=3, V=50, probs=False, draft_model=False, device="cpu"):
 
 
 def _check_slots(got, want, num_drafts):
-    acc, rec = got
-    acc_w, rec_w = want
+    acc, rec, bonus = got
+    acc_w, rec_w, bonus_w = want
     assert torch.equal(acc.cpu(), acc_w.cpu())
     rejected = acc_w.cpu() == 0
     assert torch.equal(rec.cpu()[rejected], rec_w.cpu()[rejected])
+    assert (bonus is None) == (bonus_w is None)
+    if bonus is not None:
+        assert torch.equal(bonus.cpu(), bonus_w.cpu())
+
+
+def _bonus_idx(logits, spec_idx):
+    """Each row's bonus logits row: one its slots do not use (as a verify step lays them out)."""
+    used = set(spec_idx.reshape(-1).tolist())
+    return torch.tensor([i for i in range(logits.shape[0]) if i not in used][: spec_idx.shape[0]])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("mode", ["ngram", "draft_model", "probs"])
+@pytest.mark.parametrize("mode", ["ngram", "draft_model", "probs", "ngram+bonus", "draft_model+bonus"])
 def test_verify_slots_kernel_matches_reference(seed, mode):
-    args = _case(seed, probs=mode == "probs", draft_model=mode == "draft_model")
+    args = _case(seed, probs=mode == "probs", draft_model=mode.startswith("draft_model"))
     kw = {"probs": mode == "probs"}
+    if mode.endswith("+bonus"):
+        kw["bonus_idx"] = _bonus_idx(args[0], args[1])
     got = spec_verify.verify_slots_triton(*args, **kw, block=16)  # several vocabulary tiles
     want = verify_slots_reference(*args, **kw)
     _check_slots(got, want, args[4])

@@ -38,7 +38,7 @@ def _verify(logits, drafts, num_drafts, draft_probs, temperature, seeds, positio
     )
     table = torch.zeros(R, 64, dtype=torch.int64)
     computed = torch.zeros(R, dtype=torch.int32)
-    tokens, n_acc, known = verify_and_commit(rows, bonus, torch.arange(R), table, computed, None)
+    _, tokens, n_acc, known = verify_and_commit(rows, bonus, torch.arange(R), table, computed, None)
     assert torch.equal(known, positions + n_acc + 1)
     return tokens, n_acc
 
@@ -141,3 +141,33 @@ def test_uniform_noise_streams_differ():
     seeds = torch.arange(8, dtype=torch.int64)
     pos = torch.zeros(8, dtype=torch.int64)
     assert not torch.equal(uniform_noise(seeds, pos, 4), uniform_noise(seeds ^ 0x5EC00001, pos, 4))
+
+
+def test_bonus_sampled_in_the_verify_equals_the_sampler():
+    """Without penalties or logprobs a verify step samples its bonus tokens in the verify
+    launch: the very tokens ``workers.sampler.sample`` draws from those logits."""
+    from workers.sampler import SamplingBatch, sample
+
+    g = torch.Generator().manual_seed(5)
+    R = 16
+    logits = torch.randn(R * (K + 1), V, generator=g)
+    idx = torch.arange(R * (K + 1)).view(R, K + 1)
+    drafts = torch.randint(0, V, (R * (K + 1),), generator=g)
+    temperature = torch.where(torch.arange(R) % 2 == 0, 0.0, 0.7)
+    seeds, pos = torch.arange(R) * 31 + 5, torch.randint(K, 90, (R,), generator=g)
+    rows = SpecRows(
+        logits=logits, spec_idx=idx[:, :K], input_ids=drafts, draft_idx=idx[:, :K], num_drafts=torch.full((R,), K),
+        positions=pos, temperature=temperature, top_k=torch.zeros(R, dtype=torch.int64), top_p=torch.ones(R),
+        min_p=torch.zeros(R), seeds=seeds, draft_probs=None, draft_rows=None, any_top_k_top_p=False, any_min_p=False,
+    )  # fmt: skip
+    table, computed = torch.zeros(R, 128, dtype=torch.int64), torch.zeros(R, dtype=torch.int32)
+    bonus, tokens, n_acc, _ = verify_and_commit(rows, None, torch.arange(R), table, computed, None, idx[:, K])
+    batch = SamplingBatch(
+        temperature=temperature, top_p=torch.ones(R), top_k=torch.zeros(R, dtype=torch.int64), min_p=torch.zeros(R),
+        seeds=seeds, positions=pos, all_greedy=False, any_top_k_top_p=False, any_min_p=False,
+    )  # fmt: skip
+    want = sample(logits[idx[:, K]], batch).token_ids
+    assert torch.equal(bonus, want)
+    assert bool((temperature[bonus != logits[idx[:, K]].argmax(-1)] > 0).all())  # sampled rows really drew
+    full = n_acc == K
+    assert torch.equal(tokens[full, K], want[full])
