@@ -17,13 +17,15 @@ import triton
 import triton.language as tl
 
 from kernels.reference import STREAM_DRAFT
-from kernels.sampling import _hash_key, _mix32
+from kernels.sampling import _exp_noise, _hash_key, _running_best, _softmax_fold
 
 _DRAFT = tl.constexpr(STREAM_DRAFT)  # (a jit global must be a constexpr)
 
 
+# The vocabulary and the logits and draft-probability strides are specialised (a multiple of
+# 16 gives aligned rows and tile masks: vectorised loads); every other int is not.
 @triton.jit(
-    do_not_specialize=["vocab", "stride_l", "stride_qr", "stride_qk", "slot", "stride_t", "max_col"],
+    do_not_specialize=["slot", "stride_t", "max_col"],
     do_not_specialize_on_alignment=["temp_ptr", "seeds_ptr", "pos_ptr", "rows_ptr", "known_ptr"],
 )
 def _draft_sample_kernel(
@@ -51,22 +53,15 @@ def _draft_sample_kernel(
     offs = tl.arange(0, BLOCK)
     t = tl.load(temp_ptr + r).to(tl.float32) if SAMPLED else 0.0
     best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int64)
+    tok = tl.full((), 0, tl.int64)
     m = tl.full((), -3.0e38, tl.float32)
     s = tl.full((), 0.0, tl.float32)
     for start in range(0, vocab, BLOCK):
         ids = start + offs
         x = tl.load(row + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
-        bm = tl.max(x, axis=0)
-        bi = tl.min(tl.where(x == bm, ids, 2147483647), axis=0).to(tl.int64)
-        best_i = tl.where(bm > best, bi, best_i)
-        best = tl.maximum(best, bm)
+        best, tok = _running_best(x, ids, best, tok)
         if t > 0:
-            z = tl.math.div_rn(x, t)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
-    tok = best_i
+            m, s = _softmax_fold(x, t, m, s)
     if t > 0:
         q_row = q_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride_qr + slot * stride_qk
         key = _hash_key(tl.load(seeds_ptr + r).to(tl.int64) ^ _DRAFT, tl.load(pos_ptr + r).to(tl.int64))
@@ -76,15 +71,10 @@ def _draft_sample_kernel(
             ids = start + offs
             ok = ids < vocab
             x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
-            p = tl.where(ok, tl.exp(tl.math.div_rn(x, t) - m) / s, 0.0)
+            p = tl.where(ok, tl.math.div_rn(tl.exp(tl.math.div_rn(x, t) - m), s), 0.0)
             tl.store(q_row + ids, p, mask=ok)
-            h = _mix32(_mix32(key ^ ids.to(tl.uint32)) ^ key7)
-            e = (0.0 - tl.log(((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0))).to(tl.float32)
-            score = tl.where(ok, tl.math.div_rn(p, e), -1.0)
-            sm = tl.max(score, axis=0)
-            si = tl.min(tl.where(score == sm, ids, 2147483647), axis=0).to(tl.int64)
-            tok = tl.where(sm > top, si, tok)
-            top = tl.maximum(top, sm)
+            score = tl.where(ok, tl.math.div_rn(p, _exp_noise(key, key7, ids)), -1.0)
+            top, tok = _running_best(score, ids, top, tok)  # (the first tile replaces the argmax)
     tl.store(out_ptr + r, tok)
     col = tl.load(known_ptr + r).to(tl.int64) + slot
     if col <= max_col:  # past the table's last column: not written
@@ -101,7 +91,7 @@ def draft_sample_triton(
     slot: int,
     table: torch.Tensor,
     known: torch.Tensor,
-    block: int = 1024,
+    block: int = 2048,
 ) -> torch.Tensor:
     """int64 [n]: each row's draft token (see the module docstring), also written into
     ``table[rows, known + slot]`` (int64; none past its last column), where the next step
@@ -114,7 +104,12 @@ def draft_sample_triton(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     sampled = draft_probs is not None
+    if (sampled and draft_probs.stride(-1) != 1) or table.stride(-1) != 1:
+        raise ValueError("draft_probs and the token table must have unit stride along a row")
     q = draft_probs if sampled else logits
+    # the kernel indexes these as dense rows (no copy when they already are)
+    temperature, seeds, positions = temperature.contiguous(), seeds.contiguous(), positions.contiguous()
+    rows, known = rows.contiguous(), known.contiguous()
     _draft_sample_kernel[(n,)](
         logits,
         temperature,
@@ -134,7 +129,7 @@ def draft_sample_triton(
         table.shape[1] - 1,
         SAMPLED=sampled,
         BLOCK=block,
-        num_warps=4,
+        num_warps=8 if block >= 2048 else 4,
     )
     return out
 

@@ -38,6 +38,30 @@ def _hash_key(seed, pos):
     return _mix32(key ^ (pos.to(tl.uint64, bitcast=True) & 0xFFFFFFFF).to(tl.uint32))
 
 
+@triton.jit
+def _exp_noise(key, key7, ids):
+    """E = -log U of token ``ids`` under a row's hash ``key`` (``key7 = key >> 7``), as
+    ``kernels.reference.exponential_noise``: U exact and its log taken in float64."""
+    h = _mix32(_mix32(key ^ ids.to(tl.uint32)) ^ key7)
+    return (0.0 - tl.log(((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0))).to(tl.float32)
+
+
+@triton.jit
+def _running_best(score, ids, best, best_i):
+    """One tile folded into a running ``(max, argmax)``; ties go to the lowest id (as torch)."""
+    m = tl.max(score, axis=0)
+    i = tl.min(tl.where(score == m, ids, 2147483647), axis=0).to(tl.int64)
+    return tl.maximum(best, m), tl.where(m > best, i, best_i)
+
+
+@triton.jit
+def _softmax_fold(x, t, m, s):
+    """One tile of logits ``x`` folded into ``softmax(x / t)``'s running max ``m`` and sum ``s``."""
+    z = tl.math.div_rn(x, t)
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+
+
 # Sizes are not specialised on, so one compile serves every batch and vocabulary.
 @triton.jit
 def _row_key(seed_ptr, pos_ptr, row):

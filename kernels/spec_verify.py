@@ -10,8 +10,9 @@
   from ``norm(max(0, p - q))`` (``p`` if that is empty).
 
 A program per row can also sample the row's bonus token (``bonus_idx``), as
-``workers.sampler.sample`` would without penalties or logprobs: the verify step then needs no
-separate sampler launches.
+``workers.sampler.sample`` would without penalties or logprobs (the same draw; on a GPU the
+softmax rounds differently, so a near-tie may go the other way): the verify step then needs
+no separate sampler launches.
 
 The draws use the counter hash of ``kernels.sampling`` on the rejection sampler's streams,
 so the results are those of ``kernels.reference.verify_slots_reference`` (up to float
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import STREAM_ACCEPT, STREAM_RECOVER
-from kernels.sampling import _hash_key, _mix32
+from kernels.sampling import _exp_noise, _hash_key, _mix32, _running_best, _softmax_fold
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)  # (a jit global must be a constexpr)
 _RECOVER = tl.constexpr(STREAM_RECOVER)
@@ -39,10 +40,9 @@ _SMALL = ["seeds_ptr", "pos_ptr", "temp_ptr", "nd_ptr", "spec_idx_ptr", "draft_i
 _SMALL += ["bonus_idx_ptr"]
 
 
-@triton.jit(
-    do_not_specialize=["vocab", "K", "stride_l", "stride_qr", "stride_qk"],
-    do_not_specialize_on_alignment=_SMALL,
-)
+# The vocabulary and the logits and draft-probability strides are specialised (a multiple of
+# 16 gives aligned rows and tile masks: vectorised loads); every other int is not.
+@triton.jit(do_not_specialize=["K"], do_not_specialize_on_alignment=_SMALL)
 def _verify_slots_kernel(
     logits_ptr,
     spec_idx_ptr,
@@ -91,18 +91,11 @@ def _verify_slots_kernel(
             ids = start + offs
             ok = ids < vocab
             x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
-            bm = tl.max(x, axis=0)
-            bi = tl.min(tl.where(x == bm, ids, 2147483647), axis=0).to(tl.int64)
-            better = bm > best
-            best_i = tl.where(better, bi, best_i)
-            best = tl.where(better, bm, best)
+            best, best_i = _running_best(x, ids, best, best_i)
             if PROBS:
                 s += tl.sum(tl.where(ok, x, 0.0), axis=0)
             elif t > 0:
-                z = tl.math.div_rn(x, t)
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-                m = m_new
+                m, s = _softmax_fold(x, t, m, s)
         if t > 0:
             pos = tl.load(pos_ptr + r).to(tl.int64) - tl.where(bonus, 0, nd - j)  # this token's position
             seed = tl.load(seeds_ptr + r).to(tl.int64)
@@ -112,9 +105,9 @@ def _verify_slots_kernel(
             else:
                 x_d = tl.load(row + d).to(tl.float32)
                 if PROBS:
-                    p_d = x_d / s
+                    p_d = tl.math.div_rn(x_d, s)
                 else:
-                    p_d = tl.exp(tl.math.div_rn(x_d, t) - m) / s
+                    p_d = tl.math.div_rn(tl.exp(tl.math.div_rn(x_d, t) - m), s)
                 q_d = 1.0
                 if HAS_Q:
                     q_row = q_ptr + tl.load(q_rows_ptr + r).to(tl.int64) * stride_qr + j * stride_qk
@@ -136,26 +129,17 @@ def _verify_slots_kernel(
                     ok = ids < vocab
                     x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
                     if PROBS:
-                        p = tl.where(ok, x / s, 0.0)
+                        p = tl.where(ok, tl.math.div_rn(x, s), 0.0)
                     else:
-                        p = tl.where(ok, tl.exp(tl.math.div_rn(x, t) - m) / s, 0.0)
-                    if HAS_Q:
-                        res = tl.maximum(p - tl.load(q_row + ids, mask=ok, other=0.0), 0.0)
+                        p = tl.where(ok, tl.math.div_rn(tl.exp(tl.math.div_rn(x, t) - m), s), 0.0)
+                    if HAS_Q:  # (the bonus program has no draft distribution: nothing loaded)
+                        res = tl.maximum(p - tl.load(q_row + ids, mask=ids < tl.where(bonus, 0, vocab), other=0.0), 0.0)
                     else:
                         res = tl.where(ids == d, 0.0, p)
                     mass += tl.sum(res, axis=0)
-                    h = _mix32(_mix32(key ^ ids.to(tl.uint32)) ^ key7)
-                    e = (0.0 - tl.log(((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0))).to(tl.float32)
-                    sr = tl.where(ok, tl.math.div_rn(res, e), -1.0)
-                    sp = tl.where(ok, tl.math.div_rn(p, e), -1.0)
-                    mr = tl.max(sr, axis=0)
-                    mp = tl.max(sp, axis=0)
-                    ir = tl.min(tl.where(sr == mr, ids, 2147483647), axis=0).to(tl.int64)
-                    ip = tl.min(tl.where(sp == mp, ids, 2147483647), axis=0).to(tl.int64)
-                    best_ri = tl.where(mr > best_r, ir, best_ri)
-                    best_r = tl.maximum(best_r, mr)
-                    best_pi = tl.where(mp > best_p, ip, best_pi)
-                    best_p = tl.maximum(best_p, mp)
+                    e = _exp_noise(key, key7, ids)
+                    best_r, best_ri = _running_best(tl.where(ok, tl.math.div_rn(res, e), -1.0), ids, best_r, best_ri)
+                    best_p, best_pi = _running_best(tl.where(ok, tl.math.div_rn(p, e), -1.0), ids, best_p, best_pi)
                 rec = tl.where((mass > 0) & ~bonus, best_ri, best_pi)
         else:
             acc = (best_i == d).to(tl.int32)
@@ -238,7 +222,7 @@ def verify_slots_triton(
     draft_rows: torch.Tensor | None = None,
     probs: bool = False,
     bonus_idx: torch.Tensor | None = None,
-    block: int = 1024,
+    block: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(accept int8 [R, K], recovered int64 [R, K])`` of the drafts ``input_ids[draft_idx]``
     against the target ``logits[spec_idx]`` (see the module docstring); ``positions``: each
@@ -262,7 +246,13 @@ def verify_slots_triton(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     has_q = draft_probs is not None
+    if has_q and draft_probs.stride(-1) != 1:
+        raise ValueError("draft_probs must have unit stride along the vocabulary")
     q = draft_probs if has_q else logits
+    # the kernel indexes these as dense rows (no copy when they already are)
+    spec_idx, draft_idx, num_drafts = spec_idx.contiguous(), draft_idx.contiguous(), num_drafts.contiguous()
+    temperature, seeds, positions = temperature.contiguous(), seeds.contiguous(), positions.contiguous()
+    draft_rows = draft_rows.contiguous() if has_q else num_drafts
     _verify_slots_kernel[(R, K + has_bonus)](
         logits,
         spec_idx,
@@ -273,8 +263,8 @@ def verify_slots_triton(
         seeds,
         positions,
         q,
-        draft_rows if has_q else num_drafts,
-        bonus_idx if has_bonus else num_drafts,
+        draft_rows,
+        bonus_idx.contiguous() if has_bonus else num_drafts,
         accept,
         recovered,
         bonus if has_bonus else recovered,
@@ -286,7 +276,7 @@ def verify_slots_triton(
         HAS_Q=has_q,
         PROBS=probs,
         BLOCK=block,
-        num_warps=4,
+        num_warps=8 if block >= 2048 else 4,
     )
     return accept, recovered, bonus
 
@@ -314,6 +304,15 @@ def accept_commit_triton(
     known = torch.empty(R, dtype=torch.int64, device=dev)
     if R == 0:
         return tokens, n_acc, known
+    if token_table.stride(-1) != 1 or (output_counts is not None and output_counts.stride(-1) != 1):
+        raise ValueError("the token table and output counts must have unit stride along a row")
+    accept, recovered, draft_idx = accept.contiguous(), recovered.contiguous(), draft_idx.contiguous()
+    num_drafts, bonus, positions, rows = (
+        num_drafts.contiguous(),
+        bonus.contiguous(),
+        positions.contiguous(),
+        rows.contiguous(),
+    )
     count = output_counts is not None
     counts = output_counts if count else num_computed
     _accept_commit_kernel[(R,)](

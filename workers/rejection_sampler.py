@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.ops import argmax
 from kernels.spec_ops import accept_commit, verify_slots
 from workers.sampler import sampling_probs
 
@@ -78,10 +79,18 @@ def verify_slots_of(rows: SpecRows, bonus_idx: torch.Tensor | None = None):
         rows.any_min_p,
     )
     idx = torch.arange(R * K, device=p.device).view(R, K)
-    return verify_slots(
+    accept, recovered, _ = verify_slots(
         p, idx, rows.input_ids, rows.draft_idx, rows.num_drafts, rows.temperature, rows.seeds, rows.positions,
         rows.draft_probs, rows.draft_rows, probs=True,
     )  # fmt: skip
+    # greedy rows check the argmax of the logits themselves, as plain greedy decoding does
+    # (two logits may round to one probability, and then the lower id would win)
+    greedy = argmax(rows.logits[rows.spec_idx.reshape(-1)]).view(R, K)
+    valid = torch.arange(K, device=p.device)[None, :] < rows.num_drafts[:, None]
+    is_greedy = (rows.temperature == 0)[:, None]
+    hit = (greedy == rows.input_ids[rows.draft_idx]) & valid
+    accept = torch.where(is_greedy, hit.to(accept.dtype), accept)
+    return accept, torch.where(is_greedy & valid, greedy, recovered), None
 
 
 def verify_and_commit(

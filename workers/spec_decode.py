@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from metadata.config import EngineConfig
-from kernels.spec_ops import accept_commit, draft_sample, verify_slots
+from kernels.spec_ops import accept_commit, draft_sample, draft_step_inputs, verify_slots
 from workers.device_state import DeviceState
 from workers.rejection_sampler import SpecRows, verify_and_commit
 from workers.sampler import SamplerOutput, SamplingBatch, sample
@@ -127,6 +127,10 @@ class SpecDecoder:
                 acc, rec, _ = verify_slots(
                     logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs, bonus_idx=bonus_idx
                 )
+        if self.method == "draft_model":  # the lookahead step's inputs
+            out = (ids[:1].clone(), ids[:1].clone(), torch.zeros_like(st.num_computed[:1]), ids[:1].clone())
+            table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+            draft_step_inputs(ids[:1], ids[:1].clone(), table, ids[:1], self.proposer.block_size, 1, out)
         for counts in (None, torch.zeros_like(st.output_counts[:1])):
             table, computed = torch.zeros_like(st.token_ids[:1]), torch.zeros_like(st.num_computed[:1])
             accept_commit(acc, rec, ids, idx, one * k, ids[:1], one * k, ids[:1], table, computed, counts)

@@ -192,7 +192,9 @@ def test_spec_verify_kernels_compile():
     i64.update(bonus_idx_ptr="*i64", bonus_ptr="*i64")
     for has_q in (False, True):
         for probs in (False, True):
-            _compile(_verify_slots_kernel, dict(HAS_Q=has_q, PROBS=probs, BLOCK=1024), i64, default_ptr="*fp32")
+            _compile(
+                _verify_slots_kernel, dict(HAS_Q=has_q, PROBS=probs, BLOCK=2048), i64, "*fp32", aligned_ints=("vocab",)
+            )
     i64 = {n: "*i64" for n in ("recovered_ptr", "ids_ptr", "draft_idx_ptr", "nd_ptr", "bonus_ptr", "pos_ptr")}
     i64.update(rows_ptr="*i64", tok_table_ptr="*i64", tokens_ptr="*i64", n_acc_ptr="*i64", known_ptr="*i64")
     i64.update(accept_ptr="*i8")
@@ -205,7 +207,8 @@ def test_spec_verify_kernels_compile():
 
     i64 = {n: "*i64" for n in ("seeds_ptr", "pos_ptr", "rows_ptr", "out_ptr", "table_ptr", "known_ptr")}
     for sampled in (False, True):
-        _compile(_draft_sample_kernel, dict(SAMPLED=sampled, BLOCK=1024), i64 | {"logits_ptr": "*bf16"}, "*fp32")
+        kw = dict(default_ptr="*fp32", aligned_ints=("vocab",))
+        _compile(_draft_sample_kernel, dict(SAMPLED=sampled, BLOCK=2048), i64 | {"logits_ptr": "*bf16"}, **kw)
 
 
 def test_input_prep_and_rope_kv_compile():

@@ -171,3 +171,26 @@ def test_bonus_sampled_in_the_verify_equals_the_sampler():
     assert bool((temperature[bonus != logits[idx[:, K]].argmax(-1)] > 0).all())  # sampled rows really drew
     full = n_acc == K
     assert torch.equal(tokens[full, K], want[full])
+
+
+def test_greedy_rows_beside_top_k_rows_verify_against_the_logits():
+    """A batch with top-k rows verifies through probabilities; its greedy rows still check the
+    argmax of the logits: two logits 1e-8 apart give one float32 probability, and a greedy
+    row must still pick the larger logit, as plain greedy decoding does."""
+    R = 2
+    logits = torch.full((R * K, V), -5.0)
+    logits[:, 1] = 1e-8  # the argmax; token 0 gets the same probability
+    logits[:, 0] = 0.0
+    idx = torch.arange(R * K).view(R, K)
+    drafts = torch.ones(R * K, dtype=torch.int64)
+    rows = SpecRows(
+        logits=logits, spec_idx=idx, input_ids=drafts, draft_idx=idx, num_drafts=torch.full((R,), K),
+        positions=torch.full((R,), 9), temperature=torch.tensor([0.0, 0.8]),
+        top_k=torch.tensor([0, V]), top_p=torch.ones(R), min_p=torch.zeros(R), seeds=torch.arange(R),
+        draft_probs=None, draft_rows=None, any_top_k_top_p=True, any_min_p=False,
+    )  # fmt: skip
+    table, computed = torch.zeros(R, 32, dtype=torch.int64), torch.zeros(R, dtype=torch.int32)
+    _, tokens, n_acc, _ = verify_and_commit(
+        rows, torch.zeros(R, dtype=torch.int64), torch.arange(R), table, computed, None
+    )
+    assert int(n_acc[0]) == K and tokens[0, :K].tolist() == [1] * K
