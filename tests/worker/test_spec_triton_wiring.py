@@ -9,7 +9,7 @@ import torch
 
 from metadata.config import EngineConfig
 from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
-from tests.interpreted import INTERPRETED, delegate_all
+from tests.interpreted import delegate_all
 
 BS, K = 8, 3
 PROMPT = [5, 9, 17, 33, 2, 41, 7, 11, 13, 60, 3, 5, 9, 17, 33, 2]
