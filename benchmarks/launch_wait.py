@@ -120,8 +120,10 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
-    if bad or not args.wait_ms > 0:
-        p.error(f"unknown modes {bad} (known: {', '.join(MODES)}) or --wait-ms not positive")
+    if bad:
+        p.error(f"unknown modes {', '.join(bad)} (known: {', '.join(MODES)})")
+    if not args.wait_ms > 0:
+        p.error(f"--wait-ms must be positive (a GPU busy-wait before each launch), got {args.wait_ms:g}")
     model, fmt = resolve_model(args.model, None if args.model else args.shape)
     print(f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | preemptions |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)

@@ -347,3 +347,16 @@ def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
     assert "| async+ngram | 5 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--modes", "async+nothing"])
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [(["--modes", "async,async+nothing"], "unknown modes async+nothing"), (["--wait-ms", "0"], "--wait-ms must be")],
+)
+def test_launch_wait_refuses_bad_arguments(argv, says, capsys):
+    """``benchmarks.launch_wait`` (a GPU benchmark) names a bad mode or wait before starting anything."""
+    from benchmarks.launch_wait import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
