@@ -2,7 +2,8 @@
 dispatch (``kernels.spec_ops``) runs the Triton kernels under the interpreter emits the same
 tokens, lengths and drafts as one running the torch references, for n-gram and draft-model
 proposals, greedy and sampled rows, with and without penalties (the bonus token from the
-verify launch, or from the sampler). The CPU engine otherwise only ever takes the references."""
+verify launch, or from the sampler). The CPU engine otherwise only ever takes the references.
+And the launch-count guard: on that path an n-gram step's speculative work is Triton launches only."""
 
 import pytest
 import torch
@@ -61,6 +62,41 @@ def test_triton_spec_path_equals_the_references(ckpt_dir, method, penalty, monke
     assert all(len(step) == 4 for step in want[:-2])  # every row emitted every step
     if method == "draft_model":  # the model drafts for itself: its greedy rows accept drafts
         assert any(len(toks) > 1 for step in want[1:-2] for _, toks in step)
+
+
+# what the Triton interpreter itself does with torch around a launch (no device work on a GPU)
+_INTERPRETER_OPS = ("aten.empty", "aten.new_empty", "aten.set_", "aten.copy_", "aten.view", "aten.as_strided")
+
+
+def test_ngram_verify_and_propose_issue_no_torch_compute(ckpt_dir, monkeypatch):
+    """The launch-count guard: with the Triton dispatch, an n-gram step's verification, bonus
+    token, commit and proposal are Triton launches only, no torch arithmetic (on a GPU each
+    torch op is a launch of its own, and a step must stay far below the launch queue)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import workers.spec_decode as spec_decode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not str(func).startswith(_INTERPRETER_OPS):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ops = Ops()
+    for name in ("verify", "propose"):
+        inner = getattr(spec_decode.SpecDecoder, name)
+
+        def wrapped(self, *a, _inner=inner, **kw):
+            with ops:
+                return _inner(self, *a, **kw)
+
+        monkeypatch.setattr(spec_decode.SpecDecoder, name, wrapped)
+    _run(str(ckpt_dir("llama")), "ngram", True, False, monkeypatch)
+    assert ops.seen == [], sorted(set(ops.seen))
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
