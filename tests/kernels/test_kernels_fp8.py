@@ -275,34 +275,14 @@ def test_batch_sizes_of_a_class_share_one_compilation(monkeypatch, n, k):
 
 
 def _compile_sm90(fn, const: dict, ptrs: dict[str, str]):
-    """``triton.compile`` for sm_90 with the JIT's specialisations (16-byte aligned pointers,
-    ints % 16 except the unspecialised ones); returns (PTX, local-memory bytes or None)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    """``tests.kernels.sm90.compile_sm90`` with every unspecialised int treated as the JIT does
+    (% 16 where not in ``do_not_specialize``); returns (PTX, spill bytes)."""
+    from tests.kernels.sm90 import compile_sm90, resource_usage
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig, attrs = {}, {}
-    for i, p in enumerate(fn.params):
-        sig[p.name] = (
-            "constexpr" if p.name in const else ptrs.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32")
-        )
-        if p.name not in const and not p.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
     opts = {k: const.pop(k) for k in ("num_warps", "num_stages") if k in const}
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return kernel.asm["ptx"], None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return kernel.asm["ptx"], sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", usage))
+    ints = tuple(p.name for p in fn.params if not p.name.endswith("_ptr") and p.name not in const)
+    kernel = compile_sm90(fn, const, ptrs, default_ptr="*fp32", aligned_ints=ints, options=opts)
+    return kernel.asm["ptx"], resource_usage(kernel.asm["cubin"])[1]
 
 
 @pytest.mark.parametrize("m", [1, 64, 1024])
