@@ -69,8 +69,9 @@ def verify_slots_of(rows: SpecRows, bonus_idx: torch.Tensor | None = None):
     def flat(x):
         return x.repeat_interleave(K)
 
+    x = rows.logits[rows.spec_idx.reshape(-1)].float()  # [R * K, V]: each slot's target logits
     p = sampling_probs(
-        rows.logits[rows.spec_idx.reshape(-1)].float(),
+        x,
         flat(rows.temperature),
         flat(rows.top_k),
         flat(rows.top_p),
@@ -85,7 +86,7 @@ def verify_slots_of(rows: SpecRows, bonus_idx: torch.Tensor | None = None):
     )  # fmt: skip
     # greedy rows check the argmax of the logits themselves, as plain greedy decoding does
     # (two logits may round to one probability, and then the lower id would win)
-    greedy = argmax(rows.logits[rows.spec_idx.reshape(-1)]).view(R, K)
+    greedy = argmax(x).view(R, K)
     valid = torch.arange(K, device=p.device)[None, :] < rows.num_drafts[:, None]
     is_greedy = (rows.temperature == 0)[:, None]
     hit = (greedy == rows.input_ids[rows.draft_idx]) & valid

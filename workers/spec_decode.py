@@ -107,13 +107,20 @@ class SpecDecoder:
         )
         return so if so is not None else SamplerOutput(token_ids=bonus), tokens, n_acc, known
 
-    def warm_up(self, st: DeviceState) -> None:
+    def warm_up(self, st: DeviceState, logits_width: int | None = None) -> None:
         """Compiles every verify and commit kernel variant this method uses before serving
-        (on scratch tensors of the state's dtypes: ``st`` is not touched)."""
+        (on scratch tensors of the state's dtypes: ``st`` is not touched). ``logits_width``:
+        the row stride of the LM head's logits where it differs from the vocabulary (a
+        vocabulary padded to a multiple of the TP size); padded verify steps use dense rows."""
+        dev, k, vocab = st.token_ids.device, self.k, st.output_counts.shape[1]
+        for width in sorted({vocab, logits_width or vocab}):
+            self._warm_up(st, torch.ones(k, width, device=dev)[:, :vocab])
+
+    def _warm_up(self, st: DeviceState, logits: torch.Tensor) -> None:
         dev, k, vocab = st.token_ids.device, self.k, st.output_counts.shape[1]
         ids = torch.zeros(k, dtype=torch.int64, device=dev)
         idx, one = ids.view(1, k), torch.ones(1, dtype=torch.int64, device=dev)
-        logits, t = torch.ones(k, vocab, device=dev), torch.ones(1, device=dev)
+        t = torch.ones(1, device=dev)
         variants = [(None, None)]
         if self.method == "draft_model":
             variants.append((torch.ones(1, k, vocab, device=dev), ids[:1]))

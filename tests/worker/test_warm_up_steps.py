@@ -103,3 +103,25 @@ def test_spec_kernel_warm_up_leaves_the_state_untouched(ckpt_dir):
         before = [t.clone() for t in (st.token_ids, st.num_computed, st.output_counts)]
         r.spec.warm_up(st)
         assert all(torch.equal(a, b) for a, b in zip(before, (st.token_ids, st.num_computed, st.output_counts)))
+
+
+def test_spec_kernel_warm_up_covers_a_padded_logits_stride(ckpt_dir, monkeypatch):
+    """With a vocabulary padded to a multiple of the TP size, the LM head's logits rows are
+    wider than the vocabulary: warm-up runs the verify kernels on both layouts."""
+    import kernels.spec_ops as spec_ops
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    model = str(ckpt_dir("llama"))
+    cfg = EngineConfig.from_options(num_kv_blocks=12, block_size=BS, max_num_seqs=4, speculative_method="ngram")
+    r = ModelRunner(cfg, model, torch.device("cpu"), TPGroup(), 128)
+    r.init_kv_cache(12)
+    strides = []
+    inner = spec_ops.verify_slots
+    monkeypatch.setattr(
+        "workers.spec_decode.verify_slots",
+        lambda logits, *a, **kw: strides.append(logits.stride(0)) or inner(logits, *a, **kw),
+    )
+    vocab = r.state.output_counts.shape[1]
+    r.spec.warm_up(r.state, vocab + 3)
+    assert sorted(set(strides)) == [vocab, vocab + 3]
