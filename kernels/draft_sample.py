@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import STREAM_DRAFT
-from kernels.sampling import _exp_noise, _hash_key, _running_best, _softmax_fold
+from kernels.sampling import _exp_noise, _hash_key, _row_stats, _running_best
 
 _DRAFT = tl.constexpr(STREAM_DRAFT)  # (a jit global must be a constexpr)
 
@@ -52,16 +52,7 @@ def _draft_sample_kernel(
     row = logits_ptr + r * stride_l
     offs = tl.arange(0, BLOCK)
     t = tl.load(temp_ptr + r).to(tl.float32) if SAMPLED else 0.0
-    best = tl.full((), float("-inf"), tl.float32)
-    tok = tl.full((), 0, tl.int64)
-    m = tl.full((), -3.0e38, tl.float32)
-    s = tl.full((), 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
-        ids = start + offs
-        x = tl.load(row + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
-        best, tok = _running_best(x, ids, best, tok)
-        if t > 0:
-            m, s = _softmax_fold(x, t, m, s)
+    tok, m, s = _row_stats(row, vocab, t, False, BLOCK)
     if t > 0:
         q_row = q_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride_qr + slot * stride_qk
         key = _hash_key(tl.load(seeds_ptr + r).to(tl.int64) ^ _DRAFT, tl.load(pos_ptr + r).to(tl.int64))

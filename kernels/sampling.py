@@ -41,7 +41,9 @@ def _hash_key(seed, pos):
 @triton.jit
 def _exp_noise(key, key7, ids):
     """E = -log U of token ``ids`` under a row's hash ``key`` (``key7 = key >> 7``), as
-    ``kernels.reference.exponential_noise``: U exact and its log taken in float64."""
+    ``kernels.reference.exponential_noise``: U = (k + 0.5) / 2^24 exactly in float64 (never
+    1.0) and -log U in float64 (a float32 log with absolute error, as GPUs approximate it, is
+    far off in relative terms as U -> 1, where the winners are)."""
     h = _mix32(_mix32(key ^ ids.to(tl.uint32)) ^ key7)
     return (0.0 - tl.log(((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0))).to(tl.float32)
 
@@ -60,6 +62,28 @@ def _softmax_fold(x, t, m, s):
     z = tl.math.div_rn(x, t)
     m_new = tl.maximum(m, tl.max(z, axis=0))
     return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+
+
+@triton.jit
+def _row_stats(row, vocab, t, PROBS: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over a row of logits (``PROBS``: of unnormalised probabilities): its argmax
+    (lowest id among the maxima) and its normaliser, ``softmax(x / t)``'s running max and sum
+    when ``t > 0`` (``PROBS``: the plain sum, max unused). Returns ``(argmax, max, sum)``."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int64)
+    m = tl.full((), -3.0e38, tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        ids = start + offs
+        ok = ids < vocab
+        x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
+        best, best_i = _running_best(x, ids, best, best_i)
+        if PROBS:
+            s += tl.sum(tl.where(ok, x, 0.0), axis=0)
+        elif t > 0:
+            m, s = _softmax_fold(x, t, m, s)
+    return best_i, m, s
 
 
 # Sizes are not specialised on, so one compile serves every batch and vocabulary.
@@ -103,13 +127,7 @@ def _race_partial_kernel(
         ids = start + tl.arange(0, BLOCK)
         mask = ids < hi
         p = tl.load(probs_ptr + row * stride_p + ids, mask=mask, other=0.0).to(tl.float32)
-        x = _mix32(key ^ ids.to(tl.uint32))
-        x = _mix32(x ^ key7)
-        # U = (k + 0.5) / 2^24 exactly in float64 (never 1.0) and -log U in float64, as
-        # kernels.reference.exponential_noise: a float32 log with absolute error (as GPUs
-        # approximate it) is far off in relative terms as U -> 1, where the winners are
-        u = ((x >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)
-        e = (0.0 - tl.log(u)).to(tl.float32)
+        e = _exp_noise(key, key7, ids)
         score = tl.where(mask, tl.math.div_rn(p, e), -1.0)  # IEEE division, as torch's
         m = tl.max(score, axis=0)
         i = tl.min(tl.where(score == m, ids, 2147483647), axis=0)  # lowest id among the tile's best

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import STREAM_ACCEPT, STREAM_RECOVER
-from kernels.sampling import _exp_noise, _hash_key, _mix32, _running_best, _softmax_fold
+from kernels.sampling import _exp_noise, _hash_key, _mix32, _row_stats, _running_best
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)  # (a jit global must be a constexpr)
 _RECOVER = tl.constexpr(STREAM_RECOVER)
@@ -82,20 +82,7 @@ def _verify_slots_kernel(
             d = tl.load(ids_ptr + tl.load(draft_idx_ptr + r * K + j).to(tl.int64)).to(tl.int64)
         t = tl.load(temp_ptr + r).to(tl.float32)
         offs = tl.arange(0, BLOCK)
-        # pass 1: argmax (lowest id among the maxima, as torch) and softmax(l / T) statistics
-        best = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.full((), 0, tl.int64)
-        m = tl.full((), -3.0e38, tl.float32)
-        s = tl.full((), 0.0, tl.float32)
-        for start in range(0, vocab, BLOCK):
-            ids = start + offs
-            ok = ids < vocab
-            x = tl.load(row + ids, mask=ok, other=float("-inf")).to(tl.float32)
-            best, best_i = _running_best(x, ids, best, best_i)
-            if PROBS:
-                s += tl.sum(tl.where(ok, x, 0.0), axis=0)
-            elif t > 0:
-                m, s = _softmax_fold(x, t, m, s)
+        best_i, m, s = _row_stats(row, vocab, t, PROBS, BLOCK)  # pass 1: argmax and normaliser
         if t > 0:
             pos = tl.load(pos_ptr + r).to(tl.int64) - tl.where(bonus, 0, nd - j)  # this token's position
             seed = tl.load(seeds_ptr + r).to(tl.int64)
