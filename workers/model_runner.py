@@ -223,8 +223,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
-        if self.spec is not None:  # (the LM head pads the vocabulary to a multiple of the TP size)
-            self.spec.warm_up(self.state, -(-self.arch.vocab_size // self.tp.size) * self.tp.size)
+        if self.spec is not None:
+            self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage

@@ -111,29 +111,25 @@ class SpecDecoder:
         """Compiles every verify and commit kernel variant this method uses before serving
         (on scratch tensors of the state's dtypes: ``st`` is not touched). ``logits_width``:
         the row stride of the LM head's logits where it differs from the vocabulary (a
-        vocabulary padded to a multiple of the TP size); padded verify steps use dense rows."""
-        dev, k, vocab = st.token_ids.device, self.k, st.output_counts.shape[1]
-        for width in sorted({vocab, logits_width or vocab}):
-            self._warm_up(st, torch.ones(k, width, device=dev)[:, :vocab])
-
-    def _warm_up(self, st: DeviceState, logits: torch.Tensor) -> None:
+        vocabulary padded to a multiple of the TP size); padded verify steps use dense rows.
+        Only the kernels that read logits depend on that stride."""
         dev, k, vocab = st.token_ids.device, self.k, st.output_counts.shape[1]
         ids = torch.zeros(k, dtype=torch.int64, device=dev)
-        idx, one = ids.view(1, k), torch.ones(1, dtype=torch.int64, device=dev)
-        t = torch.ones(1, device=dev)
+        idx, one, t = ids.view(1, k), torch.ones(1, dtype=torch.int64, device=dev), torch.ones(1, device=dev)
         variants = [(None, None)]
         if self.method == "draft_model":
             variants.append((torch.ones(1, k, vocab, device=dev), ids[:1]))
-        for q, q_rows in variants:
-            if self.method == "draft_model":  # the draft's own next-token kernel
-                draft_sample(
-                    logits[:1], t, ids[:1], ids[:1], q, ids[:1], 0, torch.zeros_like(st.token_ids[:1]), ids[:1]
-                )
-            for probs in (False, True):
-                bonus_idx = None if probs else ids[:1]
-                acc, rec, _ = verify_slots(
-                    logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs, bonus_idx=bonus_idx
-                )
+        for width in sorted({vocab, logits_width or vocab}):
+            logits = torch.ones(k, width, device=dev)[:, :vocab]
+            for q, q_rows in variants:
+                if self.method == "draft_model":  # the draft's own next-token kernel
+                    table = torch.zeros_like(st.token_ids[:1])
+                    draft_sample(logits[:1], t, ids[:1], ids[:1], q, ids[:1], 0, table, ids[:1])
+                for probs in (False, True):
+                    acc, rec, _ = verify_slots(
+                        logits, idx, ids, idx, one * k, t, ids[:1], one * k, q, q_rows, probs=probs,
+                        bonus_idx=None if probs else ids[:1],
+                    )  # fmt: skip
         if self.method == "draft_model":  # the lookahead step's inputs
             out = (ids[:1].clone(), ids[:1].clone(), torch.zeros_like(st.num_computed[:1]), ids[:1].clone())
             table = torch.zeros(1, 1, dtype=torch.int32, device=dev)

@@ -123,5 +123,6 @@ def test_spec_kernel_warm_up_covers_a_padded_logits_stride(ckpt_dir, monkeypatch
         lambda logits, *a, **kw: strides.append(logits.stride(0)) or inner(logits, *a, **kw),
     )
     vocab = r.state.output_counts.shape[1]
+    assert r.model.lm_head.padded_vocab == vocab  # (what warm_up passes on a GPU: TP 1 pads nothing)
     r.spec.warm_up(r.state, vocab + 3)
     assert sorted(set(strides)) == [vocab, vocab + 3]

@@ -183,6 +183,11 @@ class ParallelLMHead(_Sharded):
         self.per_rank = (vocab + tp.size - 1) // tp.size
         self.weight = _param((self.per_rank, dim), dtype, (0, tp.rank, tp.size))
 
+    @property
+    def padded_vocab(self) -> int:
+        """The gathered logits' row stride: the vocabulary rounded up to a multiple of the TP size."""
+        return self.per_rank * self.tp.size
+
     def forward(self, h: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Logits, optionally widened to ``out_dtype`` (rounded to the weights' dtype
         first, as ``linear(...).to(out_dtype)`` would be; fused into the skinny GEMM)."""
