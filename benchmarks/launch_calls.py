@@ -5,7 +5,8 @@ call: a kernel launch, a copy or a memset issued while the device's launch queue
 1,000 entries on a Hopper GPU) is full. This profiles every step's launch inside the worker
 (``torch.profiler`` around ``ModelRunner._enqueue``, started and stopped on the launching
 thread) and prints, per launch, the kernel launches, graph launches, copies and memsets it
-issued and its longest runtime call; with ``--wait-ms`` a GPU busy-wait precedes each launch,
+issued and its longest runtime call, separately for decode steps and for steps that place
+prompt tokens (prefill or mixed); with ``--wait-ms`` a GPU busy-wait precedes each launch,
 as in ``benchmarks.launch_wait``, so the waits show where they happen.
 
     python -m benchmarks.launch_calls --shape qwen3-0.6b --modes async+draft,async+ngram --wait-ms 100
@@ -27,7 +28,7 @@ def _arm(actor, launches: int) -> None:
     """(On the worker.) Profile the next ``launches`` launches of rows, on the step thread."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    runner, state = actor.runner, {"n": 0, "rows": None, "prof": None}
+    runner, state = actor.runner, {"n": 0, "rows": None, "prof": None, "kinds": []}
     actor._launch_calls = state
     inner = runner._enqueue
 
@@ -38,16 +39,24 @@ def _arm(actor, launches: int) -> None:
             state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             state["prof"].__enter__()
         state["n"] += 1
+        state["kinds"].append(step_kind(plan))
         with record_function(f"launch#{state['n']}"):
             out = inner(plan, t0)
         if state["n"] == launches:
-            state["rows"] = _summarise(state.pop("prof"))
+            state["rows"] = _summarise(state.pop("prof"), state["kinds"])
         return out
 
     runner._enqueue = enqueue
 
 
-def _summarise(prof) -> list[dict]:
+def step_kind(plan) -> str:
+    """``mixed`` when a row places prompt tokens (more than its one new token and drafts),
+    else ``decode``."""
+    prompt = any(r.num_scheduled_tokens > 1 + r.num_draft_tokens for r in plan.rows)
+    return "mixed" if prompt else "decode"
+
+
+def _summarise(prof, kinds: list[str]) -> list[dict]:
     prof.__exit__(None, None, None)
     events = prof.events()
     calls = [e for e in events if e.name.startswith("cu")]
@@ -59,7 +68,7 @@ def _summarise(prof) -> list[dict]:
         lo, hi = launch.time_range.start, launch.time_range.end
         inside = [c for c in calls if lo <= c.time_range.start and c.time_range.end <= hi]
         worst = max(inside, key=lambda c: c.time_range.elapsed_us(), default=None)
-        row = {"launch": launch.name, "ms": (hi - lo) / 1e3}
+        row = {"launch": launch.name, "kind": kinds[int(launch.name[7:]) - 1], "ms": (hi - lo) / 1e3}
         row.update({k: sum(pat in c.name for c in inside) for k, pat in KINDS.items()})
         row["longest_call"] = worst.name if worst is not None else None
         row["longest_call_ms"] = worst.time_range.elapsed_us() / 1e3 if worst is not None else 0.0
@@ -70,7 +79,7 @@ def _summarise(prof) -> list[dict]:
 def _collect(actor) -> list[dict] | None:
     state = actor._launch_calls
     if state["rows"] is None and state.get("prof") is not None:
-        state["rows"] = _summarise(state.pop("prof"))  # fewer launches than asked for
+        state["rows"] = _summarise(state.pop("prof"), state["kinds"])  # fewer launches than asked for
     return state["rows"]
 
 
@@ -111,22 +120,27 @@ def main(argv=None) -> dict:
         p.error(f"unknown modes {bad} (known: {', '.join(MODES)}) or --launches below 1")
     model, fmt = resolve_model(args.model, None if args.model else args.shape)
     runs = {m: run_mode(m, model, fmt, args.wait_ms, args.launches, args.vocab) for m in modes}
-    print("| mode | launches | median ms | kernels | graphs | copies | memsets | longest call (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, rows in runs.items():
-        if not rows:
-            print(f"| {mode} | 0 | | | | | | |")
-            continue
-        med = {k: statistics.median(r[k] for r in rows) for k in ("ms", *KINDS)}
-        worst = max(rows, key=lambda r: r["longest_call_ms"])
-        print(
-            f"| {mode} | {len(rows)} | {med['ms']:.2f} | {med['kernels']:g} | {med['graphs']:g} | {med['copies']:g} "
-            f"| {med['memsets']:g} | {worst['longest_call']} {worst['longest_call_ms']:.1f} |"
-        )
+    print("| mode | steps | launches | median ms | kernels | graphs | copies | memsets | longest call (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, all_rows in runs.items():
+        for kind in ("decode", "mixed"):
+            _print_row(mode, kind, [r for r in all_rows if r["kind"] == kind])
     if args.output:
         with open(args.output, "w") as f:
             json.dump(runs, f)
     return runs
+
+
+def _print_row(mode: str, kind: str, rows: list[dict]) -> None:
+    if not rows:
+        print(f"| {mode} | {kind} | 0 | | | | | | |")
+        return
+    med = {k: statistics.median(r[k] for r in rows) for k in ("ms", *KINDS)}
+    worst = max(rows, key=lambda r: r["longest_call_ms"])
+    print(
+        f"| {mode} | {kind} | {len(rows)} | {med['ms']:.2f} | {med['kernels']:g} | {med['graphs']:g} "
+        f"| {med['copies']:g} | {med['memsets']:g} | {worst['longest_call']} {worst['longest_call_ms']:.1f} |"
+    )
 
 
 if __name__ == "__main__":

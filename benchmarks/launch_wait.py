@@ -91,7 +91,7 @@ def run_mode(
             "wait_ms": wait_ms,
             "launch_ms": launches,
             "preemptions": llm.engine.scheduler.num_preemptions,
-            "piecewise_replays": sum(s.get("piecewise_replays", 0) for s in stats),
+            "mixed_graph_replays": sum(s.get("mixed_graph_replays", 0) for s in stats),
         }
     finally:
         llm.shutdown()
@@ -106,7 +106,7 @@ def summarize(run: dict) -> dict:
         "median_ms": statistics.median(ls) if ls else 0.0,
         "max_ms": max(ls) if ls else 0.0,
         "preemptions": run["preemptions"],
-        "piecewise_replays": run["piecewise_replays"],
+        "mixed_graph_replays": run["mixed_graph_replays"],
     }
 
 

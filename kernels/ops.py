@@ -48,12 +48,10 @@ def paged_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    out=None,
 ) -> torch.Tensor:
     """``eager``: the pass runs outside any CUDA graph (see ``AttentionMetadata.eager``).
     ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (Python floats), applied
-    inside the attention kernel; ignored with any other cache dtype. ``out``: a ``q``-shaped
-    buffer the result is written to (and returned)."""
+    inside the attention kernel; ignored with any other cache dtype."""
     if _use_triton(q):
         from kernels.paged_attention import paged_attention_triton
 
@@ -70,9 +68,8 @@ def paged_attention(
             eager=eager,
             k_scale=k_scale,
             v_scale=v_scale,
-            out=out,
         )
-    o = reference.paged_attention_reference(
+    return reference.paged_attention_reference(
         q,
         k_cache,
         v_cache,
@@ -85,7 +82,6 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    return o if out is None else out.copy_(o)
 
 
 # Largest (padded) decode batch whose attention launch also does the rope prologue: one
@@ -134,10 +130,8 @@ def rope_and_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    out=None,
 ):
-    """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection
-    (``out``: as ``paged_attention``'s).
+    """``paged_attention(rope_and_write_kv(...))`` on the raw q/k/v of a QKV projection.
     On CUDA with one query token a request (``max_query_len == 1``, a CPU int), a small
     batch and few keys (tokens x ``max_seq_len_upper_bound``) it is one launch
     (``kernels.paged_attention`` with ``rope=``); otherwise the two
@@ -163,7 +157,6 @@ def rope_and_attention(
             eager=eager,
             k_scale=k_scale,
             v_scale=v_scale,
-            out=out,
         )
     q = rope_and_write_kv(
         positions,
@@ -194,7 +187,6 @@ def rope_and_attention(
         eager=eager,
         k_scale=k_scale,
         v_scale=v_scale,
-        out=out,
     )
 
 

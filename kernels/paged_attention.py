@@ -111,10 +111,8 @@ def paged_attention_triton(
     eager: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention; layouts as in ``kernels.reference``. ``out``: the ``q``-shaped
-    (unit-stride head dim) buffer to write, e.g. a piecewise graph's static input.
+    """Causal paged attention; layouts as in ``kernels.reference``.
 
     ``rope`` (batches of one query token a request, ``max_query_len == 1``): ``q`` is the
     raw projection; the kernel also does ``kernels.rope_kv``'s work (q/k norm, rotary,
@@ -157,10 +155,7 @@ def paged_attention_triton(
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if out is None:
-        out = torch.empty((num_tokens, hq, head_dim), dtype=q.dtype, device=q.device)
-    else:
-        assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "attention out buffer"
+    out = torch.empty((num_tokens, hq, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_reqs == 0:
         return out
 

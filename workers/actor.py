@@ -100,7 +100,7 @@ class WorkerActor:
             "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
             "tp_all_reduce": self.platform.collective_library,
             "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
-            "piecewise_replays": getattr(getattr(self.runner, "piecewise", None), "replays", 0),
+            "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
             "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph
         }

@@ -97,7 +97,7 @@ class ModelRunner:
         # with speculative decoding the plan's lengths assume every draft is accepted
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
-        self.piecewise = None  # workers.piecewise_graphs.PiecewiseGraphs, after capture
+        self.mixed_graphs = None  # workers.mixed_graphs.MixedGraphs, after capture
         self.pad_query_lens = None  # verify lengths uneven steps pad to (None: the graphs')
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
@@ -341,28 +341,40 @@ class ModelRunner:
                 logits=False,
             )
             self.spec.proposer.graphs.capture()
-        self._capture_piecewise()
+        self._capture_mixed()
 
-    def _capture_piecewise(self) -> None:
-        """Piecewise graphs (``workers.piecewise_graphs``) for the steps the decode graphs do
-        not cover: prefill, mixed and uneven speculative steps, of the model and the draft."""
-        from workers.piecewise_graphs import PiecewiseGraphs
+    def _capture_mixed(self) -> None:
+        """Whole-forward graphs per token bucket (``workers.mixed_graphs``) for the steps the
+        decode graphs do not cover: prefill, mixed and uneven speculative steps, of the model
+        and the draft."""
+        from workers.mixed_graphs import MixedGraphs
 
         sched = self.cfg.scheduler
         max_tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
-        pool = self.graphs.pool if self.graphs is not None else None
-        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device, pool=pool)
-        self.piecewise.capture()
+        common = dict(max_blocks=self.max_blocks_per_req, device=self.device, bounds_are_exact=self.bounds_are_exact)
+        self.mixed_graphs = MixedGraphs(
+            self.model,
+            self.kv_caches,
+            max_tokens,
+            sched.max_num_seqs,
+            self.max_model_len,
+            pool=self.graphs.pool if self.graphs is not None else None,
+            **common,
+        )
+        self.mixed_graphs.capture()
         if self.spec is not None and self.spec.draft_model is not None:
             # the draft's window adds each sampling row's newest token to the step's tokens
-            draft_graphs = self.spec.proposer.graphs
-            self.spec.proposer.piecewise = PiecewiseGraphs(
+            proposer = self.spec.proposer
+            proposer.mixed_graphs = MixedGraphs(
                 self.spec.draft_model,
+                proposer.kv_caches,
                 max_tokens + sched.max_num_seqs,
-                self.device,
-                pool=draft_graphs.pool if draft_graphs is not None else None,
+                sched.max_num_seqs,
+                self.spec.max_position,
+                pool=proposer.graphs.pool if proposer.graphs is not None else None,
+                **common,
             )
-            self.spec.proposer.piecewise.capture()
+            proposer.mixed_graphs.capture()
 
     # ------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
@@ -416,8 +428,8 @@ class ModelRunner:
             if inp.pads is not None:  # a padded verify step: the real tokens' logits rows
                 logits = logits[inp.logits_idx]
         else:
-            pw = self.piecewise
-            forward = pw.forward if pw is not None and pw.fits(inp.input_ids.shape[0]) else self.model
+            mg = self.mixed_graphs
+            forward = mg.forward if mg is not None and mg.fits(inp.input_ids.shape[0]) else self.model
             if self.pp is not None:  # a pipeline stage (no graphs): transfers around its layers
                 hidden = self.pp.forward(self.model, inp, self.kv_caches, self.dtype)
                 if not self.stage.is_last:
@@ -478,4 +490,4 @@ class ModelRunner:
         from workers.ubatch import UbatchedModel
 
         self.model = UbatchedModel(self.model, threshold, self.tp)
-        self.piecewise = None  # the split halves are the point: those steps run eagerly
+        self.mixed_graphs = None  # the split halves are the point: those steps run eagerly

@@ -51,7 +51,7 @@ class DraftModelProposer:
         self.model, self.kv_caches, self.k = model, kv_caches, k
         self.max_position = max_position  # lookahead positions are clamped into the rotary table
         self.graphs = None  # DecodeGraphs of the draft (hidden states), set after capture
-        self.piecewise = None  # PiecewiseGraphs of the draft, set after capture
+        self.mixed_graphs = None  # MixedGraphs of the draft, set after capture
         self.pad_query_lens = None  # window lengths uneven steps pad to (None: the graphs')
         self.padded_windows = 0
         self.block_size = block_size
@@ -136,13 +136,13 @@ class DraftModelProposer:
 
     def _forward(self, inputs, n: int, q_lens: list[int], bound: int, key=False) -> torch.Tensor:
         """The draft's forward over a window: a decode graph where one fits (``key``: already
-        picked, None for none), else a piecewise graph, else eager."""
+        picked, None for none), else a mixed-step graph, else eager."""
         if key is False:
             key = self.graphs.pick_shape(n, q_lens, bound) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(inputs, key)
-        if self.piecewise is not None and self.piecewise.fits(inputs.input_ids.shape[0]):
-            return self.piecewise.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(inputs.input_ids.shape[0]):
+            return self.mixed_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _pick(self, logits, ds, pos, st: DeviceState, s_rows, known, i: int) -> torch.Tensor:

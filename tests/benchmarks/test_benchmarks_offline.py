@@ -331,7 +331,8 @@ def test_roofline_table_lines(tmp_path, capsys):
 
 def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
     """``benchmarks.launch_calls`` on the CPU (no CUDA runtime calls to count): one record per
-    profiled launch and mode, the table, the JSON; a bad mode is refused."""
+    profiled launch and mode, labelled by step kind (the first places the prompts), the
+    table (a row per mode and kind), the JSON; a bad mode is refused."""
     from benchmarks.launch_calls import KINDS, main
 
     out = tmp_path / "calls.json"
@@ -343,8 +344,12 @@ def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
     for rows in runs.values():
         assert [r["launch"] for r in rows] == [f"launch#{i}" for i in range(1, 6)]
         assert all(r["ms"] > 0 and all(r[k] >= 0 for k in KINDS) for r in rows)
+        assert rows[0]["kind"] == "mixed" and rows[-1]["kind"] == "decode"
     assert json.loads(out.read_text()) == runs
-    assert "| async+ngram | 5 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for mode, rows in runs.items():
+        for kind in ("decode", "mixed"):
+            assert f"| {mode} | {kind} | {sum(r['kind'] == kind for r in rows)} |" in printed
     with pytest.raises(SystemExit):
         main(["--modes", "async+nothing"])
 

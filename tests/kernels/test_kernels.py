@@ -153,6 +153,33 @@ def test_paged_attention_mixed_batch(hq, hkv, num_splits):
     torch.testing.assert_close(out, expect, **TOL[dtype])
 
 
+@pytest.mark.parametrize("q_lens,seq_lens", [(MIXED["q_lens"], MIXED["seq_lens"]), ([1, 4, 2, 1], [9, 30, 41, 3])])
+def test_paged_attention_as_a_mixed_step_graph_launches_it(q_lens, seq_lens):
+    """``workers.mixed_graphs``' launch: tokens padded to the bucket, requests padded with
+    empty ones (query start = the real token count, a garbage length and block row), the
+    query-length bound raised past ``DECODE_MAX_Q`` and the key bound to the table's width.
+    The real tokens' output equals the torch reference's on the unpadded batch (also for a
+    verify-like batch of short windows, which then takes the prefill-shaped launch)."""
+    from kernels.attention_splits import DECODE_MAX_Q
+
+    c = make_attention_case(q_lens, seq_lens, 8, 2, pad_tokens=0, bound_slack=5, seed=4)
+    n_req, n = len(q_lens), int(c["query_start_loc"][-1])
+    _, expect = run_attention(c)
+    rows, bucket = n_req + 5, n + 11
+    qsl = torch.full((rows + 1,), n, dtype=torch.int32)
+    qsl[: n_req + 1] = c["query_start_loc"]
+    seq = torch.full((rows,), 999, dtype=torch.int32)
+    seq[:n_req] = c["seq_lens"]
+    table = torch.full((rows, c["block_table"].shape[1]), -1, dtype=torch.int32)
+    table[:n_req] = c["block_table"]
+    q = torch.cat([c["q"], torch.randn(bucket - n, *c["q"].shape[1:]).to(c["q"].dtype)])
+    bound = c["block_table"].shape[1] * c["k_cache"].shape[1]
+    out = pa.paged_attention_triton(
+        q, c["k_cache"], c["v_cache"], table, seq, qsl, max(bucket, DECODE_MAX_Q + 1), bound, c["scale"]
+    )
+    torch.testing.assert_close(out[:n].float(), expect, **TOL[torch.float32])
+
+
 def test_paged_attention_small_query_batch_and_odd_head_dim():
     # max_query_len <= DECODE_MAX_Q: the one-q-block-per-request path with q_len > 1;
     # head_dim 24 exercises the masked head-dim lanes; GQA 3 the masked group lanes.
@@ -381,30 +408,6 @@ def test_exponential_race_u_that_rounds_to_one_in_float32():
     probs = torch.full((1, 4300), 1.0 / 4300)
     got = smp.exponential_race_triton(probs, seeds, pos, block=256, num_splits=4)
     assert got.tolist() == ref.exponential_race_reference(probs, seeds, pos).tolist() == [4283]
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_attention_writes_into_a_given_buffer(num_splits):
-    """``out=`` (a piecewise graph's static buffer, a row slice of a wider one): the kernel
-    and the CPU reference write the result there, return it, and leave other rows alone."""
-    from kernels import ops
-
-    c = make_attention_case(MIXED["q_lens"], MIXED["seq_lens"], 8, 2, pad_tokens=4, bound_slack=7, seed=3)
-    n = int(c["query_start_loc"][-1])
-    plain, expect = run_attention(c, num_splits=num_splits)
-    store = torch.full((c["q"].shape[0] + 5, *c["q"].shape[1:]), 7.0)
-    buf = store[: c["q"].shape[0]]
-    args = [c[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")]
-    sizes = (c["max_query_len"], c["max_seq_len_upper_bound"], c["scale"])
-    got = pa.paged_attention_triton(*args, *sizes, num_splits=num_splits, out=buf)
-    assert got.data_ptr() == buf.data_ptr()
-    torch.testing.assert_close(buf[:n].float(), plain, rtol=0, atol=0)
-    assert bool((store[c["q"].shape[0] :] == 7.0).all())
-    ref_buf = torch.zeros_like(c["q"])
-    args[3] = c["block_table"].clamp(min=0)
-    got = ops.paged_attention(*args, c["query_start_loc"], *sizes, out=ref_buf)
-    assert got.data_ptr() == ref_buf.data_ptr()
-    torch.testing.assert_close(ref_buf[:n].float(), expect, rtol=0, atol=0)
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -441,7 +441,7 @@ def test_cublas_takes_large_fp8_batches_on_hopper_only():
 def test_gpu_w8a8_linear_matches_reference_on_both_routes(m, static):
     """``w8a8_linear`` (the Triton FP8 GEMM up to 128 rows, cuBLASLt above) against the
     float32 reference of the same quantized operands, with a bias; and replayed from a CUDA
-    graph (the piecewise graphs capture it) with the same result."""
+    graph (the mixed-step graphs capture it) with the same result."""
     from kernels.fp8_linear import w8a8_linear
     from kernels.fp8_quant import quantize_rows_triton
 

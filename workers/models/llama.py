@@ -70,9 +70,8 @@ class Attention(nn.Module):
         output projection."""
         return self.o_proj(self.attend_core(qkv, positions, meta, kv, cos_sin))
 
-    def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin, out=None):
-        """``attend`` without the output projection: the attention output ``[T, Hq * D]``
-        (written into ``out`` when given: a piecewise graph's static buffer, no copy)."""
+    def attend_core(self, qkv, positions, meta: AttentionMetadata, kv: KVCache, cos_sin):
+        """``attend`` without the output projection: the attention output ``[T, Hq * D]``."""
         t = qkv.shape[0]
         nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
@@ -101,7 +100,6 @@ class Attention(nn.Module):
             eager=meta.eager,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
-            out=out.view(t, self.num_heads, self.head_dim) if out is not None else None,
         )
         return o.reshape(t, nq)
 

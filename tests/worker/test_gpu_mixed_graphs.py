@@ -1,5 +1,5 @@
-"""Piecewise CUDA graphs (prefill, mixed and uneven speculative steps) give the eager
-forward's tokens, and those steps really replay them."""
+"""Mixed-step CUDA graphs (prefill, mixed and uneven speculative steps, attention inside the
+graph) give the eager forward's tokens, and those steps really replay them."""
 
 import pytest
 import ray
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_piecewise_steps_match_eager(tmp_path, arch):
+def test_mixed_step_graphs_match_eager(tmp_path, arch):
     from cluster import LLM, SamplingParams
 
     ckpt = write_checkpoint(
@@ -34,7 +34,7 @@ def test_piecewise_steps_match_eager(tmp_path, arch):
             outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
             if not eager:
                 stats = ray.get([w.stats.remote() for w in llm.engine.executor.workers])
-                assert stats[0]["piecewise_replays"] > 0
+                assert stats[0]["mixed_graph_replays"] > 0
         finally:
             llm.shutdown()
     assert outs[False] == outs[True]

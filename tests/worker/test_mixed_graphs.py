@@ -1,0 +1,81 @@
+"""What a mixed-step CUDA graph records (``workers.mixed_graphs``), run eagerly on the CPU: a
+step's inputs loaded into the static buffers, padded to the token bucket and its request
+count, give the model's own forward on the real tokens, and the padding writes no KV.
+(Capture and replay themselves: ``test_gpu_mixed_graphs.py``.)"""
+
+import pytest
+import torch
+
+from metadata.config import EngineConfig
+from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
+
+BS = 8
+GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+
+
+def _runner(model_dir: str):
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig.from_options(num_kv_blocks=64, block_size=BS, max_num_seqs=6, dtype="float32")
+    r = ModelRunner(cfg, model_dir, torch.device("cpu"), TPGroup(), 256)
+    r.init_kv_cache(64)
+    return r
+
+
+def _mixed_step(r):
+    """A prefill of request 0, then a step with its decode token, a new 11-token prompt and
+    the first chunk of a 20-token one: the step's ``StepInputs``."""
+    from workers.step_inputs import build_step_inputs
+
+    p0 = [3 + (7 * i) % 50 for i in range(13)]
+    new0 = NewRequest(0, p0, [], GREEDY, [0, 1, 2])
+    r.execute(StepPlan(1, new_requests=[new0], rows=[ScheduledRow(0, 13, 13, [], True)]))
+    news = [
+        NewRequest(1, [5 + i for i in range(11)], [], GREEDY, [8, 9]),
+        NewRequest(2, [40 - i for i in range(20)], [], GREEDY, [16, 17, 18]),
+    ]
+    for req in news:
+        r.state.add(req)
+    rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 6, 6, [], False)]
+    return build_step_inputs(StepPlan(2, rows=rows), r.state, BS, r.bounds_are_exact, max_len=r.max_model_len)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padded_static_forward_is_the_models_forward(ckpt_dir, arch):
+    from workers.mixed_graphs import MixedGraphs
+
+    torch.manual_seed(0)
+    r = _runner(str(ckpt_dir(arch)))
+    inp = _mixed_step(r)
+    t_real, n = inp.input_ids.shape[0], inp.meta.num_reqs
+    mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True)
+    before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
+    with torch.inference_mode():
+        t = mg.load(inp.input_ids, inp.positions, inp.meta)
+        assert t > t_real and mg.rows(t) > n  # both paddings exercised
+        got = mg.static_forward(t)[:t_real].clone()
+        written = [(k.clone(), v.clone()) for k, v in r.kv_caches]
+        for (k, v), (k0, v0) in zip(r.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        want = r.model(inp.input_ids, inp.positions, inp.meta, r.kv_caches)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    slots = inp.meta.slot_mapping[:t_real]
+    for (k, v), (kw, vw), (k0, _) in zip(r.kv_caches, written, before):
+        torch.testing.assert_close(kw, k, atol=2e-5, rtol=1e-4)  # the same KV at the real slots
+        torch.testing.assert_close(vw, v, atol=2e-5, rtol=1e-4)
+        untouched = torch.ones(k0.shape[0] * BS, dtype=torch.bool)
+        untouched[slots] = False
+        flat = kw.reshape(-1, *kw.shape[2:])
+        assert torch.equal(flat[untouched], k0.reshape(-1, *k0.shape[2:])[untouched])  # padding wrote nothing
+
+
+def test_a_step_over_the_request_bound_is_refused(ckpt_dir):
+    from workers.mixed_graphs import MixedGraphs
+
+    r = _runner(str(ckpt_dir("llama")))
+    inp = _mixed_step(r)
+    mg = MixedGraphs(r.model, r.kv_caches, 64, 2, r.max_model_len, r.max_blocks_per_req, r.device, True)
+    with pytest.raises(ValueError, match="3 requests exceeds max_num_seqs=2"):
+        mg.load(inp.input_ids, inp.positions, inp.meta)

@@ -1,0 +1,161 @@
+"""Whole-forward CUDA graphs for the steps the decode graphs do not cover.
+
+Prefill, mixed prefill+decode and speculative steps with uneven draft counts have a
+per-step query layout, so they cannot replay a decode graph (one query length for every
+row). Their forward is captured once per *token bucket*, attention included:
+
+* the token count is padded to the bucket: padded tokens write no KV (slot -1) and
+  compute rows nothing reads (every other op is row-wise);
+* the request count is padded to ``rows(bucket)`` (at most ``max_num_seqs``): padded
+  requests are empty (their query range starts and ends at the real token count), so
+  their attention programs exit at once;
+* attention takes its prefill-shaped launch (``kernels.attention_splits.launch_config``
+  with a query-length bound above ``DECODE_MAX_Q``), whose grid depends only on those two
+  padded counts, and reads every exact value (query starts, lengths, pages) from the
+  device, as it does eagerly; the key bound is the longest sequence the cache holds.
+
+A step then costs a few input copies and one graph launch, where eager attention between
+captured segments cost about 0.5 ms of host time a layer, and a fully eager forward
+enqueues more kernels than the device's launch queue holds (about 1,000 entries on a
+Hopper GPU), so that its launch waits for a busy device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.attention_splits import DECODE_MAX_Q
+from metadata.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts to capture: fine steps at small sizes (where padding costs the
+    most relative to the work), coarser above."""
+    sizes = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    b = 3072
+    while sizes[-1] < max_tokens:
+        sizes.append(b)
+        b = b + b // 2 if b < 8192 else b * 2
+    out = [s for s in sizes if s < max_tokens]
+    return out + [max_tokens]
+
+
+class MixedGraphs:
+    """Replaces ``model(input_ids, positions, meta, kv_caches)`` for steps of up to
+    ``max_tokens`` tokens and ``max_num_seqs`` requests over ``kv_caches`` (the caches the
+    graphs were captured with): ``forward`` has the model's signature and result.
+    ``max_seq_len``: the longest sequence a step may attend (the attention launch's key
+    bound); ``max_blocks``: the block-table width."""
+
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_tokens: int,
+        max_num_seqs: int,
+        max_seq_len: int,
+        max_blocks: int,
+        device: torch.device,
+        bounds_are_exact: bool,
+        pool=None,
+    ):
+        self.model, self.kv_caches = model, kv_caches
+        self.buckets = token_buckets(max_tokens)
+        self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
+        self.bounds_are_exact = bounds_are_exact
+        t, r = self.buckets[-1], max_num_seqs
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.qsl = torch.zeros(r + 1, dtype=torch.int32, device=device)
+        self.qsl_cpu = torch.zeros(r + 1, dtype=torch.int32)  # the torch reference's copy (CPU tests)
+        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+        self.ub_cpu = torch.zeros(r, dtype=torch.int32)
+        self.block_table = torch.zeros(r, max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool  # shared with the decode graphs: one step replays one graph at a time
+        self.replays = 0
+
+    def rows(self, t: int) -> int:
+        """The request count bucket ``t`` is captured for (a request has at least one token)."""
+        return min(self.max_num_seqs, t)
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        r = self.rows(t)
+        return AttentionMetadata(
+            query_start_loc=self.qsl[: r + 1],
+            query_start_loc_cpu=self.qsl_cpu[: r + 1],
+            seq_lens=self.seq_lens[:r],
+            seq_lens_upper_bound=self.ub_cpu[:r],
+            block_table=self.block_table[:r],
+            slot_mapping=self.slots[:t],
+            positions=self.positions[:t],
+            num_reqs=r,
+            num_actual_tokens=t,
+            max_query_len=max(t, DECODE_MAX_Q + 1),  # a bound: always the prefill-shaped launch
+            max_seq_len_upper_bound=self.max_seq_len,
+            bounds_are_exact=self.bounds_are_exact,
+            eager=False,
+        )
+
+    def static_forward(self, t: int) -> torch.Tensor:
+        """The forward over the static inputs at bucket ``t`` (what a graph records)."""
+        return self.model(self.input_ids[:t], self.positions[:t], self._meta(t), self.kv_caches)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.slots.fill_(-1)
+        self.qsl.zero_()  # every request empty: the warm-up launches compute nothing
+        self.seq_lens.zero_()
+        for t in reversed(self.buckets):  # largest first: the pool is sized once
+            self.static_forward(t)  # warm-up: compiles this bucket's kernels outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                hidden = self.static_forward(t)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[t] = (g, hidden)
+        torch.cuda.synchronize()
+        logger.info("captured %d mixed-step CUDA graphs (token buckets %s)", len(self.graphs), self.buckets)
+
+    # ---------------------------------------------------------------- replay
+    def fits(self, num_tokens: int) -> bool:
+        return bool(self.graphs) and num_tokens <= self.buckets[-1]
+
+    def load(self, input_ids, positions, meta: AttentionMetadata) -> int:
+        """Copies a step's inputs into the static buffers, padded; returns its bucket."""
+        t_real, n = input_ids.shape[0], meta.num_reqs
+        t = next(b for b in self.buckets if b >= t_real)
+        r = self.rows(t)
+        if n > r:
+            raise ValueError(f"a step of {n} requests exceeds max_num_seqs={self.max_num_seqs}")
+        self.input_ids[:t_real].copy_(input_ids)
+        self.positions[:t_real].copy_(positions)
+        self.slots[:t_real].copy_(meta.slot_mapping[:t_real])
+        self.slots[t_real:t].fill_(-1)
+        self.qsl[: n + 1].copy_(meta.query_start_loc)
+        self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
+        end = int(meta.query_start_loc_cpu[n])  # a CPU tensor: no device read
+        self.qsl[n + 1 : r + 1].fill_(end)
+        self.qsl_cpu[n + 1 : r + 1] = end
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.ub_cpu[:n] = meta.seq_lens_upper_bound
+        self.ub_cpu[n:r] = 0
+        if meta.block_table.data_ptr() != self.block_table.data_ptr():
+            self.block_table[:n, : meta.block_table.shape[1]].copy_(meta.block_table)
+        return t
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """The model's forward, from this step's bucket's graph: hidden states ``[T, H]`` of
+        the real tokens."""
+        assert kv_caches is self.kv_caches, "a mixed graph replays over the caches it captured"
+        t = self.load(input_ids, positions, meta)
+        g, hidden = self.graphs[t]
+        g.replay()
+        self.replays += 1
+        return hidden[: input_ids.shape[0]]
