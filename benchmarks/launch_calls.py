@@ -76,14 +76,16 @@ def _summarise(prof, kinds: list[str]) -> list[dict]:
     return rows
 
 
-def _collect(actor) -> list[dict] | None:
+def _collect(actor) -> list[dict] | str:
+    """The profiled rows, or why there are none: the profiler runs on the step thread and
+    can only be stopped there, so a workload with fewer launches than asked reports so."""
     state = actor._launch_calls
-    if state["rows"] is None and state.get("prof") is not None:
-        state["rows"] = _summarise(state.pop("prof"), state["kinds"])  # fewer launches than asked for
+    if state["rows"] is None:
+        return f"only {state['n']} launches of rows ran: rerun with --launches {max(1, state['n'])}"
     return state["rows"]
 
 
-def run_mode(mode: str, model: str, fmt: str, wait_ms: float, launches: int, vocab: int = 1000) -> list[dict]:
+def run_mode(mode: str, model: str, fmt: str, wait_ms: float, launches: int, vocab: int = 1000) -> list[dict] | str:
     """``benchmarks.launch_wait``'s workload in one mode, the first ``launches`` launches of
     rows after a warm-up request profiled on worker 0."""
     import ray
@@ -99,7 +101,7 @@ def run_mode(mode: str, model: str, fmt: str, wait_ms: float, launches: int, voc
         worker = llm.engine.executor.workers[0]
         ray.get(worker.__ray_call__.remote(_arm, launches))
         llm.generate(prompts, params, use_tqdm=False)
-        return ray.get(worker.__ray_call__.remote(_collect)) or []
+        return ray.get(worker.__ray_call__.remote(_collect))
     finally:
         llm.shutdown()
 
@@ -123,6 +125,9 @@ def main(argv=None) -> dict:
     print("| mode | steps | launches | median ms | kernels | graphs | copies | memsets | longest call (ms) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, all_rows in runs.items():
+        if isinstance(all_rows, str):
+            print(f"| {mode} | {all_rows} | | | | | | | |")
+            continue
         for kind in ("decode", "mixed"):
             _print_row(mode, kind, [r for r in all_rows if r["kind"] == kind])
     if args.output:

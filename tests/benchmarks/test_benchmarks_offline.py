@@ -350,6 +350,9 @@ def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
     for mode, rows in runs.items():
         for kind in ("decode", "mixed"):
             assert f"| {mode} | {kind} | {sum(r['kind'] == kind for r in rows)} |" in printed
+    # more launches asked than the workload has: said so (the profiler stops on its own thread only)
+    runs = main(["--shape", "tiny", "--modes", "async", "--launches", "100000", "--vocab", "500"])
+    assert runs["async"].startswith("only ") and "rerun with --launches" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--modes", "async+nothing"])
 
