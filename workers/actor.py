@@ -63,7 +63,9 @@ class WorkerActor:
         self.device_kind = device_kind
         from workers.sync_check import SyncCheck
 
-        self.sync_check = SyncCheck(self.cfg.sync_check)
+        # a device with a launch queue also audits what a step enqueues (workers.launch_audit)
+        queued = self.platform.torch_device_type if self.platform.torch_device_type != "cpu" else None
+        self.sync_check = SyncCheck(self.cfg.sync_check, device_type=queued)
         self.runner = None
         self.loop = None
         self.compile_watch = CompileWatch(rank)

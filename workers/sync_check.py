@@ -15,6 +15,11 @@ retries. The armed check compares the allocator's retry count before and after t
 step and treats a retry like any other implicit sync; growth of the pool
 (``cudaMalloc``, a new segment) is counted (the worker's ``stats()["allocator_growths"]``),
 not refused: a step of a new size may grow it once.
+
+Nor does it see a full launch queue or a pageable host-to-device copy: with ``device_type``
+given (the worker's, on CUDA), the armed step also runs under ``workers.launch_audit``, which
+reports those copies at their call site and a step that enqueues more than ``launch_budget``
+device operations outside its CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import logging
 import threading
 import traceback
 import warnings
+
+from workers import launch_audit
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +58,11 @@ class SyncCheck:
     _installed = False
     _install_lock = threading.Lock()
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, device_type: str | None = None, launch_budget: int = launch_audit.LAUNCH_BUDGET):
         if mode not in ("off", "warn", "error"):
             raise ValueError(f"sync_check must be 'off', 'warn' or 'error', got {mode!r}")
         self.mode = mode
+        self.device_type, self.launch_budget = device_type, launch_budget
         self.reports: list[str] = []
         self.allocator_growths = 0  # steps that added a segment to the CUDA caching allocator
 
@@ -97,12 +105,26 @@ class SyncCheck:
         before = _allocator_counts()
         prev = getattr(_local, "armed", None)
         _local.armed = self
+        audit = launch_audit.LaunchAudit(self.device_type, self._report) if self.device_type else None
         try:
-            yield
+            with audit if audit is not None else contextlib.nullcontext():
+                yield
         finally:
             _local.armed = prev
+        if audit is not None and audit.launches > self.launch_budget:
+            self._report(
+                f"a step enqueued {audit.launches} device operations outside its CUDA graphs (budget "
+                f"{self.launch_budget}; the device queues about 1,000 before a launch waits for it): "
+                f"{audit.top_ops()}"
+            )
         if before is not None:
             self._check_allocator(before, _allocator_counts())
+
+    def _report(self, msg: str) -> None:
+        if self.mode == "error":
+            raise SyncError(msg)
+        self.reports.append(msg)
+        logger.warning(msg)
 
     def _check_allocator(self, before: tuple[int, int], after: tuple[int, int]) -> None:
         if after[0] > before[0]:
@@ -111,10 +133,7 @@ class SyncCheck:
                 "cache and retried (cudaFree waits for the device); lower gpu_memory_utilization "
                 "or max_num_batched_tokens"
             )
-            if self.mode == "error":
-                raise SyncError(msg)
-            self.reports.append(msg)
-            logger.warning(msg)
+            self._report(msg)
         if after[1] > before[1]:
             self.allocator_growths += 1
 
@@ -133,7 +152,9 @@ def _allocator_counts() -> tuple[int, int] | None:
 def allow_sync(reason: str):
     """Disarm around a deliberate, documented wait (``reason`` says why it is allowed)."""
     _local.allowed = getattr(_local, "allowed", 0) + 1
+    launch_audit.deliberate(+1)
     try:
         yield
     finally:
         _local.allowed -= 1
+        launch_audit.deliberate(-1)

@@ -32,3 +32,33 @@ def test_allocator_retry_inside_a_step_is_an_error():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_launch_audit_on_the_device():
+    """A pageable host-to-device copy is an error and a pinned one is not; Triton launches count
+    towards the launch budget as aten operators do; a graph replay is one call, not its nodes."""
+    from kernels import ops
+
+    dev = torch.empty(1024, device="cuda")
+    pageable, pinned = torch.ones(1024), torch.ones(1024).pin_memory()
+    check = SyncCheck("error", device_type="cuda", launch_budget=4)
+    with pytest.raises(SyncError, match="pageable memory"):
+        with check.armed():
+            dev.copy_(pageable, non_blocking=True)
+    with check.armed():
+        dev.copy_(pinned, non_blocking=True)
+    x = torch.randn(4, 256, device="cuda")
+    ops.argmax(x)  # compiled outside the check
+    with pytest.raises(SyncError, match=r"enqueued \d+ device operations.*triton x(5|10)\b"):
+        with check.armed():
+            for _ in range(5):
+                ops.argmax(x)  # (one or two Triton launches each, no aten operator)
+    g = torch.cuda.CUDAGraph()
+    y = torch.zeros(16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(50):
+            y.add_(1)
+    with check.armed():
+        g.replay()
+    torch.cuda.synchronize()
