@@ -86,6 +86,7 @@ class DeviceState:
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
         self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
         self.option_tensors = OptionTensors()  # the sampling options' device tensors, reused
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # index_put_ value for prompt_mask
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:
         """Draft-model distributions of the drafts in flight (sampled rows need them to verify)."""
@@ -103,28 +104,73 @@ class DeviceState:
 
     # ----------------------------------------------------------- lifecycle
     def add(self, req: NewRequest) -> None:
-        if req.handle in self.row_of:
-            raise RuntimeError(f"request handle {req.handle} is already placed")
-        if not self.free_rows:
-            raise RuntimeError("no free request rows on the worker (max_num_seqs exceeded)")
-        row = self.free_rows.pop()
-        self.row_of[req.handle] = row
-        tokens = req.prompt_token_ids + req.output_token_ids
-        if len(tokens) > self.max_model_len:
-            raise RuntimeError(f"request {req.handle} has {len(tokens)} tokens > max_model_len")
-        self.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
-        # fill_ on a view launches a kernel; item assignment would copy a host scalar (a sync)
-        self.num_computed[row : row + 1].fill_(req.num_cached_tokens)
-        self.prompt_len[row : row + 1].fill_(len(req.prompt_token_ids))
-        self.num_blocks_cpu[row] = 0
-        self.append_blocks(row, req.block_ids)
-        self.sampling[row] = req.sampling
-        self.output_counts[row].zero_()
-        self.prompt_mask[row].zero_()
-        self.prompt_mask[row].index_fill_(0, self.token_ids[row, : len(req.prompt_token_ids)], True)
-        if req.output_token_ids:
-            out = self.token_ids[row, len(req.prompt_token_ids) : len(tokens)]
-            self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        self.add_many([req])
+
+    def _validate(self, reqs: list[NewRequest]) -> None:
+        """Raise what placing ``reqs`` one by one with ``add`` would, before anything is placed."""
+        seen: set[int] = set()
+        for i, req in enumerate(reqs):
+            if req.handle in self.row_of or req.handle in seen:
+                raise RuntimeError(f"request handle {req.handle} is already placed")
+            if i >= len(self.free_rows):
+                raise RuntimeError("no free request rows on the worker (max_num_seqs exceeded)")
+            n_tok = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if n_tok > self.max_model_len:
+                raise RuntimeError(f"request {req.handle} has {n_tok} tokens > max_model_len")
+            if len(req.block_ids) > self.block_table_cpu.shape[1]:
+                raise RuntimeError("block table overflow: more blocks than max_model_len needs")
+            seen.add(req.handle)
+
+    def add_many(self, reqs: list[NewRequest]) -> None:
+        """Place new requests with a fixed number of device operations, whatever their number:
+        one packed host->device copy and a few indexed writes. All are validated first, so
+        an invalid one places none; rows are taken as ``add`` one by one would take them."""
+        if not reqs:
+            return
+        self._validate(reqs)
+        rows = [self.free_rows.pop() for _ in reqs]
+        b_ids, b_row, b_col = [], [], []
+        for row, req in zip(rows, reqs):
+            self.row_of[req.handle] = row
+            self.sampling[row] = req.sampling
+            nb = len(req.block_ids)
+            b_ids += req.block_ids
+            b_row += [row] * nb
+            b_col += range(nb)
+            self.num_blocks_cpu[row] = nb
+        if b_ids:  # host block tables: one indexed write
+            b = torch.tensor([b_ids, b_row, b_col], dtype=torch.int64)
+            self.block_table_cpu.index_put_((b[1], b[2]), b[0].to(torch.int32))
+        # every prompt token, then every output token (one list conversion); their rows and
+        # columns from host tensor ops, not per-token Python lists
+        tokens = [x for req in reqs for x in req.prompt_token_ids] + [x for req in reqs for x in req.output_token_ids]
+        plen = torch.tensor([len(req.prompt_token_ids) for req in reqs], dtype=torch.int64)
+        olen = torch.tensor([len(req.output_token_ids) for req in reqs], dtype=torch.int64)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        n, tp, t = len(reqs), int(plen.sum()), len(tokens)
+
+        def rows_cols(lens: torch.Tensor, first_col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            start = (lens.cumsum(0) - lens).repeat_interleave(lens)
+            cols = torch.arange(int(lens.sum()), dtype=torch.int64) - start + first_col.repeat_interleave(lens)
+            return rows_t.repeat_interleave(lens), cols
+
+        p_row, p_col = rows_cols(plen, torch.zeros_like(plen))
+        o_row, o_col = rows_cols(olen, plen)
+        cached = torch.tensor([req.num_cached_tokens for req in reqs], dtype=torch.int64)
+        packed = torch.cat([torch.tensor(tokens, dtype=torch.int64), p_row, o_row, p_col, o_col, rows_t, cached, plen])
+        dev = to_device(packed, self.device)
+        tok, trow, tcol, rr, vals = dev.split([t, t, t, n, 2 * n])
+        # stale rows: whole-row clears, then this placement's writes
+        self.output_counts.index_fill_(0, rr, 0)
+        self.prompt_mask.index_fill_(0, rr, False)
+        self.token_ids.index_put_((trow, tcol), tok)
+        vals = vals.view(2, n).to(torch.int32)
+        self.num_computed.index_put_((rr,), vals[0])
+        self.prompt_len.index_put_((rr,), vals[1])
+        self.prompt_mask.index_put_((trow[:tp], tok[:tp]), self._true)
+        if t > tp:  # outputs to recompute after preemption: repeated tokens accumulate
+            o = tok[tp:]
+            self.output_counts.index_put_((trow[tp:], o), torch.ones_like(o, dtype=torch.int32), accumulate=True)
 
     def release(self, handle: int) -> None:
         row = self.row_of.pop(handle, None)

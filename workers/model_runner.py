@@ -412,8 +412,7 @@ class ModelRunner:
             st.release(h)
         for h in plan.preempted_handles:
             st.release(h)
-        for req in plan.new_requests:
-            st.add(req)
+        st.add_many(plan.new_requests)  # a fixed number of device operations, however many
         if not plan.rows:
             return PendingStep(plan.step_id, self.tp.rank, t0)
         start_ev = self._record_event()
