@@ -102,6 +102,8 @@ class WorkerActor:
             "kernel_variants_first": [v[:1200] for v in self.compile_watch.variants[:4]],
             "tp_all_reduce": self.platform.collective_library,
             "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
+            # the launches of prefill / mixed / uneven speculative steps (no decode graph fits)
+            "mixed_launch_ms": list(self.runner.mixed_launch_ms) if self.runner is not None else [],
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
             "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph
@@ -111,6 +113,7 @@ class WorkerActor:
         """Forget the recorded launch times (a benchmark's warm-up is not its steady state)."""
         if self.runner is not None:
             self.runner.launch_ms.clear()
+            self.runner.mixed_launch_ms.clear()
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""

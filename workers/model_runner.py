@@ -101,6 +101,8 @@ class ModelRunner:
         self.pad_query_lens = None  # verify lengths uneven steps pad to (None: the graphs')
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
+        self.mixed_launch_ms: collections.deque = collections.deque(maxlen=4096)  # ... of steps no decode graph fits
+        self._uniform = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         self._last_end_ev = None
         self._pinned = PinnedPool()
@@ -389,6 +391,8 @@ class ModelRunner:
         pending.launch_s = time.perf_counter() - t0
         if plan.rows:
             self.launch_ms.append(pending.launch_s * 1e3)
+            if not self._uniform:
+                self.mixed_launch_ms.append(pending.launch_s * 1e3)
         return pending
 
     def arm_launch_probe(self) -> None:
@@ -420,6 +424,7 @@ class ModelRunner:
             plan, st, self.block_size, self.bounds_are_exact, self.graphs, self.pad_query_lens, self.max_model_len
         )
         key = inp.graph_key
+        self._uniform = key is not None
         raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)

@@ -368,3 +368,22 @@ def test_launch_wait_refuses_bad_arguments(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_launch_wait_summary_counts_waits_and_mixed_steps():
+    """``benchmarks.launch_wait.summarize``: a launch waited above a quarter of the busy-wait;
+    the mixed-step launches (no decode graph fit) get their own count and median."""
+    from benchmarks.launch_wait import summarize
+
+    run = {
+        "mode": "async",
+        "wait_ms": 100.0,
+        "launch_ms": [1.0, 2.0, 30.0, 1.5, 26.0],
+        "mixed_launch_ms": [2.0, 30.0, 4.0],
+        "preemptions": 0,
+        "mixed_graph_replays": 3,
+    }
+    row = summarize(run)
+    assert (row["launches"], row["waited"], row["max_ms"]) == (5, 2, 30.0)
+    assert (row["mixed_launches"], row["mixed_median_ms"]) == (3, 4.0)
+    assert summarize({**run, "launch_ms": [], "mixed_launch_ms": []})["mixed_median_ms"] == 0.0
