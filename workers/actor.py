@@ -172,6 +172,10 @@ class WorkerActor:
         threshold = self.cfg.parallel.ubatch_token_threshold
         if threshold is not None:
             self.runner.enable_ubatching(threshold)
+        if self.runner.graphs is None or self.runner.mixed_graphs is None:
+            # enforce_eager, a pipeline stage or ubatching: eager forwards by design, whose
+            # launch count grows with the layers; the audit still reports pageable copies
+            self.sync_check.launch_budget = None
         self.loop = StepLoop(self.runner, self.sync_check, self.rank)
         if self.platform.torch_device_type == "cuda":
             self.compile_watch.install()  # from here on, a new kernel variant is a warning

@@ -86,7 +86,7 @@ class DeviceState:
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
         self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
         self.option_tensors = OptionTensors()  # the sampling options' device tensors, reused
-        self._true = torch.ones((), dtype=torch.bool, device=device)  # index_put_ value for prompt_mask
+        self.true_value = torch.ones((), dtype=torch.bool, device=device)  # an index_put_ value (device: no copy)
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:
         """Draft-model distributions of the drafts in flight (sampled rows need them to verify)."""
@@ -94,13 +94,20 @@ class DeviceState:
             self.draft_probs = torch.zeros(self.max_rows, k, self.vocab, dtype=torch.float32, device=self.device)
         return self.draft_probs
 
-    def write_host_drafts(self, row: int, start: int, drafts: list[int]) -> None:
-        """Host-proposed drafts (``ngram_host``, exact lengths) go where the step reads its inputs."""
-        end = min(start + len(drafts), self.token_ids.shape[1])
-        if end > start:
-            self.token_ids[row, start:end] = to_device(
-                torch.tensor(drafts[: end - start], dtype=torch.int64), self.device
-            )
+    def write_host_drafts(self, items: list[tuple[int, int, list[int]]]) -> None:
+        """Host-proposed drafts (``ngram_host``, exact lengths) go where the step reads its
+        inputs: ``(row, start column, drafts)`` per row, in one packed copy and one indexed
+        write whatever the row count (none past the table's last column)."""
+        toks, rows, cols = [], [], []
+        width = self.token_ids.shape[1]
+        for row, start, drafts in items:
+            n = max(0, min(len(drafts), width - start))
+            toks += drafts[:n]
+            rows += [row] * n
+            cols += range(start, start + n)
+        if toks:
+            d = to_device(torch.tensor([toks, rows, cols], dtype=torch.int64), self.device)
+            self.token_ids.index_put_((d[1], d[2]), d[0])
 
     # ----------------------------------------------------------- lifecycle
     def add(self, req: NewRequest) -> None:
@@ -167,7 +174,7 @@ class DeviceState:
         vals = vals.view(2, n).to(torch.int32)
         self.num_computed.index_put_((rr,), vals[0])
         self.prompt_len.index_put_((rr,), vals[1])
-        self.prompt_mask.index_put_((trow[:tp], tok[:tp]), self._true)
+        self.prompt_mask.index_put_((trow[:tp], tok[:tp]), self.true_value)
         if t > tp:  # outputs to recompute after preemption: repeated tokens accumulate
             o = tok[tp:]
             self.output_counts.index_put_((trow[tp:], o), torch.ones_like(o, dtype=torch.int32), accumulate=True)

@@ -80,14 +80,16 @@ def _install_triton_hook() -> None:
             _hook_installed = True
             return
         runtime = knobs.runtime
-        previous = runtime.launch_enter_hook
-        if previous is None:
+        hooks = runtime.launch_enter_hook
+        if hasattr(hooks, "add"):  # triton's own hook chain (3.5+): join it, keep it a chain
+            hooks.add(_triton_launch)
+        elif hooks is None:
             runtime.launch_enter_hook = _triton_launch
         else:
 
             def chained(metadata):
                 _triton_launch(metadata)
-                previous(metadata)
+                hooks(metadata)
 
             runtime.launch_enter_hook = chained
         _hook_installed = True

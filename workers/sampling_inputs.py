@@ -35,7 +35,8 @@ def build_sampling_batch(
                 ids += o.min_tokens_stop_ids
         idx = to_device(torch.tensor([ri, ids], dtype=torch.int64), dev)
         mask = torch.zeros(len(opts), st.vocab, dtype=torch.bool, device=dev)
-        mask[idx[0], idx[1].clamp(max=st.vocab - 1)] = True
+        # a device value: a Python scalar would be copied host-to-device first, blocking
+        mask.index_put_((idx[0], idx[1].clamp(max=st.vocab - 1)), st.true_value)
         out_len = s_pos - st.prompt_len[s_rows].long()  # outputs before this token (device)
         mask &= (out_len < min_tokens)[:, None]
     return SamplingBatch(

@@ -213,18 +213,19 @@ def build_step_inputs(
     longest position + 1 the model's rotary table holds."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
-    rows_cpu, q_lens, ubs, sample_idx, drafts = [], [], [], [], []
+    rows_cpu, q_lens, ubs, sample_idx, drafts, host_drafts = [], [], [], [], [], []
     for i, r in enumerate(plan.rows):
         row = st.row_of[r.handle]
         st.append_blocks(row, r.new_block_ids)
         if r.draft_token_ids:
-            st.write_host_drafts(row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids)
+            host_drafts.append((row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids))
         rows_cpu.append(row)
         q_lens.append(r.num_scheduled_tokens)
         ubs.append(r.seq_len_upper_bound)
         if r.sample:
             sample_idx.append(i)
             drafts.append(r.num_draft_tokens)
+    st.write_host_drafts(host_drafts)
     k_max = max(drafts, default=0)
     pads = None
     if k_max and pad_query_lens and len(sample_idx) == len(q_lens):  # every row verifies its drafts

@@ -19,7 +19,8 @@ not refused: a step of a new size may grow it once.
 Nor does it see a full launch queue or a pageable host-to-device copy: with ``device_type``
 given (the worker's, on CUDA), the armed step also runs under ``workers.launch_audit``, which
 reports those copies at their call site and a step that enqueues more than ``launch_budget``
-device operations outside its CUDA graphs.
+device operations outside its CUDA graphs (None: no budget, for workers whose forwards run
+eagerly by design).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class SyncCheck:
     _installed = False
     _install_lock = threading.Lock()
 
-    def __init__(self, mode: str, device_type: str | None = None, launch_budget: int = launch_audit.LAUNCH_BUDGET):
+    def __init__(
+        self, mode: str, device_type: str | None = None, launch_budget: int | None = launch_audit.LAUNCH_BUDGET
+    ):
         if mode not in ("off", "warn", "error"):
             raise ValueError(f"sync_check must be 'off', 'warn' or 'error', got {mode!r}")
         self.mode = mode
@@ -111,7 +114,7 @@ class SyncCheck:
                 yield
         finally:
             _local.armed = prev
-        if audit is not None and audit.launches > self.launch_budget:
+        if audit is not None and self.launch_budget is not None and audit.launches > self.launch_budget:
             self._report(
                 f"a step enqueued {audit.launches} device operations outside its CUDA graphs (budget "
                 f"{self.launch_budget}; the device queues about 1,000 before a launch waits for it): "

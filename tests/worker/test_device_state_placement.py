@@ -169,3 +169,24 @@ def test_invalid_input_places_nothing():
     with pytest.raises(RuntimeError, match="request handle 2 is already placed"):
         st.add(_req(2, 3))
     assert st.row_of == before["row_of"] and st.free_rows == before["free_rows"]
+
+
+def test_host_drafts_land_in_one_write_and_stop_at_the_last_column():
+    """``write_host_drafts`` (``ngram_host``): every row's drafts at its start column, a draft
+    past the table's last column dropped, the same operators for 2 rows as for 16."""
+    st = _state()
+    width = st.token_ids.shape[1]
+    items = [(0, 5, [7, 8, 9]), (3, width - 2, [4, 5, 6]), (7, 0, [1])]
+    want = st.token_ids.clone()
+    want[0, 5:8] = torch.tensor([7, 8, 9])
+    want[3, width - 2 :] = torch.tensor([4, 5])
+    want[7, 0] = 1
+    st.write_host_drafts(items)
+    assert torch.equal(st.token_ids, want)
+    st.write_host_drafts([])  # nothing to write: nothing happens
+    assert torch.equal(st.token_ids, want)
+
+    def write(st, n):
+        st.write_host_drafts([(r, 2, [1, 2, 3]) for r in range(n)])
+
+    assert _count(write, 2) == _count(write, 16)

@@ -54,6 +54,13 @@ def test_other_devices_and_unaudited_checks_are_not_counted():
         _adds(20)
     with SyncCheck("off", device_type="cpu", launch_budget=1).armed():
         _adds(20)
+    # no budget (a worker whose forwards run eagerly by design): pageable copies only
+    check = SyncCheck("error", device_type="meta", launch_budget=None)
+    with check.armed():
+        torch.zeros(4, device="meta").add_(1)
+    with pytest.raises(SyncError, match="pageable"):
+        with check.armed():
+            torch.empty(4, device="meta").copy_(torch.ones(4))
 
 
 @pytest.mark.parametrize("how", ["copy_", "to"])
