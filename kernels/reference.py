@@ -434,7 +434,7 @@ def draft_sample_reference(logits, temperature, seeds, positions, draft_probs, r
     if draft_probs is not None:
         hot = temperature > 0
         p = (x / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]).softmax(dim=-1)
-        draft_probs[rows, slot] = torch.where(hot[:, None], p, draft_probs[rows, slot])
+        draft_probs[rows[hot], slot] = p[hot]  # (only sampled rows write: a padded row may repeat a row)
         tok = torch.where(hot, exponential_race_reference(p, seeds ^ STREAM_DRAFT, positions), tok)
     write_column(table, rows, known.long() + slot, tok)
     return tok

@@ -107,7 +107,14 @@ class WorkerActor:
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
             "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph
+            "propose_graph_replays": self._propose_graph_replays(),
         }
+
+    def _propose_graph_replays(self) -> int:
+        """Draft-model proposals that replayed one graph (``workers.draft_graphs``)."""
+        proposer = getattr(getattr(self.runner, "spec", None), "proposer", None)
+        graphs = getattr(proposer, "propose_graphs", None)
+        return graphs.replays if graphs is not None else 0
 
     def clear_launch_times(self) -> None:
         """Forget the recorded launch times (a benchmark's warm-up is not its steady state)."""

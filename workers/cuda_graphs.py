@@ -173,9 +173,10 @@ class DecodeGraphs:
         ``kernels.input_prep.prepare_inputs``'s ``out``) needs no copy before its replay."""
         return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
 
-    def run(self, inputs, key: tuple[int, int, int]) -> torch.Tensor:
-        """Replay; returns the outputs of the real tokens (in batch order). ``inputs`` has
-        ``input_ids``, ``positions`` and ``meta`` (a ``StepInputs`` or a ``Window``)."""
+    def load(self, inputs, key: tuple[int, int, int]) -> None:
+        """Copies a step's inputs (``input_ids``, ``positions`` and ``meta``: a ``StepInputs``
+        or a ``Window``) into the static inputs of graph ``key``, padding rows past the real
+        ones (no KV writes). Inputs already built in place are not copied."""
         b, _, q = key
         m = inputs.meta
         n, t = m.num_reqs, m.num_actual_tokens
@@ -192,7 +193,12 @@ class DecodeGraphs:
         if b > n:
             self.slots[t : b * q].fill_(-1)
             self.seq_lens[n:b].fill_(q)
+
+    def run(self, inputs, key: tuple[int, int, int]) -> torch.Tensor:
+        """Replay; returns the outputs of the real tokens (in batch order)."""
+        self.load(inputs, key)
         g, out, greedy = self.graphs[key]
         g.replay()
+        n = inputs.meta.num_reqs
         self.last_greedy = greedy[:n] if greedy is not None else None
-        return out[:t]
+        return out[: inputs.meta.num_actual_tokens]

@@ -94,6 +94,8 @@ class ModelRunner:
             from workers.spec_decode import SpecDecoder
 
             self.spec = SpecDecoder(cfg, self.arch, tp, self.dtype, device, max_model_len)
+            if self.spec.method == "draft_model":  # before the KV cache is sized: it lives as long
+                self.state.ensure_draft_probs(self.spec.k)  # (and the proposal graphs write it)
         # with speculative decoding the plan's lengths assume every draft is accepted
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
@@ -343,6 +345,13 @@ class ModelRunner:
                 logits=False,
             )
             self.spec.proposer.graphs.capture()
+            from workers.draft_graphs import ProposeGraphs
+
+            proposer = self.spec.proposer
+            proposer.propose_graphs = ProposeGraphs(
+                proposer, proposer.graphs, self.state.token_ids, self.state.ensure_draft_probs(k)
+            )
+            proposer.propose_graphs.capture()
         self._capture_mixed()
 
     def _capture_mixed(self) -> None:

@@ -52,6 +52,7 @@ class DraftModelProposer:
         self.max_position = max_position  # lookahead positions are clamped into the rotary table
         self.graphs = None  # DecodeGraphs of the draft (hidden states), set after capture
         self.mixed_graphs = None  # MixedGraphs of the draft, set after capture
+        self.propose_graphs = None  # workers.draft_graphs.ProposeGraphs, set after capture
         self.pad_query_lens = None  # window lengths uneven steps pad to (None: the graphs')
         self.padded_windows = 0
         self.block_size = block_size
@@ -79,10 +80,17 @@ class DraftModelProposer:
             self.padded_windows += 1
             q_win = [q + p for q, p in zip(q_lens, pads)]
             ubs_win = [u + p for u, p in zip(ubs, pads)]
+        # a uniform proposal replays one graph, its window built straight into the graph's inputs
+        key = self._graph_key(q_win, ubs_win, ubs, samples, draft_sampling)
+        out = self.graphs.static_inputs(len(q_win), sum(q_win)) if key is not None else None
         # the block table (wide enough for the k lookahead drafts) rides in the window's copy
         win, _, _ = build_window(
-            st, inp.rows, inp.rows_cpu, q_win, ubs_win, starts, bs, self.bounds_are_exact, table_blocks=n_blk
+            st, inp.rows, inp.rows_cpu, q_win, ubs_win, starts, bs, self.bounds_are_exact, table_blocks=n_blk, out=out
         )
+        if key is not None:
+            ds = draft_sampling
+            self.propose_graphs.run(win, key, known, win.capacity, s_rows, ds.seeds, ds.temperature)
+            return
         block_table = win.block_table
         hidden = self._forward(win, len(q_win), q_win, max(ubs_win))
         if not sample_list:
@@ -133,6 +141,18 @@ class DraftModelProposer:
             )
             hidden = self._forward(_Inputs(out[1], out[0], meta), n, [1] * n, bound, key)
             logits = self.model.compute_logits(hidden)
+
+    def _graph_key(self, q_win: list[int], ubs_win: list[int], ubs: list[int], samples: list[int], ds):
+        """The proposal graph a step replays (``workers.draft_graphs``; host values only), or
+        None: every row samples, every window has the captured ``k + 2`` tokens, and no row
+        uses top-k / top-p / min-p."""
+        pg = self.propose_graphs
+        if pg is None or ds is None or not all(samples) or ds.any_top_k_top_p or ds.any_min_p:
+            return None
+        if any(q != pg.q for q in q_win):
+            return None
+        # pass A attends its windows; lookahead pass i the row's bound + i + 1 keys
+        return pg.key(len(q_win), max(max(ubs_win), max(ubs) + self.k - 1))
 
     def _forward(self, inputs, n: int, q_lens: list[int], bound: int, key=False) -> torch.Tensor:
         """The draft's forward over a window: a decode graph where one fits (``key``: already

@@ -86,8 +86,9 @@ def test_spec_on_gpu_equals_plain_greedy_with_sync_check(ray_gpu, ckpt):
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_uneven_draft_counts_replay_the_padded_verify_graph(ray_gpu, ckpt, method):
     """Rows near their ``max_tokens`` carry fewer drafts: those verify steps are padded to
-    1 + k tokens a row and replay the verify graph (worker stats count them), and the greedy
-    outputs still equal plain decoding's (float32), with the sync check on."""
+    1 + k tokens a row and replay the verify graph (worker stats count them), the draft
+    model's uniform proposals replay their one graph, and the greedy outputs still equal
+    plain decoding's (float32), with the sync check on."""
     import ray
 
     from cluster import SamplingParams
@@ -107,4 +108,6 @@ def test_uneven_draft_counts_replay_the_padded_verify_graph(ray_gpu, ckpt, metho
             llm.shutdown()
         padded = sum(s["padded_verify_steps"] for s in stats)
         assert (padded > 0) == (name == "spec"), (name, padded)
+        proposals = sum(s["propose_graph_replays"] for s in stats)  # uniform proposals: one graph
+        assert (proposals > 0) == (name == "spec" and method == "draft_model"), (name, proposals)
     assert outs["spec"] == outs["plain"]
