@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from metadata.attention_metadata import AttentionMetadata
 from metadata.config import EngineConfig
 from metadata.wire import StepPlan, StepResult
 from kernels.ops import build_kernel_settings, precompile_tile_gemm
@@ -18,6 +17,7 @@ from workers.device_state import DeviceState
 from workers.distributed import TPGroup
 from workers.models.loader import load_model
 from workers.pending_step import PendingStep, PinnedPool
+from workers.memory_profile import profile_free_bytes
 from workers.pipeline import WHOLE_MODEL, PipelineComm, scratch_model
 from workers.sampler import sample
 from workers.sampling_inputs import build_sampling_batch
@@ -126,7 +126,7 @@ class ModelRunner:
             )
         budget = None
         if self.device.type == "cuda" and self.cfg.cache.kv_cache_memory_bytes is None:
-            budget = self._profile_free_bytes()
+            budget = profile_free_bytes(self)
         n = num_blocks or kv_cache.num_blocks_for_budget(self.cfg, per_block, budget)
         self.kv_caches = kv_cache.allocate(
             self.num_layers,
@@ -152,58 +152,6 @@ class ModelRunner:
             )
         self.num_blocks = n
         return n
-
-    def _profile_free_bytes(self) -> int:
-        """Free device memory under ``gpu_memory_utilization`` after a peak-sized forward."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        dummy = kv_cache.allocate(
-            self.num_layers, 1, self.block_size, self.num_kv_heads, self.arch.head_dim, self.kv_dtype, self.device
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            seq_lens_upper_bound=torch.tensor([n], dtype=torch.int32),
-            block_table=torch.zeros(
-                1, (n + self.block_size - 1) // self.block_size, dtype=torch.int32, device=self.device
-            ),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            positions=pos,
-            num_reqs=1,
-            num_actual_tokens=n,
-            max_query_len=n,
-            max_seq_len_upper_bound=n,
-            bounds_are_exact=True,
-            eager=True,
-        )
-        sched, spec = self.cfg.scheduler, self.cfg.speculative
-        # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
-        rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if self.spec is not None else 0))
-        with torch.inference_mode():
-            model = scratch_model(self.model, self.pp, self.dtype)
-            h = model(ids, pos, meta, dummy)
-            logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
-            if self.stage.is_last:
-                self._draw_once(logits)  # the sampler's temporaries count towards the peak
-                if self.spec is not None:  # verification: target probs, residual, draft probs
-                    spare = [torch.empty_like(logits) for _ in range(3)]
-                    del spare
-        torch.cuda.synchronize()
-        del dummy, h, logits
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        used = total - free
-        budget = int(total * self.cfg.cache.gpu_memory_utilization) - used - peak_extra
-        if budget <= 0:
-            raise RuntimeError(
-                f"no memory left for the KV cache: {used / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB; "
-                "raise gpu_memory_utilization or use a smaller model"
-            )
-        return budget
 
     @staticmethod
     def _draw_once(logits: torch.Tensor) -> torch.Tensor:

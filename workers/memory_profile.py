@@ -1,0 +1,75 @@
+"""KV cache sizing: the device memory a worker can give its KV cache, measured."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from metadata.attention_metadata import AttentionMetadata
+from workers import kv_cache
+from workers.pipeline import scratch_model
+
+
+def profile_request_lens(num_tokens: int, max_len: int) -> list[int]:
+    """The profiling forward's requests: ``num_tokens`` tokens (the largest captured step) in
+    requests of at most ``max_len`` (positions stay inside the rotary table)."""
+    full, rest = divmod(num_tokens, max_len)
+    return [max_len] * full + ([rest] if rest else [])
+
+
+def profile_free_bytes(r) -> int:
+    """Free device memory under ``gpu_memory_utilization`` after a peak-sized forward of the
+    ``ModelRunner`` ``r`` (the largest step a graph is captured for, and the sampler's
+    and verifier's temporaries of the largest logits batch)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(r.device)
+    sched = r.cfg.scheduler
+    # the largest step a graph is captured for (workers.mixed_graphs' top bucket)
+    n = min(sched.max_num_batched_tokens, r.max_model_len * sched.max_num_seqs)
+    dummy = kv_cache.allocate(r.num_layers, 1, r.block_size, r.num_kv_heads, r.arch.head_dim, r.kv_dtype, r.device)
+    lens = profile_request_lens(n, r.max_model_len)
+    ids = torch.zeros(n, dtype=torch.int64, device=r.device)
+    pos = torch.cat([torch.arange(q) for q in lens]).to(r.device)
+    qsl = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=qsl.to(r.device),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=r.device),
+        seq_lens_upper_bound=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.zeros(
+            len(lens), (max(lens) + r.block_size - 1) // r.block_size, dtype=torch.int32, device=r.device
+        ),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=r.device),
+        positions=pos,
+        num_reqs=len(lens),
+        num_actual_tokens=n,
+        max_query_len=max(lens),
+        max_seq_len_upper_bound=max(lens),
+        bounds_are_exact=True,
+        eager=True,
+    )
+    spec = r.cfg.speculative
+    # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
+    rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if r.spec is not None else 0))
+    with torch.inference_mode():
+        model = scratch_model(r.model, r.pp, r.dtype)
+        h = model(ids, pos, meta, dummy)
+        logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
+        if r.stage.is_last:
+            r._draw_once(logits)  # the sampler's temporaries count towards the peak
+            if r.spec is not None:  # verification: target probs, residual, draft probs
+                spare = [torch.empty_like(logits) for _ in range(3)]
+                del spare
+    torch.cuda.synchronize()
+    del dummy, h, logits
+    free, total = torch.cuda.mem_get_info(r.device)
+    peak_extra = torch.cuda.max_memory_allocated(r.device) - torch.cuda.memory_allocated(r.device)
+    used = total - free
+    budget = int(total * r.cfg.cache.gpu_memory_utilization) - used - peak_extra
+    if budget <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: {used / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB; "
+            "raise gpu_memory_utilization or use a smaller model"
+        )
+    return budget
