@@ -93,7 +93,7 @@ def paged_attention_reference(
     group = hq // hkv
     out = torch.empty_like(q)
     starts = query_start_loc_cpu.tolist()  # CPU tensor: no device sync
-    nblk = (max_seq_len_upper_bound + bs - 1) // bs
+    nblk = min((max_seq_len_upper_bound + bs - 1) // bs, block_table.shape[1])  # (as the kernel's kv_cap)
     kv_pos = torch.arange(nblk * bs, device=q.device)
     for r in range(len(starts) - 1):
         s, e = starts[r], starts[r + 1]

@@ -12,9 +12,10 @@ no row uses top-k / top-p / min-p, all of it depends only on device values and o
 row count and the length bucket: one graph per (rows, bucket) records it. Its inputs are the
 draft decode graphs' static buffers (the window is built straight into them; pass A and the
 lookahead passes use them in turn) plus, per row, its known length, KV capacity, device row,
-seed and temperature. A padded row (past the real ones) is known past the token table's last
-column, so its drafts are never written, has temperature 0, so no distribution is stored,
-and takes position 0 with capacity 0, so it writes no KV and attends one key.
+position, seed and temperature. A padded row (past the real ones) is known past the token
+table's last column, so its drafts are never written, has temperature 0, so no distribution
+is stored, and starts at position 0 with capacity 0, so it writes no KV (and attends at most
+k - 1 keys).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class ProposeGraphs:
         self.token_ids, self.draft_probs = token_ids, draft_probs
         rows, dev = decode.sizes[-1], token_ids.device
         self.unused_col = token_ids.shape[1]  # a padded row's "known": every draft column past the table
-        # per row: known length, KV capacity, device row, seed (int64), and the pad values
-        self.ints = torch.zeros(4, rows, dtype=torch.int64, device=dev)
+        # per row: known length, KV capacity, device row, seed, next position (int64); pad values
+        self.ints = torch.zeros(5, rows, dtype=torch.int64, device=dev)
         self.pad = torch.zeros_like(self.ints)
         self.pad[0] = self.unused_col
         self.temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
@@ -59,13 +60,13 @@ class ProposeGraphs:
     def static_propose(self, b: int, bound: int) -> None:
         """The proposal over the static inputs (what a graph records)."""
         p, d, q = self.p, self.decode, self.q
-        known, cap, rows, seeds = self.ints[:, :b]
+        known, cap, rows, seeds, start_pos = self.ints[:, :b]
         temperature = self.temperature[:b]
         hidden = d._forward(b, bound, q)  # pass A over the windows
         starts = d.seq_lens[:b] - q  # each window's first position (before the passes rewrite it)
         last = self.window_start[:b] + (known - 1 - starts).clamp(0, q - 1)  # (padded rows: any)
         logits = p.model.compute_logits(hidden[last])
-        pos = torch.where(known < self.unused_col, known, 0)  # the position the next draft takes
+        pos = start_pos.clone()  # the position the next draft takes (advanced by each pass)
         table = d.block_table[:b, : (bound + p.block_size - 1) // p.block_size]
         for i in range(p.k):
             tok = draft_sample(logits, temperature, seeds, pos, self.draft_probs, rows, i, self.token_ids, known)
@@ -100,7 +101,7 @@ class ProposeGraphs:
         b, bound = key
         n = window.meta.num_reqs
         self.decode.load(window, (b, bound, self.q))
-        for dst, src in zip(self.ints, (known, capacity, rows, seeds)):
+        for dst, src in zip(self.ints, (known, capacity, rows, seeds, known)):
             dst[:n].copy_(src)
         self.temperature[:n].copy_(temperature)
         if b > n:

@@ -58,8 +58,10 @@ def profile_free_bytes(r) -> int:
         logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
         if r.stage.is_last:
             r._draw_once(logits)  # the sampler's temporaries count towards the peak
-            if r.spec is not None:  # verification: target probs, residual, draft probs
-                spare = [torch.empty_like(logits) for _ in range(3)]
+            if r.spec is not None:  # verification: target probs and residual
+                spare = [torch.empty_like(logits) for _ in range(2)]
+                if r.spec.method == "draft_model":  # the proposal graphs' draft logits, held in their pool
+                    spare += [torch.empty(sched.max_num_seqs, logits.shape[1], device=r.device) for _ in range(2)]
                 del spare
     torch.cuda.synchronize()
     del dummy, h, logits

@@ -13,7 +13,7 @@ from metadata.config import EngineConfig
 from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
 from tests.interpreted import delegate_all
 
-BS, K, ROWS = 8, 3, 3
+BS, ROWS = 8, 3
 PROMPT = [5, 9, 17, 33, 2, 41, 7, 11, 13, 60, 3, 5, 9, 17, 33, 2]
 
 
@@ -39,9 +39,10 @@ def _restore(st, prop, snap) -> None:
         v.copy_(v0)
 
 
+@pytest.mark.parametrize("K", [3, 4])
 @pytest.mark.parametrize("triton", [False, True], ids=["references", "triton"])
 @pytest.mark.parametrize("temps", [(0.0, 0.9, 0.0), (0.0, 0.0, 0.0)], ids=["mixed", "greedy"])
-def test_the_proposal_graph_records_the_piecewise_proposal(ckpt_dir, temps, triton, monkeypatch):
+def test_the_proposal_graph_records_the_piecewise_proposal(ckpt_dir, temps, triton, K, monkeypatch):
     import kernels.spec_ops as spec_ops
     from workers.cuda_graphs import DecodeGraphs
     from workers.distributed import TPGroup
