@@ -32,10 +32,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def seq_buckets(max_model_len: int) -> list[int]:
+    """Length bounds to capture: powers of two from 512, then ``max_model_len``, which replaces
+    the last power of two when barely above it (a draft model's positions run ``2k + 2`` past
+    the target's 2,048: one bucket of 2,056, not 2,048 and 2,056, halves those captures)."""
     out, b = [], 512
     while b < max_model_len:
         out.append(b)
         b *= 2
+    if out and max_model_len - out[-1] <= out[-1] // 16:
+        out.pop()
     return out + [max_model_len]
 
 

@@ -79,14 +79,3 @@ def test_a_step_over_the_request_bound_is_refused(ckpt_dir):
     mg = MixedGraphs(r.model, r.kv_caches, 64, 2, r.max_model_len, r.max_blocks_per_req, r.device, True)
     with pytest.raises(ValueError, match="3 requests exceeds max_num_seqs=2"):
         mg.load(inp.input_ids, inp.positions, inp.meta)
-
-
-@pytest.mark.parametrize(
-    "tokens,max_len,lens", [(8192, 1024, [1024] * 8), (2500, 1024, [1024, 1024, 452]), (100, 1024, [100])]
-)
-def test_memory_profile_covers_the_largest_captured_step(tokens, max_len, lens):
-    """The KV cache is sized after a forward of the largest step a mixed graph is captured for,
-    in requests no longer than the model's length (its rotary table)."""
-    from workers.memory_profile import profile_request_lens
-
-    assert profile_request_lens(tokens, max_len) == lens

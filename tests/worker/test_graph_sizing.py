@@ -1,0 +1,27 @@
+"""How much the CUDA graphs cover: the length buckets decode and proposal graphs are captured
+for, and the step the KV cache sizing measures (the largest a mixed-step graph is captured for)."""
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "tokens,max_len,lens", [(8192, 1024, [1024] * 8), (2500, 1024, [1024, 1024, 452]), (100, 1024, [100])]
+)
+def test_memory_profile_covers_the_largest_captured_step(tokens, max_len, lens):
+    """The KV cache is sized after a forward of the largest step a mixed graph is captured for,
+    in requests no longer than the model's length (its rotary table)."""
+    from workers.memory_profile import profile_request_lens
+
+    assert profile_request_lens(tokens, max_len) == lens
+
+
+@pytest.mark.parametrize(
+    "max_len,buckets",
+    [(2048, [512, 1024, 2048]), (2056, [512, 1024, 2056]), (3000, [512, 1024, 2048, 3000]), (300, [300])],
+)
+def test_decode_graph_length_buckets(max_len, buckets):
+    """Decode and proposal graphs are captured per length bucket; a maximum barely past a
+    power of two (a draft's 2k + 2 extra positions) replaces it instead of adding a bucket."""
+    from workers.cuda_graphs import seq_buckets
+
+    assert seq_buckets(max_len) == buckets
