@@ -127,6 +127,12 @@ class MixedGraphs:
     def fits(self, num_tokens: int) -> bool:
         return bool(self.graphs) and num_tokens <= self.buckets[-1]
 
+    def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
+        """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` requests and ``t``
+        tokens inside the static buffers: a step built there (``kernels.input_prep``'s ``out``)
+        needs no copy before its replay."""
+        return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
+
     def load(self, input_ids, positions, meta: AttentionMetadata) -> int:
         """Copies a step's inputs into the static buffers, padded; returns its bucket."""
         t_real, n = input_ids.shape[0], meta.num_reqs
@@ -134,16 +140,20 @@ class MixedGraphs:
         r = self.rows(t)
         if n > r:
             raise ValueError(f"a step of {n} requests exceeds max_num_seqs={self.max_num_seqs}")
-        self.input_ids[:t_real].copy_(input_ids)
-        self.positions[:t_real].copy_(positions)
-        self.slots[:t_real].copy_(meta.slot_mapping[:t_real])
+        for dst, src in (
+            (self.input_ids, input_ids),
+            (self.positions, positions),
+            (self.slots, meta.slot_mapping[:t_real]),
+            (self.seq_lens, meta.seq_lens),
+        ):
+            if src.data_ptr() != dst.data_ptr():  # not already built in place (static_inputs)
+                dst[: src.shape[0]].copy_(src)
         self.slots[t_real:t].fill_(-1)
         self.qsl[: n + 1].copy_(meta.query_start_loc)
         self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
         end = int(meta.query_start_loc_cpu[n])  # a CPU tensor: no device read
         self.qsl[n + 1 : r + 1].fill_(end)
         self.qsl_cpu[n + 1 : r + 1] = end
-        self.seq_lens[:n].copy_(meta.seq_lens)
         self.ub_cpu[:n] = meta.seq_lens_upper_bound
         self.ub_cpu[n:r] = 0
         if meta.block_table.data_ptr() != self.block_table.data_ptr():

@@ -378,7 +378,14 @@ class ModelRunner:
             return PendingStep(plan.step_id, self.tp.rank, t0)
         start_ev = self._record_event()
         inp = build_step_inputs(
-            plan, st, self.block_size, self.bounds_are_exact, self.graphs, self.pad_query_lens, self.max_model_len
+            plan,
+            st,
+            self.block_size,
+            self.bounds_are_exact,
+            self.graphs,
+            self.pad_query_lens,
+            self.max_model_len,
+            self.mixed_graphs,
         )
         key = inp.graph_key
         self._uniform = key is not None

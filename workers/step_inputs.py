@@ -205,12 +205,14 @@ def build_step_inputs(
     graphs=None,
     pad_query_lens: tuple[int, ...] | None = None,
     max_len: int | None = None,
+    mixed=None,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``).
     ``pad_query_lens``: query lengths a verify step with uneven draft counts may be padded to
     (``uniform_pads``; the graphs' own when None and ``graphs`` is given); ``max_len``: the
-    longest position + 1 the model's rotary table holds."""
+    longest position + 1 the model's rotary table holds. ``mixed`` (a ``MixedGraphs``): a step
+    no decode graph fits builds its inputs into the mixed-step graph's static buffers."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     rows_cpu, q_lens, ubs, sample_idx, drafts, host_drafts = [], [], [], [], [], []
@@ -256,7 +258,11 @@ def build_step_inputs(
             key = graphs.pick_shape(len(q_win), q_win, max(ubs_win))
         else:
             key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs))
-    out = graphs.static_inputs(len(rows_cpu), ends[-1]) if key is not None else None
+    out = None
+    if key is not None:
+        out = graphs.static_inputs(len(rows_cpu), ends[-1])
+    elif mixed is not None and mixed.fits(ends[-1]):  # the mixed-step graph this step replays
+        out = mixed.static_inputs(len(rows_cpu), ends[-1])
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(
         st, None, rows_cpu, q_win, ubs_win, None, block_size, bounds_are_exact, packed_extra=extra, out=out

@@ -23,9 +23,10 @@ def _runner(model_dir: str):
     return r
 
 
-def _mixed_step(r):
+def _mixed_step(r, mixed=None):
     """A prefill of request 0, then a step with its decode token, a new 11-token prompt and
-    the first chunk of a 20-token one: the step's ``StepInputs``."""
+    the first chunk of a 20-token one: the step's ``StepInputs`` (built into ``mixed``'s
+    static buffers when given)."""
     from workers.step_inputs import build_step_inputs
 
     p0 = [3 + (7 * i) % 50 for i in range(13)]
@@ -38,18 +39,26 @@ def _mixed_step(r):
     for req in news:
         r.state.add(req)
     rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 6, 6, [], False)]
-    return build_step_inputs(StepPlan(2, rows=rows), r.state, BS, r.bounds_are_exact, max_len=r.max_model_len)
+    plan = StepPlan(2, rows=rows)
+    return build_step_inputs(plan, r.state, BS, r.bounds_are_exact, max_len=r.max_model_len, mixed=mixed)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "built-in-place"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_padded_static_forward_is_the_models_forward(ckpt_dir, arch):
+def test_padded_static_forward_is_the_models_forward(ckpt_dir, arch, in_place):
+    """``in_place``: the step's inputs are built straight into the static buffers (what the
+    runner does when the step will replay a mixed graph), so ``load`` copies none of them."""
     from workers.mixed_graphs import MixedGraphs
 
     torch.manual_seed(0)
     r = _runner(str(ckpt_dir(arch)))
-    inp = _mixed_step(r)
-    t_real, n = inp.input_ids.shape[0], inp.meta.num_reqs
     mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True)
+    if in_place:
+        mg.graphs = {t: None for t in mg.buckets}  # as if captured: fits() picks the graphs
+    inp = _mixed_step(r, mg if in_place else None)
+    assert (inp.input_ids.data_ptr() == mg.input_ids.data_ptr()) == in_place
+    assert (inp.meta.slot_mapping.data_ptr() == mg.slots.data_ptr()) == in_place
+    t_real, n = inp.input_ids.shape[0], inp.meta.num_reqs
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     with torch.inference_mode():
         t = mg.load(inp.input_ids, inp.positions, inp.meta)
