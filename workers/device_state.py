@@ -176,8 +176,9 @@ class DeviceState:
         self.prompt_len.index_put_((rr,), vals[1])
         self.prompt_mask.index_put_((trow[:tp], tok[:tp]), self.true_value)
         if t > tp:  # outputs to recompute after preemption: repeated tokens accumulate
-            o = tok[tp:]
-            self.output_counts.index_put_((trow[tp:], o), torch.ones_like(o, dtype=torch.int32), accumulate=True)
+            o = tok[tp:]  # (index_add_ on the flat counts: atomics, as the per-request code had)
+            flat = trow[tp:] * self.vocab + o
+            self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(o, dtype=torch.int32))
 
     def release(self, handle: int) -> None:
         row = self.row_of.pop(handle, None)
