@@ -90,8 +90,13 @@ class Bench:
             arch, self.runner.num_kv_heads, bs, getattr(self.runner, "kv_dtype", self.runner.dtype)
         )
         if cuda:
-            profile = getattr(self.runner, "_profile_free_bytes", None)
-            budget = profile() if profile else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+            try:  # (a baseline tree's runner profiles itself)
+                from workers.memory_profile import profile_free_bytes
+
+                budget = profile_free_bytes(self.runner)
+            except ImportError:
+                profile = getattr(self.runner, "_profile_free_bytes", None)
+                budget = profile() if profile else int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
             fit = max(1, budget // per_block)
         else:
             fit = need

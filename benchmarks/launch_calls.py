@@ -68,7 +68,11 @@ def _summarise(prof, kinds: list[str]) -> list[dict]:
         lo, hi = launch.time_range.start, launch.time_range.end
         inside = [c for c in calls if lo <= c.time_range.start and c.time_range.end <= hi]
         worst = max(inside, key=lambda c: c.time_range.elapsed_us(), default=None)
-        row = {"launch": launch.name, "kind": kinds[int(launch.name[7:]) - 1], "ms": (hi - lo) / 1e3}
+        row = {
+            "launch": launch.name,
+            "kind": kinds[int(launch.name.removeprefix("launch#")) - 1],
+            "ms": (hi - lo) / 1e3,
+        }
         row.update({k: sum(pat in c.name for c in inside) for k, pat in KINDS.items()})
         row["longest_call"] = worst.name if worst is not None else None
         row["longest_call_ms"] = worst.time_range.elapsed_us() / 1e3 if worst is not None else 0.0

@@ -93,7 +93,7 @@ def run_mode(
             "launch_ms": launches,
             "mixed_launch_ms": mixed,
             "preemptions": llm.engine.scheduler.num_preemptions,
-            "mixed_graph_replays": sum(s.get("mixed_graph_replays", 0) for s in stats),
+            "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
         }
     finally:
         llm.shutdown()

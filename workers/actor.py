@@ -64,8 +64,8 @@ class WorkerActor:
         from workers.sync_check import SyncCheck
 
         # a device with a launch queue also audits what a step enqueues (workers.launch_audit)
-        queued = self.platform.torch_device_type if self.platform.torch_device_type != "cpu" else None
-        self.sync_check = SyncCheck(self.cfg.sync_check, device_type=queued)
+        audited = self.platform.torch_device_type if self.platform.torch_device_type != "cpu" else None
+        self.sync_check = SyncCheck(self.cfg.sync_check, device_type=audited)
         self.runner = None
         self.loop = None
         self.compile_watch = CompileWatch(rank)

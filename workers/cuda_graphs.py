@@ -102,7 +102,9 @@ class DecodeGraphs:
             eager=False,  # captured: the tuned exact launch shapes
         )
 
-    def _forward(self, b: int, bound: int, q: int) -> torch.Tensor:
+    def static_forward(self, b: int, bound: int, q: int) -> torch.Tensor:
+        """The forward over the static inputs for (``b`` rows, bound, query length ``q``): what a
+        graph records."""
         h = self.model(self.input_ids[: b * q], self.positions[: b * q], self._meta(b, bound, q), self.kv_caches)
         return self.model.compute_logits(h) if self.logits else h
 
@@ -115,13 +117,13 @@ class DecodeGraphs:
                 if bound < q:
                     continue
                 for b in reversed(self.sizes):
-                    warm = self._forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
+                    warm = self.static_forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
                     if self.logits and q == 1:
                         ops.argmax(warm)
                     torch.cuda.synchronize()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool):
-                        out = self._forward(b, bound, q)
+                        out = self.static_forward(b, bound, q)
                         greedy = ops.argmax(out) if self.logits and q == 1 else None
                     if self.pool is None:
                         self.pool = g.pool()
@@ -142,13 +144,13 @@ class DecodeGraphs:
         b = next((s for s in self.sizes if s >= n), None)
         L = next((x for x in self.buckets if x >= bound), None)
         if q not in self.query_lens:
-            return None  # e.g. a prefill: never graphed
+            return None  # e.g. a prefill: a mixed-step graph's (workers.mixed_graphs)
         if b is None or L is None:
             if not self._warned_miss:
                 self._warned_miss = True
                 logger.warning(
                     "uniform step (rows %d, query length %d, bound %d) has no CUDA graph "
-                    "(sizes %s, buckets %s, query lengths %s): running eagerly",
+                    "(sizes %s, buckets %s, query lengths %s): it replays a mixed-step graph or runs eagerly",
                     n,
                     q,
                     bound,

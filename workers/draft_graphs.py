@@ -35,18 +35,19 @@ class ProposeGraphs:
     ``token_ids`` and sampled rows' distributions into ``draft_probs`` (both fixed tensors)."""
 
     def __init__(self, proposer, decode, token_ids: torch.Tensor, draft_probs: torch.Tensor):
-        self.p, self.decode, self.q = proposer, decode, proposer.k + 2
-        if not {1, self.q} <= set(decode.query_lens):
-            raise ValueError(f"the draft decode graphs capture query lengths {decode.query_lens}, need 1 and {self.q}")
+        self.proposer, self.decode, self.window_len = proposer, decode, proposer.k + 2
+        if not {1, self.window_len} <= set(decode.query_lens):
+            need = f"need 1 and {self.window_len}"
+            raise ValueError(f"the draft decode graphs capture query lengths {decode.query_lens}, {need}")
         self.token_ids, self.draft_probs = token_ids, draft_probs
-        rows, dev = decode.sizes[-1], token_ids.device
+        max_rows, dev = decode.sizes[-1], token_ids.device
         self.unused_col = token_ids.shape[1]  # a padded row's "known": every draft column past the table
         # per row: known length, KV capacity, device row, seed, next position (int64); pad values
-        self.ints = torch.zeros(5, rows, dtype=torch.int64, device=dev)
-        self.pad = torch.zeros_like(self.ints)
+        self.row_values = torch.zeros(5, max_rows, dtype=torch.int64, device=dev)
+        self.pad = torch.zeros_like(self.row_values)
         self.pad[0] = self.unused_col
-        self.temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.window_start = torch.arange(rows, dtype=torch.int64, device=dev) * self.q
+        self.temperature = torch.zeros(max_rows, dtype=torch.float32, device=dev)
+        self.window_start = torch.arange(max_rows, dtype=torch.int64, device=dev) * self.window_len
         self.graphs: dict[tuple[int, int], object] = {}  # (rows, bucket) -> a CUDAGraph (its replay)
         self.replays = 0
 
@@ -59,10 +60,10 @@ class ProposeGraphs:
 
     def static_propose(self, b: int, bound: int) -> None:
         """The proposal over the static inputs (what a graph records)."""
-        p, d, q = self.p, self.decode, self.q
-        known, cap, rows, seeds, start_pos = self.ints[:, :b]
+        p, d, q = self.proposer, self.decode, self.window_len
+        known, cap, rows, seeds, start_pos = self.row_values[:, :b]
         temperature = self.temperature[:b]
-        hidden = d._forward(b, bound, q)  # pass A over the windows
+        hidden = d.static_forward(b, bound, q)  # pass A over the windows
         starts = d.seq_lens[:b] - q  # each window's first position (before the passes rewrite it)
         last = self.window_start[:b] + (known - 1 - starts).clamp(0, q - 1)  # (padded rows: any)
         logits = p.model.compute_logits(hidden[last])
@@ -73,17 +74,17 @@ class ProposeGraphs:
             if i == p.k - 1:
                 break
             draft_step_inputs(tok, pos, table, cap, p.block_size, p.max_position, d.static_inputs(b, b))
-            logits = p.model.compute_logits(d._forward(b, bound, 1))
+            logits = p.model.compute_logits(d.static_forward(b, bound, 1))
 
     @torch.inference_mode()
     def capture(self) -> None:
         d = self.decode
-        self.ints.copy_(self.pad)
+        self.row_values.copy_(self.pad)
         self.temperature.zero_()
         d.slots.fill_(-1)
-        d.seq_lens.fill_(self.q)
+        d.seq_lens.fill_(self.window_len)
         for bound in d.buckets:
-            if bound < self.q:
+            if bound < self.window_len:
                 continue
             for b in reversed(d.sizes):
                 self.static_propose(b, bound)  # warm-up: JIT-compile outside capture
@@ -100,12 +101,12 @@ class ProposeGraphs:
         and its rows' values, then replays graph ``key``."""
         b, bound = key
         n = window.meta.num_reqs
-        self.decode.load(window, (b, bound, self.q))
-        for dst, src in zip(self.ints, (known, capacity, rows, seeds, known)):
+        self.decode.load(window, (b, bound, self.window_len))
+        for dst, src in zip(self.row_values, (known, capacity, rows, seeds, known)):
             dst[:n].copy_(src)
         self.temperature[:n].copy_(temperature)
         if b > n:
-            self.ints[:, n:b].copy_(self.pad[:, n:b])
+            self.row_values[:, n:b].copy_(self.pad[:, n:b])
             self.temperature[n:b].zero_()
         self.graphs[key].replay()
         self.replays += 1

@@ -8,6 +8,7 @@ import torch
 
 from metadata.attention_metadata import AttentionMetadata
 from workers import kv_cache
+from workers.mixed_graphs import max_step_tokens
 from workers.pipeline import scratch_model
 
 
@@ -20,13 +21,14 @@ def profile_request_lens(num_tokens: int, max_len: int) -> list[int]:
 
 def profile_free_bytes(r) -> int:
     """Free device memory under ``gpu_memory_utilization`` after a peak-sized forward of the
-    ``ModelRunner`` ``r`` (the largest step a graph is captured for, and the sampler's
-    and verifier's temporaries of the largest logits batch)."""
+    ``ModelRunner`` ``r`` (the target's largest step, ``max_step_tokens``; the draft model's
+    own steps are not profiled), and the sampler's and verifier's temporaries of the largest
+    logits batch."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(r.device)
     sched = r.cfg.scheduler
     # the largest step a graph is captured for (workers.mixed_graphs' top bucket)
-    n = min(sched.max_num_batched_tokens, r.max_model_len * sched.max_num_seqs)
+    n = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, r.max_model_len)
     dummy = kv_cache.allocate(r.num_layers, 1, r.block_size, r.num_kv_heads, r.arch.head_dim, r.kv_dtype, r.device)
     lens = profile_request_lens(n, r.max_model_len)
     ids = torch.zeros(n, dtype=torch.int64, device=r.device)
@@ -57,7 +59,7 @@ def profile_free_bytes(r) -> int:
         h = model(ids, pos, meta, dummy)
         logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
         if r.stage.is_last:
-            r._draw_once(logits)  # the sampler's temporaries count towards the peak
+            r.draw_once(logits)  # the sampler's temporaries count towards the peak
             if r.spec is not None:  # verification: target probs and residual
                 spare = [torch.empty_like(logits) for _ in range(2)]
                 if r.spec.method == "draft_model":  # the proposal graphs' draft logits, held in their pool

@@ -32,6 +32,12 @@ from metadata.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+def max_step_tokens(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    """The most tokens one step of the target model holds: the top token bucket, the memory
+    profile's forward and the GEMM precompilation's largest row count."""
+    return min(max_num_batched_tokens, max_model_len * max_num_seqs)
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """Padded token counts to capture: fine steps at small sizes (where padding costs the
     most relative to the work), coarser above."""

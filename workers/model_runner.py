@@ -104,7 +104,7 @@ class ModelRunner:
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
         self.mixed_launch_ms: collections.deque = collections.deque(maxlen=4096)  # ... of steps no decode graph fits
-        self._uniform = True  # whether the step being launched replays a decode graph
+        self._decode_graph_step = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         self._last_end_ev = None
         self._pinned = PinnedPool()
@@ -154,7 +154,7 @@ class ModelRunner:
         return n
 
     @staticmethod
-    def _draw_once(logits: torch.Tensor) -> torch.Tensor:
+    def draw_once(logits: torch.Tensor) -> torch.Tensor:
         """One seeded draw per row (compiles the sampling kernels before serving starts)."""
         from kernels.ops import exponential_race
 
@@ -165,16 +165,16 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile what the first steps would otherwise compile mid-serving (Triton JIT): the
         sampling kernels (one row suffices: they are not specialised on sizes), then a
-        scratch request's prefill and decode step through ``execute`` (the eager prefill
-        path's input and attention variants, which a fresh machine compiled inside the first
-        request (docs/decisions.md); the decode step replays a captured graph
-        unless graphs are off). Mixed and spec-verify shapes are not run here: if they need
-        a new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
+        scratch request's prefill and decode step through ``execute`` (the input variants a
+        fresh machine compiled inside the first request, docs/decisions.md; with graphs on,
+        both replay captured graphs, whose capture compiled their kernels). Shapes no graph
+        covers (eager workers' mixed and spec-verify steps) are not run here: if they need a
+        new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
         which nothing reads: every position's KV is written before attention reads it.
         Every TP rank runs the same plans, so their collectives pair up."""
         if self.device.type != "cuda":
             return
-        self._draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
+        self.draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         if self.spec is not None:
             self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
@@ -185,8 +185,9 @@ class ModelRunner:
 
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
-        eager step of 2-256 tokens (a prefill chunk's tail, a mixed step) would otherwise
-        compile them while serving (graph captures already did the decode ones). FP8
+        eager step of 2-256 tokens (``enforce_eager``, a pipeline stage, ubatched halves, a
+        draft's uncaptured window) would otherwise compile them while serving (graph captures
+        already did theirs). FP8
         projections: the activation-quantized GEMMs above 16 rows (``kernels.fp8_linear``;
         eager and pipeline-stage steps capture nothing)."""
         draft = self.spec.draft_model if self.spec is not None else None
@@ -196,8 +197,10 @@ class ModelRunner:
             if m is not None
             for u in (m.tile_gemm_uses() if hasattr(m, "tile_gemm_uses") else [])
         ]
+        from workers.mixed_graphs import max_step_tokens
+
         sched = self.cfg.scheduler
-        max_rows = min(sched.max_num_batched_tokens, self.max_model_len)
+        max_rows = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
         fp8 = [
             (p.weight, p.weight_scale, p.bias, p.input_scale)
             for m in (self.model, draft)
@@ -205,7 +208,7 @@ class ModelRunner:
             for p in m.projections()
             if p.weight_scale is not None
         ]
-        with torch.no_grad():  # a draft model's projections too: its steps run eager
+        with torch.no_grad():  # a draft model's projections too: its uncaptured windows run eager
             self.tile_gemm_warm_launches = precompile_tile_gemm(
                 uses, max_rows=max_rows, max_logit_rows=sched.max_num_seqs
             )
@@ -306,10 +309,10 @@ class ModelRunner:
         """Whole-forward graphs per token bucket (``workers.mixed_graphs``) for the steps the
         decode graphs do not cover: prefill, mixed and uneven speculative steps, of the model
         and the draft."""
-        from workers.mixed_graphs import MixedGraphs
+        from workers.mixed_graphs import MixedGraphs, max_step_tokens
 
         sched = self.cfg.scheduler
-        max_tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
+        max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
         common = dict(max_blocks=self.max_blocks_per_req, device=self.device, bounds_are_exact=self.bounds_are_exact)
         self.mixed_graphs = MixedGraphs(
             self.model,
@@ -348,7 +351,7 @@ class ModelRunner:
         pending.launch_s = time.perf_counter() - t0
         if plan.rows:
             self.launch_ms.append(pending.launch_s * 1e3)
-            if not self._uniform:
+            if not self._decode_graph_step:
                 self.mixed_launch_ms.append(pending.launch_s * 1e3)
         return pending
 
@@ -388,7 +391,7 @@ class ModelRunner:
             self.mixed_graphs,
         )
         key = inp.graph_key
-        self._uniform = key is not None
+        self._decode_graph_step = key is not None
         raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)
@@ -396,8 +399,7 @@ class ModelRunner:
             if inp.pads is not None:  # a padded verify step: the real tokens' logits rows
                 logits = logits[inp.logits_idx]
         else:
-            mg = self.mixed_graphs
-            forward = mg.forward if mg is not None and mg.fits(inp.input_ids.shape[0]) else self.model
+            forward = self.mixed_graphs.forward if inp.mixed_graph else self.model
             if self.pp is not None:  # a pipeline stage (no graphs): transfers around its layers
                 hidden = self.pp.forward(self.model, inp, self.kv_caches, self.dtype)
                 if not self.stage.is_last:

@@ -149,7 +149,7 @@ class DraftModelProposer:
         pg = self.propose_graphs
         if pg is None or ds is None or not all(samples) or ds.any_top_k_top_p or ds.any_min_p:
             return None
-        if any(q != pg.q for q in q_win):
+        if any(q != pg.window_len for q in q_win):
             return None
         # pass A attends its windows; lookahead pass i the row's bound + i + 1 keys
         return pg.key(len(q_win), max(max(ubs_win), max(ubs) + self.k - 1))

@@ -165,6 +165,7 @@ class StepInputs:
     num_drafts_d: torch.Tensor | None = None  # [S] on the device
     window: Window | None = None
     graph_key: tuple[int, int, int] | None = None  # the decode graph it replays, picked while built
+    mixed_graph: bool = False  # else: whether it replays a mixed-step graph (inputs built into it)
     pads: list[int] | None = None  # padding tokens after each row's real ones (see uniform_pads)
     real_seq_lens: torch.Tensor | None = None  # device lengths without the padding (None: meta's)
 
@@ -180,8 +181,8 @@ def uniform_pads(q_lens: list[int], ubs: list[int], query_lens, max_len: int | N
     uniform already, no captured length fits, or a padded position would pass ``max_len``.
 
     A speculative step whose rows carry different draft counts (rows near ``max_tokens``
-    get fewer) then replays the one verify graph instead of the piecewise forward's
-    per-layer attention launches. Padding tokens come after a row's real ones: causal
+    get fewer) then replays the verify graph of its batch size instead of a mixed-step
+    graph (the prefill-shaped attention over every row's window). Padding tokens come after a row's real ones: causal
     attention keeps them out of every real token's view, their slots beyond the row's
     blocks are -1, and a position the row's blocks do hold gets KV past the row's length,
     which (like a rejected draft's) is rewritten before anything reads it."""
@@ -259,9 +260,10 @@ def build_step_inputs(
         else:
             key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs))
     out = None
+    mixed_graph = key is None and mixed is not None and mixed.fits(ends[-1])
     if key is not None:
         out = graphs.static_inputs(len(rows_cpu), ends[-1])
-    elif mixed is not None and mixed.fits(ends[-1]):  # the mixed-step graph this step replays
+    elif mixed_graph:  # the mixed-step graph this step replays
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(
@@ -288,6 +290,7 @@ def build_step_inputs(
         max_drafts=k_max,
         window=win,
         graph_key=key,
+        mixed_graph=mixed_graph,
         pads=pads,
     )
     if k_max:

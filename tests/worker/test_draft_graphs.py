@@ -42,7 +42,7 @@ def _restore(st, prop, snap) -> None:
 @pytest.mark.parametrize("K", [3, 4])
 @pytest.mark.parametrize("triton", [False, True], ids=["references", "triton"])
 @pytest.mark.parametrize("temps", [(0.0, 0.9, 0.0), (0.0, 0.0, 0.0)], ids=["mixed", "greedy"])
-def test_the_proposal_graph_records_the_piecewise_proposal(ckpt_dir, temps, triton, K, monkeypatch):
+def test_the_proposal_graph_records_the_piece_by_piece_proposal(ckpt_dir, temps, triton, K, monkeypatch):
     import kernels.spec_ops as spec_ops
     from workers.cuda_graphs import DecodeGraphs
     from workers.distributed import TPGroup
@@ -72,18 +72,18 @@ def test_the_proposal_graph_records_the_piecewise_proposal(ckpt_dir, temps, trit
     pg = ProposeGraphs(prop, decode, st.token_ids, st.ensure_draft_probs(K))
     pg.graphs = {(b, L): _EagerReplay(pg, b, L) for b in decode.sizes for L in decode.buckets}
     compared = []
-    piecewise = prop.propose
+    piece_by_piece = prop.propose
 
     def both(st_, inp, s_rows, known, ds):
         if ds is None or not inp.max_drafts:
-            return piecewise(st_, inp, s_rows, known, ds)
+            return piece_by_piece(st_, inp, s_rows, known, ds)
         before = _snapshot(st, prop)
-        piecewise(st_, inp, s_rows, known, ds)
+        piece_by_piece(st_, inp, s_rows, known, ds)
         want = _snapshot(st, prop)
         _restore(st, prop, before)
         prop.graphs, prop.propose_graphs = decode, pg
         try:
-            piecewise(st_, inp, s_rows, known, ds)
+            piece_by_piece(st_, inp, s_rows, known, ds)
         finally:
             prop.graphs, prop.propose_graphs = None, None
         compared.append((want, _snapshot(st, prop)))

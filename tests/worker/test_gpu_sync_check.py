@@ -1,5 +1,6 @@
 """The sync check sees what PyTorch's sync-debug mode cannot: the caching allocator freeing
-its cache (``cudaFree`` waits for the device) to satisfy an allocation inside a step."""
+its cache (``cudaFree`` waits for the device) to satisfy an allocation inside a step, and
+(its launch audit) pageable host-to-device copies and steps over the launch budget."""
 
 import pytest
 import torch

@@ -47,7 +47,6 @@ def test_warn_mode_reports_and_goes_on():
 
 
 def test_other_devices_and_unaudited_checks_are_not_counted():
-    SyncCheck("error", device_type="meta", launch_budget=1).armed()  # (a context manager)
     with SyncCheck("error", device_type="meta", launch_budget=1).armed():
         _adds(20)  # CPU work, the meta device audited
     with SyncCheck("error", launch_budget=1).armed():  # no device type: no audit (a CPU worker)

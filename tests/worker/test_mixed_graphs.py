@@ -56,7 +56,7 @@ def test_padded_static_forward_is_the_models_forward(ckpt_dir, arch, in_place):
     if in_place:
         mg.graphs = {t: None for t in mg.buckets}  # as if captured: fits() picks the graphs
     inp = _mixed_step(r, mg if in_place else None)
-    assert (inp.input_ids.data_ptr() == mg.input_ids.data_ptr()) == in_place
+    assert inp.mixed_graph == in_place and (inp.input_ids.data_ptr() == mg.input_ids.data_ptr()) == in_place
     assert (inp.meta.slot_mapping.data_ptr() == mg.slots.data_ptr()) == in_place
     t_real, n = inp.input_ids.shape[0], inp.meta.num_reqs
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
