@@ -25,3 +25,15 @@ def test_decode_graph_length_buckets(max_len, buckets):
     from workers.cuda_graphs import seq_buckets
 
     assert seq_buckets(max_len) == buckets
+
+
+@pytest.mark.parametrize("batched,seqs,max_len", [(8192, 256, 1024), (2048, 4, 256), (512, 256, 4096)])
+def test_the_profiled_step_is_the_top_mixed_bucket(batched, seqs, max_len):
+    """The memory profile's step (``max_step_tokens``) is exactly the largest token bucket the
+    mixed-step graphs capture, so capture never needs more than the profile measured."""
+    from workers.memory_profile import profile_request_lens
+    from workers.mixed_graphs import max_step_tokens, token_buckets
+
+    n = max_step_tokens(batched, seqs, max_len)
+    assert token_buckets(n)[-1] == n == sum(profile_request_lens(n, max_len))
+    assert n <= batched and n <= seqs * max_len
