@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import statistics
 import time
 from typing import Any
 
@@ -53,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _worker_call(engine, method: str) -> list:
+    """``method`` on every worker actor of ``engine``, their results in rank order."""
+    import ray
+
+    return ray.get([getattr(w, method).remote() for w in engine.executor.workers])
+
+
 def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmup: int) -> dict[str, Any]:
     from metadata.sampling_params import SamplingParams
 
@@ -68,6 +76,7 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
     before = dict(engine.stats) if engine is not None else {}
     if engine is not None:
         engine.timeline.clear()
+        _worker_call(engine, "clear_launch_times")
     t0_mono = time.monotonic()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
@@ -84,6 +93,14 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
         (o.metrics.finished_time - t0_mono) for o in outputs if o.metrics and o.metrics.finished_time is not None
     )
     res = {**throughput_fields(elapsed, len(outputs), n_in, n_out), "finish_times_s": finish, "engine_stats": stats}
+    if engine is not None:  # rank 0's launches: every step, and the steps no decode graph fits
+        launches = _worker_call(engine, "stats")[0]
+        res["worker_launch_ms"] = {
+            "steps": len(launches["launch_ms"]),
+            "median": statistics.median(launches["launch_ms"]) if launches["launch_ms"] else 0.0,
+            "mixed_steps": len(launches["mixed_launch_ms"]),
+            "mixed_median": statistics.median(launches["mixed_launch_ms"]) if launches["mixed_launch_ms"] else 0.0,
+        }
     if engine is not None and engine.timeline:  # measure_device_timeline: where the device's time went
         busy = sum(t[1] for t in engine.timeline)
         idle = sum(t[2] for t in engine.timeline if t[2] >= 0)
@@ -195,6 +212,12 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
             f"{label}Driver: schedule {st.get('driver_schedule_s', 0):.3f} s, process "
             f"{st.get('driver_process_s', 0):.3f} s, waiting on workers {st['driver_wait_s']:.3f} s; "
             f"worker launch (host) {st.get('worker_launch_s', 0):.3f} s over {st.get('steps', 0)} steps"
+        )
+    wl = res.get("worker_launch_ms")
+    if wl and wl["steps"]:
+        print(
+            f"{label}Worker launch per step (host, rank 0): median {wl['median']:.2f} ms over {wl['steps']} steps; "
+            f"steps no decode graph fits (prefill, mixed): {wl['mixed_steps']}, median {wl['mixed_median']:.2f} ms"
         )
     if tl:
         print(

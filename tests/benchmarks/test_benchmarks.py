@@ -243,6 +243,9 @@ def test_throughput_job(ray_head, tmp_path):
     assert res["config"]["engine_config"]["scheduler"]["max_num_seqs"] == 4
     assert res["config"]["load_format"] == "dummy"
     assert res["tokens_per_second"] == pytest.approx(res["total_num_tokens"] / res["elapsed_time"])
+    # rank 0's host launch per step; on the CPU no decode graph exists, so every step counts apart
+    wl = res["worker_launch_ms"]
+    assert wl["steps"] > 0 and wl["median"] > 0 and wl["mixed_steps"] == wl["steps"], wl
     base = res["baseline"]
     assert "error" not in base, base
     assert base["num_requests"] == 6 and base["output_tokens_per_second"] > 0
