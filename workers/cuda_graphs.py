@@ -44,7 +44,31 @@ def seq_buckets(max_model_len: int) -> list[int]:
     return out + [max_model_len]
 
 
-class DecodeGraphs:
+class StaticStepInputs:
+    """The static inputs a captured step reads: ``input_ids``, ``positions`` (per token),
+    ``seq_lens`` (per row) and ``slots`` (the slot mapping), set by the subclass. A step
+    either builds its inputs straight into them (``static_inputs``) or has them copied in."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+
+    def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
+        """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` rows and ``t``
+        tokens, inside the static inputs: a step that writes them there (see
+        ``kernels.input_prep.prepare_inputs``'s ``out``) needs no copy before its replay."""
+        return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
+
+    def _copy_in(self, input_ids, positions, seq_lens, slots) -> None:
+        """Copies a step's inputs into the static ones, except those already built there."""
+        statics = (self.input_ids, self.positions, self.seq_lens, self.slots)
+        for dst, src in zip(statics, (input_ids, positions, seq_lens, slots)):
+            if src.data_ptr() != dst.data_ptr():
+                dst[: src.shape[0]].copy_(src)
+
+
+class DecodeGraphs(StaticStepInputs):
     """``logits=True``: a graph returns the logits of every token; else the hidden states."""
 
     def __init__(
@@ -137,12 +161,18 @@ class DecodeGraphs:
             self.query_lens,
         )
 
+    def shape_for(self, n: int, bound: int) -> tuple[int | None, int | None]:
+        """The captured batch size for ``n`` rows and length bucket for ``bound`` (None where
+        none is large enough)."""
+        b = next((s for s in self.sizes if s >= n), None)
+        L = next((x for x in self.buckets if x >= bound), None)
+        return b, L
+
     def pick_shape(self, n: int, q_lens: list[int], bound: int) -> tuple[int, int, int] | None:
         q = q_lens[0]
         if any(x != q for x in q_lens):
             return None
-        b = next((s for s in self.sizes if s >= n), None)
-        L = next((x for x in self.buckets if x >= bound), None)
+        b, L = self.shape_for(n, bound)
         if q not in self.query_lens:
             return None  # e.g. a prefill: a mixed-step graph's (workers.mixed_graphs)
         if b is None or L is None:
@@ -174,12 +204,6 @@ class DecodeGraphs:
             return None
         return self.pick_shape(len(q_lens), q_lens, bound)
 
-    def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
-        """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` rows and ``t``
-        tokens, inside the graphs' static inputs: a step that writes them there (see
-        ``kernels.input_prep.prepare_inputs``'s ``out``) needs no copy before its replay."""
-        return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
-
     def load(self, inputs, key: tuple[int, int, int]) -> None:
         """Copies a step's inputs (``input_ids``, ``positions`` and ``meta``: a ``StepInputs``
         or a ``Window``) into the static inputs of graph ``key``, padding rows past the real
@@ -187,14 +211,7 @@ class DecodeGraphs:
         b, _, q = key
         m = inputs.meta
         n, t = m.num_reqs, m.num_actual_tokens
-        for dst, src in (
-            (self.input_ids, inputs.input_ids),
-            (self.positions, inputs.positions),
-            (self.seq_lens, m.seq_lens),
-            (self.slots, m.slot_mapping),
-        ):
-            if src.data_ptr() != dst.data_ptr():  # not already written in place
-                dst[: src.shape[0]].copy_(src)
+        self._copy_in(inputs.input_ids, inputs.positions, m.seq_lens, m.slot_mapping)
         if m.block_table.data_ptr() != self.block_table.data_ptr():  # (not already the static table)
             self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
         if b > n:

@@ -54,8 +54,7 @@ class ProposeGraphs:
     def key(self, n: int, bound: int) -> tuple[int, int] | None:
         """The captured (rows, bucket) for ``n`` rows whose passes attend at most ``bound``
         keys, or None."""
-        b = next((s for s in self.decode.sizes if s >= n), None)
-        L = next((x for x in self.decode.buckets if x >= bound), None)
+        b, L = self.decode.shape_for(n, bound)
         return (b, L) if b is not None and L is not None and (b, L) in self.graphs else None
 
     def static_propose(self, b: int, bound: int) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from kernels.attention_splits import DECODE_MAX_Q
 from metadata.attention_metadata import AttentionMetadata
+from workers.cuda_graphs import StaticStepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
-class MixedGraphs:
+class MixedGraphs(StaticStepInputs):
     """Replaces ``model(input_ids, positions, meta, kv_caches)`` for steps of up to
     ``max_tokens`` tokens and ``max_num_seqs`` requests over ``kv_caches`` (the caches the
     graphs were captured with): ``forward`` has the model's signature and result.
@@ -133,12 +134,6 @@ class MixedGraphs:
     def fits(self, num_tokens: int) -> bool:
         return bool(self.graphs) and num_tokens <= self.buckets[-1]
 
-    def static_inputs(self, n: int, t: int) -> tuple[torch.Tensor, ...]:
-        """(positions, input_ids, seq_lens, slot_mapping) of a step's ``n`` requests and ``t``
-        tokens inside the static buffers: a step built there (``kernels.input_prep``'s ``out``)
-        needs no copy before its replay."""
-        return self.positions[:t], self.input_ids[:t], self.seq_lens[:n], self.slots[:t]
-
     def load(self, input_ids, positions, meta: AttentionMetadata) -> int:
         """Copies a step's inputs into the static buffers, padded; returns its bucket."""
         t_real, n = input_ids.shape[0], meta.num_reqs
@@ -146,14 +141,7 @@ class MixedGraphs:
         r = self.rows(t)
         if n > r:
             raise ValueError(f"a step of {n} requests exceeds max_num_seqs={self.max_num_seqs}")
-        for dst, src in (
-            (self.input_ids, input_ids),
-            (self.positions, positions),
-            (self.slots, meta.slot_mapping[:t_real]),
-            (self.seq_lens, meta.seq_lens),
-        ):
-            if src.data_ptr() != dst.data_ptr():  # not already built in place (static_inputs)
-                dst[: src.shape[0]].copy_(src)
+        self._copy_in(input_ids, positions, meta.seq_lens, meta.slot_mapping[:t_real])
         self.slots[t_real:t].fill_(-1)
         self.qsl[: n + 1].copy_(meta.query_start_loc)
         self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
