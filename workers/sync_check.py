@@ -82,11 +82,7 @@ class SyncCheck:
                 if check is not None and _SYNC_MARKER in str(message):
                     if getattr(_local, "allowed", 0):
                         return
-                    site = _call_site()
-                    if check.mode == "error":
-                        raise SyncError(f"implicit host<->device sync inside a step at {site}")
-                    check.reports.append(site)
-                    logger.warning("implicit host<->device sync inside a step at %s", site)
+                    check._report(f"implicit host<->device sync inside a step at {_call_site()}")
                     return
                 if _SYNC_MARKER in str(message):
                     return  # another thread: the check does not apply there
