@@ -44,6 +44,35 @@ def seq_buckets(max_model_len: int) -> list[int]:
     return out + [max_model_len]
 
 
+def capture_shapes(sizes: list[int], buckets: list[int], query_lens: tuple[int, ...]):
+    """``(b, bound, q)`` of every graph ``DecodeGraphs`` captures, in capture order (largest
+    batch first within a bucket: the pool is sized by the first capture)."""
+    for q in query_lens:
+        for bound in buckets:
+            if bound >= q:
+                for b in reversed(sizes):
+                    yield b, bound, q
+
+
+def decode_graph_output_bytes(
+    max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...], row_bytes: int, greedy: bool
+) -> int:
+    """Device bytes the outputs of ``DecodeGraphs`` hold for the worker's life: every graph
+    keeps its own (``b * q`` rows of ``row_bytes``, plus the argmax of a ``q = 1`` logits
+    graph when ``greedy``), so they grow with the length buckets, i.e. with ``max_model_len``
+    (the 8B shape's fp32 logits at its 131,072-token limit hold about 10 GB). KV sizing
+    reserves them (``workers.memory_profile``)."""
+    total = 0
+    for b, _, q in capture_shapes(capture_sizes(max_num_seqs), seq_buckets(max_model_len), query_lens):
+        total += _alloc_bytes(b * q * row_bytes) + (_alloc_bytes(b * 8) if greedy and q == 1 else 0)
+    return total
+
+
+def _alloc_bytes(n: int) -> int:
+    """``n`` rounded up as the caching allocator rounds a block (512 bytes)."""
+    return (n + 511) // 512 * 512
+
+
 class StaticStepInputs:
     """The static inputs a captured step reads: ``input_ids``, ``positions`` (per token),
     ``seq_lens`` (per row) and ``slots`` (the slot mapping), set by the subclass. A step
@@ -135,23 +164,19 @@ class DecodeGraphs(StaticStepInputs):
     @torch.inference_mode()
     def capture(self) -> None:
         self.slots.fill_(-1)
-        for q in self.query_lens:
+        for b, bound, q in capture_shapes(self.sizes, self.buckets, self.query_lens):
             self.seq_lens.fill_(q)
-            for bound in self.buckets:
-                if bound < q:
-                    continue
-                for b in reversed(self.sizes):
-                    warm = self.static_forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
-                    if self.logits and q == 1:
-                        ops.argmax(warm)
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        out = self.static_forward(b, bound, q)
-                        greedy = ops.argmax(out) if self.logits and q == 1 else None
-                    if self.pool is None:
-                        self.pool = g.pool()
-                    self.graphs[(b, bound, q)] = (g, out, greedy)
+            warm = self.static_forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
+            if self.logits and q == 1:
+                ops.argmax(warm)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.static_forward(b, bound, q)
+                greedy = ops.argmax(out) if self.logits and q == 1 else None
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from itertools import accumulate
 
 import torch
 
 from metadata.attention_metadata import AttentionMetadata
 from workers import kv_cache
-from workers.mixed_graphs import max_step_tokens
+from workers.cuda_graphs import decode_graph_output_bytes
+from workers.mixed_graphs import max_step_tokens, mixed_graph_output_bytes
 from workers.pipeline import scratch_model
+
+logger = logging.getLogger(__name__)
 
 
 def profile_request_lens(num_tokens: int, max_len: int) -> list[int]:
@@ -70,10 +74,35 @@ def profile_free_bytes(r) -> int:
     free, total = torch.cuda.mem_get_info(r.device)
     peak_extra = torch.cuda.max_memory_allocated(r.device) - torch.cuda.memory_allocated(r.device)
     used = total - free
-    budget = int(total * r.cfg.cache.gpu_memory_utilization) - used - peak_extra
+    graphs = graph_output_bytes(r)
+    budget = int(total * r.cfg.cache.gpu_memory_utilization) - used - peak_extra - graphs
+    if graphs:
+        logger.info("CUDA graph outputs reserve %.2f GiB of the KV cache budget", graphs / 2**30)
     if budget <= 0:
         raise RuntimeError(
-            f"no memory left for the KV cache: {used / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB; "
-            "raise gpu_memory_utilization or use a smaller model"
+            f"no memory left for the KV cache: {used / 2**30:.1f} GiB used and {graphs / 2**30:.1f} GiB "
+            f"reserved for CUDA graph outputs of {total / 2**30:.1f} GiB; raise gpu_memory_utilization, "
+            "lower max_model_len (fewer graph length buckets) or use a smaller model"
         )
     return budget
+
+
+def graph_output_bytes(r) -> int:
+    """Device bytes the ``ModelRunner`` ``r``'s CUDA graphs will keep as outputs once captured
+    (``capture_cuda_graphs``: none on the CPU, with ``enforce_eager`` or in a pipeline stage):
+    the decode graphs' logits (or the draft's hidden states) and the mixed-step graphs' hidden
+    states, which the profiling forward does not allocate."""
+    if r.device.type != "cuda" or r.cfg.enforce_eager or r.pp is not None:
+        return 0
+    sched = r.cfg.scheduler
+    k = r.cfg.speculative.num_speculative_tokens if r.spec is not None else 0
+    vocab = -(-r.arch.vocab_size // r.tp.size) * r.tp.size  # the gathered logits' padded row
+    elt = torch.empty(0, dtype=r.dtype).element_size()
+    max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, r.max_model_len)
+    total = decode_graph_output_bytes(sched.max_num_seqs, r.max_model_len, (1, 1 + k) if k else (1,), vocab * 4, True)
+    total += mixed_graph_output_bytes(max_tokens, r.arch.hidden_size * elt)
+    if r.spec is not None and r.spec.draft_model is not None:
+        draft_row = r.spec.draft_arch.hidden_size * elt
+        total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, (1, k + 2), draft_row, False)
+        total += mixed_graph_output_bytes(max_tokens + sched.max_num_seqs, draft_row)
+    return total

@@ -51,6 +51,11 @@ def token_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
+def mixed_graph_output_bytes(max_tokens: int, row_bytes: int) -> int:
+    """Device bytes the outputs of ``MixedGraphs`` hold (one ``t``-row hidden state a bucket)."""
+    return sum(token_buckets(max_tokens)) * row_bytes
+
+
 class MixedGraphs(StaticStepInputs):
     """Replaces ``model(input_ids, positions, meta, kv_caches)`` for steps of up to
     ``max_tokens`` tokens and ``max_num_seqs`` requests over ``kv_caches`` (the caches the

@@ -1,6 +1,6 @@
 """Generated gRPC modules for ``syncless.proto``: ``pb2`` (messages) and ``pb2_grpc`` (stubs).
 
-The checked-in modules were generated with grpcio-tools 1.85.1 (see README.md).
+The checked-in modules were generated with grpcio-tools 1.84.0 (see README.md).
 When the installed protobuf runtime rejects them, they are regenerated with the
 installed ``grpc_tools`` into a cache folder and loaded from there.
 """

@@ -378,12 +378,12 @@ def test_launch_wait_summary_counts_waits_and_mixed_steps():
     run = {
         "mode": "async",
         "wait_ms": 100.0,
-        "launch_ms": [1.0, 2.0, 30.0, 1.5, 26.0],
+        "launch_ms": [1.0, 2.0, 30.0, 1.5, 26.0, 4.0],
         "mixed_launch_ms": [2.0, 30.0, 4.0],
         "preemptions": 0,
         "mixed_graph_replays": 3,
     }
     row = summarize(run)
-    assert (row["launches"], row["waited"], row["max_ms"]) == (5, 2, 30.0)
-    assert (row["mixed_launches"], row["mixed_median_ms"]) == (3, 4.0)
+    assert (row["launches"], row["waited"], row["max_ms"]) == (6, 2, 30.0)
+    assert (row["mixed_launches"], row["mixed_median_ms"], row["decode_median_ms"]) == (3, 4.0, 1.5)
     assert summarize({**run, "launch_ms": [], "mixed_launch_ms": []})["mixed_median_ms"] == 0.0

@@ -37,3 +37,17 @@ def test_the_profiled_step_is_the_top_mixed_bucket(batched, seqs, max_len):
     n = max_step_tokens(batched, seqs, max_len)
     assert token_buckets(n)[-1] == n == sum(profile_request_lens(n, max_len))
     assert n <= batched and n <= seqs * max_len
+
+
+def test_graph_output_reserve_grows_with_the_length_buckets():
+    """Every decode graph keeps its own logits: the reserve KV sizing takes for them is one
+    batch-size sweep a length bucket and query length (the 8B shape's fp32 logits at its
+    131,072-token limit: nine buckets, about 10 GB, which had run capture out of memory)."""
+    from workers.cuda_graphs import capture_sizes, decode_graph_output_bytes, seq_buckets
+
+    row = 128256 * 4
+    one = decode_graph_output_bytes(256, 512, (1,), row, False)
+    assert one == sum(-(-b * row // 512) * 512 for b in capture_sizes(256))
+    assert decode_graph_output_bytes(256, 131072, (1,), row, False) == len(seq_buckets(131072)) * one == 9 * one
+    assert decode_graph_output_bytes(256, 131072, (1, 4), row, False) == 9 * one * 5
+    assert 9 * one > 10e9
