@@ -105,6 +105,7 @@ class WorkerActor:
             # the launches of prefill / mixed / uneven speculative steps (no decode graph fits)
             "mixed_launch_ms": list(self.runner.mixed_launch_ms) if self.runner is not None else [],
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
+            "decode_graph_buckets": sorted(getattr(getattr(self.runner, "graphs", None), "buckets_replayed", ())),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
             "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph
             "propose_graph_replays": self._propose_graph_replays(),

@@ -12,6 +12,16 @@ Padded rows write no KV (slot -1) and their logits are dropped.
 A ``q = 1`` logits graph also takes the greedy argmax of its logits (``last_greedy``
 after a replay): every decode step needs it (greedy rows, and the greedy fallback of
 sampled ones), and inside the graph its two launches cost the host nothing.
+
+A logits graph's outputs (logits, argmax) go back to the graph pool once it is captured:
+the graph keeps writing them where they were, and the runner holds a view that does not
+keep that memory allocated (``borrowed_view``), so later captures reuse it. Kept apart, the
+fp32 logits of every (batch size, length bucket, q) graph held about 10 GB for the 8B shape
+at its 131,072-token limit, and five times that with 3 drafts. The cost is a rule: a
+graph's outputs are valid until the next replay of any graph of the pool (the mixed-step
+graphs share it). The runner keeps it by construction: one graph replays a step, and
+everything that reads its outputs (sampling, verification, the copy of the tokens) is
+enqueued on the same stream before the next step's replay.
 """
 
 from __future__ import annotations
@@ -55,17 +65,27 @@ def capture_shapes(sizes: list[int], buckets: list[int], query_lens: tuple[int, 
 
 
 def decode_graph_output_bytes(
-    max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...], row_bytes: int, greedy: bool
+    max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...], row_bytes: int, logits: bool
 ) -> int:
-    """Device bytes the outputs of ``DecodeGraphs`` hold for the worker's life: every graph
-    keeps its own (``b * q`` rows of ``row_bytes``, plus the argmax of a ``q = 1`` logits
-    graph when ``greedy``), so they grow with the length buckets, i.e. with ``max_model_len``
-    (the 8B shape's fp32 logits at its 131,072-token limit hold about 10 GB). KV sizing
-    reserves them (``workers.memory_profile``)."""
-    total = 0
-    for b, _, q in capture_shapes(capture_sizes(max_num_seqs), seq_buckets(max_model_len), query_lens):
-        total += _alloc_bytes(b * q * row_bytes) + (_alloc_bytes(b * 8) if greedy and q == 1 else 0)
-    return total
+    """Device bytes the outputs of ``DecodeGraphs`` hold for the worker's life (KV sizing
+    reserves them, ``workers.memory_profile``): ``b * q`` rows of ``row_bytes`` a graph, plus
+    the argmax of a ``q = 1`` logits graph. Logits graphs give their outputs back to the pool
+    (module docstring), so the largest one counts; other graphs (the draft's hidden states)
+    each keep their own, which grows with the length buckets, i.e. with ``max_model_len``."""
+    sizes = [
+        _alloc_bytes(b * q * row_bytes) + (_alloc_bytes(b * 8) if logits and q == 1 else 0)
+        for b, _, q in capture_shapes(capture_sizes(max_num_seqs), seq_buckets(max_model_len), query_lens)
+    ]
+    return max(sizes, default=0) if logits else sum(sizes)
+
+
+def borrowed_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it allocated: once ``t`` is gone the
+    caching allocator may hand that memory out again (for a CUDA graph's output: to later
+    captures into the same pool). The caller guarantees what the view reads is still there."""
+    st = t.untyped_storage()
+    storage = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def _alloc_bytes(n: int) -> int:
@@ -135,6 +155,7 @@ class DecodeGraphs(StaticStepInputs):
         self.last_greedy: torch.Tensor | None = None  # argmax of the last replay's logits (q = 1)
         self.pool = None
         self.replays = 0
+        self.buckets_replayed: set[int] = set()  # length buckets of the graphs replayed (stats)
         self._warned_miss = False
 
     def _meta(self, b: int, bound: int, q: int) -> AttentionMetadata:
@@ -176,6 +197,9 @@ class DecodeGraphs(StaticStepInputs):
                 greedy = ops.argmax(out) if self.logits and q == 1 else None
             if self.pool is None:
                 self.pool = g.pool()
+            if self.logits:  # back to the pool (module docstring): later captures reuse it
+                out = borrowed_view(out)
+                greedy = borrowed_view(greedy) if greedy is not None else None
             self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
@@ -215,6 +239,7 @@ class DecodeGraphs(StaticStepInputs):
                 )
             return None
         self.replays += 1
+        self.buckets_replayed.add(L)
         return (b, L, q)
 
     def pick_step(

@@ -90,8 +90,9 @@ def profile_free_bytes(r) -> int:
 def graph_output_bytes(r) -> int:
     """Device bytes the ``ModelRunner`` ``r``'s CUDA graphs will keep as outputs once captured
     (``capture_cuda_graphs``: none on the CPU, with ``enforce_eager`` or in a pipeline stage):
-    the decode graphs' logits (or the draft's hidden states) and the mixed-step graphs' hidden
-    states, which the profiling forward does not allocate."""
+    the decode graphs' largest logits (the others share its memory), the draft's decode
+    graphs' hidden states and the mixed-step graphs' hidden states, which the profiling
+    forward does not allocate."""
     if r.device.type != "cuda" or r.cfg.enforce_eager or r.pp is not None:
         return 0
     sched = r.cfg.scheduler

@@ -39,15 +39,36 @@ def test_the_profiled_step_is_the_top_mixed_bucket(batched, seqs, max_len):
     assert n <= batched and n <= seqs * max_len
 
 
-def test_graph_output_reserve_grows_with_the_length_buckets():
-    """Every decode graph keeps its own logits: the reserve KV sizing takes for them is one
-    batch-size sweep a length bucket and query length (the 8B shape's fp32 logits at its
-    131,072-token limit: nine buckets, about 10 GB, which had run capture out of memory)."""
+def test_graph_output_reserve():
+    """KV sizing reserves what the graphs keep: the logits graphs give their outputs back to
+    the pool, so the largest one counts however many length buckets (kept apart, the 8B
+    shape's fp32 logits at its 131,072-token limit held about 10 GB: nine buckets); graphs of
+    hidden states (the draft's) keep one each, a batch-size sweep a bucket and query length."""
     from workers.cuda_graphs import capture_sizes, decode_graph_output_bytes, seq_buckets
 
     row = 128256 * 4
-    one = decode_graph_output_bytes(256, 512, (1,), row, False)
-    assert one == sum(-(-b * row // 512) * 512 for b in capture_sizes(256))
-    assert decode_graph_output_bytes(256, 131072, (1,), row, False) == len(seq_buckets(131072)) * one == 9 * one
-    assert decode_graph_output_bytes(256, 131072, (1, 4), row, False) == 9 * one * 5
-    assert 9 * one > 10e9
+    top = 256 * row + 256 * 8  # 256 rows of logits and their argmax
+    assert decode_graph_output_bytes(256, 512, (1,), row, True) == top
+    assert decode_graph_output_bytes(256, 131072, (1,), row, True) == top
+    assert decode_graph_output_bytes(256, 131072, (1, 4), row, True) == 4 * 256 * row
+    hidden = 4096 * 2
+    one = decode_graph_output_bytes(256, 512, (1,), hidden, False)
+    assert one == sum(-(-b * hidden // 512) * 512 for b in capture_sizes(256))
+    assert decode_graph_output_bytes(256, 131072, (1,), hidden, False) == len(seq_buckets(131072)) * one == 9 * one
+    assert decode_graph_output_bytes(256, 131072, (1, 4), hidden, False) == 9 * one * 5
+
+
+def test_borrowed_view_aliases_without_owning():
+    """A logits graph's output view reads the graph's memory without keeping it allocated."""
+    import torch
+
+    from workers.cuda_graphs import borrowed_view
+
+    t = torch.arange(24.0).reshape(4, 6)[:, 1:5]  # a strided view with an offset
+    use = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    v = borrowed_view(t)
+    assert (v.shape, v.stride(), v.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+    assert v.data_ptr() == t.data_ptr() and torch.equal(v, t)
+    t[2, 3] = -1.0  # the graph writes on replay: the view sees it
+    assert v[2, 3] == -1.0
+    assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) == use  # no new owner
