@@ -19,9 +19,10 @@ keep that memory allocated (``borrowed_view``), so later captures reuse it. Kept
 fp32 logits of every (batch size, length bucket, q) graph held about 10 GB for the 8B shape
 at its 131,072-token limit, and five times that with 3 drafts. The cost is a rule: a
 graph's outputs are valid until the next replay of any graph of the pool (the mixed-step
-graphs share it). The runner keeps it by construction: one graph replays a step, and
-everything that reads its outputs (sampling, verification, the copy of the tokens) is
-enqueued on the same stream before the next step's replay.
+graphs share it). The runner keeps it by construction: one graph of the target's pool
+replays a step, and everything that reads its outputs (sampling, verification, the copy of
+the tokens) is enqueued on the same stream before the next step's replay. The draft model
+replays several graphs of its pool a step, so its graphs (``logits=False``) keep theirs.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def seq_buckets(max_model_len: int) -> list[int]:
 
 
 def capture_shapes(sizes: list[int], buckets: list[int], query_lens: tuple[int, ...]):
-    """``(b, bound, q)`` of every graph ``DecodeGraphs`` captures, in capture order (largest
-    batch first within a bucket: the pool is sized by the first capture)."""
-    for q in query_lens:
+    """``(b, bound, q)`` of every graph ``DecodeGraphs`` captures, in capture order: the
+    longest query length and the largest batch first, so that the pool is sized by the
+    first capture and the outputs a logits graph gives back fit every later one."""
+    for q in sorted(query_lens, reverse=True):
         for bound in buckets:
             if bound >= q:
                 for b in reversed(sizes):

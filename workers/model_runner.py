@@ -178,6 +178,8 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
+        if self.graphs is not None:
+            self.graphs.buckets_replayed.clear()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage
             self._warm_eager_decode()

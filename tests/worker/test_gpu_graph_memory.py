@@ -30,6 +30,7 @@ def test_graph_outputs_share_the_pool(tmp_path, spec):
     runner.init_kv_cache()  # profiles a forward first (cuBLAS workspaces and the like stay allocated)
     reserve = graph_output_bytes(runner)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # as capture's first step does: the profile's cached blocks go
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     runner.capture_cuda_graphs()
     torch.cuda.synchronize()
@@ -40,10 +41,10 @@ def test_graph_outputs_share_the_pool(tmp_path, spec):
     assert len(runner.graphs.graphs) == 24 * (2 if spec else 1)
     apart = sum(out.untyped_storage().nbytes() for _, out, _ in runner.graphs.graphs.values())
     assert apart > (1 if not spec else 5) * 260e6
-    # The pool holds about the largest graph's logits (plus the capture stream's cuBLAS
-    # workspace, 32 MiB on an H100, and the small model's intermediates), not every graph's
+    # The pool holds about the largest graph's logits, what the reserve counts (plus the
+    # capture's intermediates, here at most a 16-bit copy of those logits, the capture
+    # stream's cuBLAS workspace, 32 MiB on an H100, and static inputs), not every graph's
     assert grown < apart / 2, (grown, apart)
-    # what stays allocated (static inputs, workspaces, the mixed graphs' hidden states) is
-    # within the reserve and the fixed costs the budget's headroom covers
+    assert grown <= 2 * reserve + (48 << 20), (grown, reserve)
+    # what stays allocated (static inputs, workspaces, the mixed graphs' hidden states)
     assert kept <= reserve + (48 << 20), (kept, reserve)
-    assert reserve < apart / 2

@@ -42,9 +42,9 @@ def test_mixed_step_graphs_match_eager(tmp_path, arch):
 
 def test_every_length_bucket_replays_eagers_tokens(tmp_path):
     """Sequences that start below the 512-token bucket and cross it, of staggered lengths:
-    decode graphs of both length buckets and several batch sizes replay between mixed-step
-    graphs of the same pool, each reading back logits whose memory the others reuse
-    (workers/cuda_graphs.py), and the tokens are the eager forward's."""
+    after the prefill's mixed-step graphs, decode graphs of both length buckets and batch
+    sizes 8 down to 1 replay from one pool, each reading back logits whose memory the others
+    reuse (workers/cuda_graphs.py), and the tokens are the eager forward's."""
     from cluster import LLM, SamplingParams
 
     ckpt = write_checkpoint(
