@@ -86,6 +86,7 @@ class RayExecutor:
 
         timeout = self.cfg.parallel.worker_start_timeout_s
         world = self.layout.world_size
+        logger.info("starting %d worker(s) (%s)", world, self.device_kind)
         self.placement = place_workers(self.layout, self.device_kind, timeout)
         try:
             env = {
@@ -115,9 +116,19 @@ class RayExecutor:
             ]
             self.info = self._get([w.describe.remote() for w in self.workers], timeout, "start")
             init = self._get(self.workers[0].rendezvous.remote(), timeout, "start") if world > 1 else None
+            t0 = time.perf_counter()
+            logger.info("loading the model on %d worker(s) and sizing the KV cache", world)
             blocks = self._get([w.load.remote(init) for w in self.workers], timeout, "load the model")
             self.num_blocks = min(blocks)
+            t1 = time.perf_counter()
+            logger.info(
+                "loaded in %.1f s; KV cache of %d blocks; %s",
+                t1 - t0,
+                self.num_blocks,
+                "capturing CUDA graphs and warming up" if gpu and not self.cfg.enforce_eager else "warming up",
+            )
             self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout, "allocate the KV cache")
+            logger.info("workers warmed up in %.1f s", time.perf_counter() - t1)
         except BaseException:
             self.shutdown()
             raise

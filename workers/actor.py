@@ -28,6 +28,18 @@ from workers.compile_watch import CompileWatch
 logger = logging.getLogger(__name__)
 
 
+def _show_worker_logs() -> None:
+    """This package's INFO lines (start-up progress: KV sizing, graph captures, warm-up) on
+    the process's stderr, which Ray forwards to the driver's console with the actor's name."""
+    log = logging.getLogger("workers")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def _assigned_gpus() -> list[str]:
     import ray
 
@@ -47,6 +59,7 @@ class WorkerActor:
         device_kind: str = "cpu",
         tp_size: int | None = None,
     ):
+        _show_worker_logs()
         self.platform = select_platform(device_kind)
         self.gpu_ids = _assigned_gpus() if self.platform.ray_resource == "GPU" else []
         self.visibility = self.platform.configure(self.gpu_ids)  # before torch touches the device

@@ -28,6 +28,7 @@ replays several graphs of its pool a step, so its graphs (``logits=False``) keep
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -186,6 +187,7 @@ class DecodeGraphs(StaticStepInputs):
 
     @torch.inference_mode()
     def capture(self) -> None:
+        t0 = time.perf_counter()
         self.slots.fill_(-1)
         for b, bound, q in capture_shapes(self.sizes, self.buckets, self.query_lens):
             self.seq_lens.fill_(q)
@@ -205,9 +207,11 @@ class DecodeGraphs(StaticStepInputs):
             self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d CUDA graphs (sizes %s, buckets %s, query lengths %s)",
+            "captured %d decode CUDA graphs in %.1f s (%d batch sizes up to %d, length buckets %s, query lengths %s)",
             len(self.graphs),
-            self.sizes,
+            time.perf_counter() - t0,
+            len(self.sizes),
+            self.sizes[-1],
             self.buckets,
             self.query_lens,
         )

@@ -23,6 +23,7 @@ Hopper GPU), so that its launch waits for a busy device.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -120,6 +121,7 @@ class MixedGraphs(StaticStepInputs):
 
     @torch.inference_mode()
     def capture(self) -> None:
+        t0 = time.perf_counter()
         self.slots.fill_(-1)
         self.qsl.zero_()  # every request empty: the warm-up launches compute nothing
         self.seq_lens.zero_()
@@ -133,7 +135,12 @@ class MixedGraphs(StaticStepInputs):
                 self.pool = g.pool()
             self.graphs[t] = (g, hidden)
         torch.cuda.synchronize()
-        logger.info("captured %d mixed-step CUDA graphs (token buckets %s)", len(self.graphs), self.buckets)
+        logger.info(
+            "captured %d mixed-step CUDA graphs in %.1f s (token buckets up to %d)",
+            len(self.graphs),
+            time.perf_counter() - t0,
+            self.buckets[-1],
+        )
 
     # ---------------------------------------------------------------- replay
     def fits(self, num_tokens: int) -> bool:

@@ -126,3 +126,22 @@ def test_spec_kernel_warm_up_covers_a_padded_logits_stride(ckpt_dir, monkeypatch
     assert r.model.lm_head.padded_vocab == vocab  # (what warm_up passes on a GPU: TP 1 pads nothing)
     r.spec.warm_up(r.state, vocab + 3)
     assert sorted(set(strides)) == [vocab, vocab + 3]
+
+
+def test_worker_start_up_lines_reach_the_console():
+    """A worker actor's start-up progress (KV sizing, graph captures: ``workers.*`` INFO lines)
+    goes to its stderr, which Ray forwards to the driver; set up once per process."""
+    import logging
+
+    from workers.actor import _show_worker_logs
+
+    log = logging.getLogger("workers")
+    saved = log.handlers[:], log.level, log.propagate
+    log.handlers[:] = []
+    try:
+        _show_worker_logs()
+        _show_worker_logs()
+        assert len(log.handlers) == 1 and log.getEffectiveLevel() == logging.INFO and not log.propagate
+        assert logging.getLogger("workers.cuda_graphs").isEnabledFor(logging.INFO)
+    finally:
+        log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
