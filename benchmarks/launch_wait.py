@@ -89,11 +89,13 @@ def run_mode(
         stats = ray.get([w.stats.remote() for w in workers])
         launches = [ms for s in stats for ms in s["launch_ms"]]
         mixed = [ms for s in stats for ms in s["mixed_launch_ms"]]
+        phases = [p for s in stats for p in s["launch_phases_ms"]]
         return {
             "mode": mode,
             "wait_ms": wait_ms,
             "launch_ms": launches,
             "mixed_launch_ms": mixed,
+            "launch_phases_ms": phases,
             "preemptions": llm.engine.scheduler.num_preemptions,
             "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
         }
@@ -117,6 +119,16 @@ def summarize(run: dict) -> dict:
         "preemptions": run["preemptions"],
         "mixed_graph_replays": run["mixed_graph_replays"],
     }
+
+
+def phase_medians(run: dict) -> dict[str, list[float]]:
+    """Median ms of each launch phase (``workers.model_runner.LAUNCH_PHASES``), for the decode
+    steps and for the mixed ones (steps no decode graph fits); empty where none ran."""
+    out = {}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        rows = [p[1:] for p in run.get("launch_phases_ms", []) if bool(p[0]) == mixed]
+        out[kind] = [statistics.median(col) for col in zip(*rows)] if rows else []
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -160,6 +172,15 @@ def main(argv=None) -> list[dict]:
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"runs": runs, "summary": rows}, f)
+    from workers.model_runner import LAUNCH_PHASES
+
+    print("\nWhere a launch's host time goes (medians, ms):")
+    print(f"| mode | steps | {' | '.join(LAUNCH_PHASES)} |")
+    print("|---|---|" + "---|" * len(LAUNCH_PHASES))
+    for run in runs:
+        for kind, medians in phase_medians(run).items():
+            if medians:
+                print(f"| {run['mode']} | {kind} | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
     return rows
 
 

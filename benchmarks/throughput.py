@@ -24,6 +24,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests, vocab_size_of
 from benchmarks.hf_baseline import hf_available, run_hf, throughput_fields, token_prompts_of
+from benchmarks.launch_wait import phase_medians
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +101,7 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
             "median": statistics.median(launches["launch_ms"]) if launches["launch_ms"] else 0.0,
             "mixed_steps": len(launches["mixed_launch_ms"]),
             "mixed_median": statistics.median(launches["mixed_launch_ms"]) if launches["mixed_launch_ms"] else 0.0,
+            "phases": phase_medians(launches),  # decode / mixed: median ms of each LAUNCH_PHASES
         }
     if engine is not None and engine.timeline:  # measure_device_timeline: where the device's time went
         busy = sum(t[1] for t in engine.timeline)
@@ -219,6 +221,12 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
             f"{label}Worker launch per step (host, rank 0): median {wl['median']:.2f} ms over {wl['steps']} steps; "
             f"steps no decode graph fits (prefill, mixed): {wl['mixed_steps']}, median {wl['mixed_median']:.2f} ms"
         )
+        from workers.model_runner import LAUNCH_PHASES
+
+        for kind, medians in wl.get("phases", {}).items():
+            if medians:
+                split = ", ".join(f"{name} {m:.2f}" for name, m in zip(LAUNCH_PHASES, medians))
+                print(f"{label}  {kind} launch, median ms by phase: {split}")
     if tl:
         print(
             f"{label}Device: busy {tl['device_busy_s']:.3f} s, idle between steps {tl['device_idle_s']:.3f} s "

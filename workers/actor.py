@@ -117,6 +117,8 @@ class WorkerActor:
             "launch_ms": list(self.runner.launch_ms) if self.runner is not None else [],
             # the launches of prefill / mixed / uneven speculative steps (no decode graph fits)
             "mixed_launch_ms": list(self.runner.mixed_launch_ms) if self.runner is not None else [],
+            # (mixed step?, ms of each of workers.model_runner.LAUNCH_PHASES) a sampling launch
+            "launch_phases_ms": [list(p) for p in self.runner.launch_phases] if self.runner is not None else [],
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
             "decode_graph_buckets": sorted(getattr(getattr(self.runner, "graphs", None), "buckets_replayed", ())),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
@@ -135,6 +137,7 @@ class WorkerActor:
         if self.runner is not None:
             self.runner.launch_ms.clear()
             self.runner.mixed_launch_ms.clear()
+            self.runner.launch_phases.clear()
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""

@@ -43,6 +43,11 @@ def check_fp8_device(model, kv_dtype: torch.dtype, device: torch.device) -> None
         )
 
 
+# a launch's host time, split: releasing and placing requests, the step's inputs, the forward
+# (graph replay or eager), sampling or verification with the commit, the next drafts, the copy
+LAUNCH_PHASES = ("place", "inputs", "forward", "sample", "propose", "copy")
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the persistent request state of one rank.
 
@@ -104,6 +109,8 @@ class ModelRunner:
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
         self.mixed_launch_ms: collections.deque = collections.deque(maxlen=4096)  # ... of steps no decode graph fits
+        # (mixed step?, ms of each of LAUNCH_PHASES) of the launches that sample: where the host time goes
+        self.launch_phases: collections.deque = collections.deque(maxlen=4096)
         self._decode_graph_step = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         self._last_end_ev = None
@@ -381,6 +388,7 @@ class ModelRunner:
         st.add_many(plan.new_requests)  # a fixed number of device operations, however many
         if not plan.rows:
             return PendingStep(plan.step_id, self.tp.rank, t0)
+        marks = [t0, time.perf_counter()]  # LAUNCH_PHASES' boundaries
         start_ev = self._record_event()
         inp = build_step_inputs(
             plan,
@@ -394,6 +402,7 @@ class ModelRunner:
         )
         key = inp.graph_key
         self._decode_graph_step = key is not None
+        marks.append(time.perf_counter())
         raw_argmax = None
         if key is not None:
             logits = self.graphs.run(inp, key)
@@ -417,6 +426,7 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
             return PendingStep(plan.step_id, self.tp.rank, t0)
+        marks.append(time.perf_counter())
         s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
@@ -427,10 +437,14 @@ class ModelRunner:
             self._commit_tokens(st, s_rows, s_pos, so.token_ids, count=batch.penalties is not None)
         if self.pp is not None:  # stage 0 embeds them next step: device to device, no host
             self.pp.send_tokens(tokens[:, 0])
+        marks.append(time.perf_counter())
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
             self.spec.propose(st, inp, s_rows, known, batch)
+        marks.append(time.perf_counter())
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device, self._pinned)
+        marks.append(time.perf_counter())
+        self.launch_phases.append((key is None, *((b - a) * 1e3 for a, b in zip(marks, marks[1:]))))
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]

@@ -246,6 +246,8 @@ def test_throughput_job(ray_head, tmp_path):
     # rank 0's host launch per step; on the CPU no decode graph exists, so every step counts apart
     wl = res["worker_launch_ms"]
     assert wl["steps"] > 0 and wl["median"] > 0 and wl["mixed_steps"] == wl["steps"], wl
+    assert wl["phases"]["decode"] == [] and len(wl["phases"]["mixed"]) == 6, wl  # ms by launch phase
+    assert 0 < sum(wl["phases"]["mixed"]) <= wl["mixed_median"] * 2, wl
     base = res["baseline"]
     assert "error" not in base, base
     assert base["num_requests"] == 6 and base["output_tokens_per_second"] > 0

@@ -387,3 +387,13 @@ def test_launch_wait_summary_counts_waits_and_mixed_steps():
     assert (row["launches"], row["waited"], row["max_ms"]) == (6, 2, 30.0)
     assert (row["mixed_launches"], row["mixed_median_ms"], row["decode_median_ms"]) == (3, 4.0, 1.5)
     assert summarize({**run, "launch_ms": [], "mixed_launch_ms": []})["mixed_median_ms"] == 0.0
+
+
+def test_launch_wait_phase_medians():
+    """``benchmarks.launch_wait.phase_medians``: per phase, the decode steps' and the mixed
+    steps' medians apart."""
+    from benchmarks.launch_wait import phase_medians
+
+    run = {"launch_phases_ms": [[False, 1, 2], [True, 10, 20], [False, 3, 4], [False, 5, 0], [True, 30, 40]]}
+    assert phase_medians(run) == {"decode": [3, 2], "mixed": [20, 30]}
+    assert phase_medians({"launch_phases_ms": []}) == {"decode": [], "mixed": []}

@@ -145,3 +145,18 @@ def test_worker_start_up_lines_reach_the_console():
         assert logging.getLogger("workers.cuda_graphs").isEnabledFor(logging.INFO)
     finally:
         log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+def test_launch_phases_split_the_launch(ckpt_dir):
+    """Each sampling launch records its host time by phase (``LAUNCH_PHASES``), flagged mixed
+    when no decode graph fit (every step on the CPU): what ``benchmarks.launch_wait`` and
+    ``benchmarks.throughput`` print to show where a launch's time goes."""
+    from workers.model_runner import LAUNCH_PHASES
+
+    r = _runner(ckpt_dir("llama"))
+    _serve(r)
+    assert len(r.launch_phases) == len(r.launch_ms) == 4
+    for phases, total in zip(r.launch_phases, r.launch_ms):
+        assert phases[0] is True and len(phases) == 1 + len(LAUNCH_PHASES)
+        assert all(ms >= 0 for ms in phases[1:]) and sum(phases[1:]) <= total
+    assert phases[3] > 0  # the forward ran
