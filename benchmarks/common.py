@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -311,3 +312,13 @@ def measure_matmul_rate(dev) -> dict[str, Any]:
         "matmul_method": f"{n}^3 {str(dtype).removeprefix('torch.')} torch matmul, random data, "
         f"mean of {iters} after 3 warm-ups",
     }
+
+
+def phase_medians(run: dict) -> dict[str, list[float]]:
+    """Median ms of each launch phase (``workers.model_runner.LAUNCH_PHASES``), for the decode
+    steps and for the mixed ones (steps no decode graph fits); empty where none ran."""
+    out = {}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        rows = [p[1:] for p in run.get("launch_phases_ms", []) if bool(p[0]) == mixed]
+        out[kind] = [statistics.median(col) for col in zip(*rows)] if rows else []
+    return out

@@ -21,6 +21,7 @@ import json
 import random
 import statistics
 
+from benchmarks.common import phase_medians
 from benchmarks.shapes import resolve_model
 
 MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8")
@@ -121,16 +122,6 @@ def summarize(run: dict) -> dict:
     }
 
 
-def phase_medians(run: dict) -> dict[str, list[float]]:
-    """Median ms of each launch phase (``workers.model_runner.LAUNCH_PHASES``), for the decode
-    steps and for the mixed ones (steps no decode graph fits); empty where none ran."""
-    out = {}
-    for kind, mixed in (("decode", False), ("mixed", True)):
-        rows = [p[1:] for p in run.get("launch_phases_ms", []) if bool(p[0]) == mixed]
-        out[kind] = [statistics.median(col) for col in zip(*rows)] if rows else []
-    return out
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape (default: qwen3-0.6b)")
@@ -166,7 +157,8 @@ def main(argv=None) -> list[dict]:
         rows.append(r)
         print(
             f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
-            f"| {r['decode_median_ms']:.2f} | {r['mixed_launches']} | {r['mixed_median_ms']:.2f} | {r['preemptions']} |",
+            f"| {r['decode_median_ms']:.2f} | {r['mixed_launches']} | {r['mixed_median_ms']:.2f} "
+            f"| {r['preemptions']} |",
             flush=True,
         )
         if args.output:

@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from benchmarks import common
+from benchmarks.common import phase_medians
 from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests, vocab_size_of
 from benchmarks.hf_baseline import hf_available, run_hf, throughput_fields, token_prompts_of
-from benchmarks.launch_wait import phase_medians
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -111,6 +111,7 @@ class RayExecutor:
                     self.max_model_len,
                     self.device_kind,
                     self.layout.tensor_parallel_size,
+                    logger.getEffectiveLevel(),  # the workers log from the driver's level up
                 )
                 for rank in range(world)
             ]
@@ -125,7 +126,9 @@ class RayExecutor:
                 "loaded in %.1f s; KV cache of %d blocks; %s",
                 t1 - t0,
                 self.num_blocks,
-                "capturing CUDA graphs and warming up" if gpu and not self.cfg.enforce_eager else "warming up",
+                "capturing CUDA graphs and warming up"
+                if gpu and not self.cfg.enforce_eager and self.layout.pipeline_parallel_size == 1
+                else "warming up",
             )
             self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout, "allocate the KV cache")
             logger.info("workers warmed up in %.1f s", time.perf_counter() - t1)

@@ -28,16 +28,17 @@ from workers.compile_watch import CompileWatch
 logger = logging.getLogger(__name__)
 
 
-def _show_worker_logs() -> None:
-    """This package's INFO lines (start-up progress: KV sizing, graph captures, warm-up) on
-    the process's stderr, which Ray forwards to the driver's console with the actor's name."""
+def _show_worker_logs(level: int) -> None:
+    """This package's lines from ``level`` up (at INFO: the start-up progress, KV sizing and
+    graph captures) on the process's stderr, which Ray forwards to the driver's console with
+    the actor's name. ``level``: the driver's, so that ``--log-level`` holds for both."""
     log = logging.getLogger("workers")
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
         log.propagate = False
+    log.setLevel(level)
 
 
 def _assigned_gpus() -> list[str]:
@@ -58,8 +59,9 @@ class WorkerActor:
         max_model_len: int,
         device_kind: str = "cpu",
         tp_size: int | None = None,
+        log_level: int = logging.WARNING,
     ):
-        _show_worker_logs()
+        _show_worker_logs(log_level)
         self.platform = select_platform(device_kind)
         self.gpu_ids = _assigned_gpus() if self.platform.ray_resource == "GPU" else []
         self.visibility = self.platform.configure(self.gpu_ids)  # before torch touches the device
@@ -135,9 +137,7 @@ class WorkerActor:
     def clear_launch_times(self) -> None:
         """Forget the recorded launch times (a benchmark's warm-up is not its steady state)."""
         if self.runner is not None:
-            self.runner.launch_ms.clear()
-            self.runner.mixed_launch_ms.clear()
-            self.runner.launch_phases.clear()
+            self.runner.reset_launch_stats()
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this (rank 0) node for ``torch.distributed`` to meet at."""

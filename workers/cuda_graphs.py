@@ -207,8 +207,10 @@ class DecodeGraphs(StaticStepInputs):
             self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode CUDA graphs in %.1f s (%d batch sizes up to %d, length buckets %s, query lengths %s)",
+            "captured %d decode CUDA graphs of %s in %.1f s (%d batch sizes up to %d, length buckets %s, "
+            "query lengths %s)",
             len(self.graphs),
+            "logits" if self.logits else "hidden states (draft model)",
             time.perf_counter() - t0,
             len(self.sizes),
             self.sizes[-1],

@@ -82,7 +82,7 @@ def profile_free_bytes(r) -> int:
         raise RuntimeError(
             f"no memory left for the KV cache: {used / 2**30:.1f} GiB used and {graphs / 2**30:.1f} GiB "
             f"reserved for CUDA graph outputs of {total / 2**30:.1f} GiB; raise gpu_memory_utilization, "
-            "lower max_model_len (fewer graph length buckets) or use a smaller model"
+            "lower max_num_seqs or num_speculative_tokens (the graphs' logits), or use a smaller model"
         )
     return budget
 

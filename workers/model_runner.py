@@ -43,8 +43,10 @@ def check_fp8_device(model, kv_dtype: torch.dtype, device: torch.device) -> None
         )
 
 
-# a launch's host time, split: releasing and placing requests, the step's inputs, the forward
-# (graph replay or eager), sampling or verification with the commit, the next drafts, the copy
+# a launch's host time, split: releasing and placing requests; the step's inputs; the forward
+# (a graph's input copies and replay, or eager) and the lengths' update; sampling or
+# verification with the commit; the next drafts; the result's copy (0 for the last three
+# where the step samples no row)
 LAUNCH_PHASES = ("place", "inputs", "forward", "sample", "propose", "copy")
 
 
@@ -109,7 +111,7 @@ class ModelRunner:
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
         self.mixed_launch_ms: collections.deque = collections.deque(maxlen=4096)  # ... of steps no decode graph fits
-        # (mixed step?, ms of each of LAUNCH_PHASES) of the launches that sample: where the host time goes
+        # (mixed step?, ms of each of LAUNCH_PHASES) a launch with rows: where the host time goes
         self.launch_phases: collections.deque = collections.deque(maxlen=4096)
         self._decode_graph_step = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
@@ -185,8 +187,7 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
-        if self.graphs is not None:
-            self.graphs.buckets_replayed.clear()  # the stats count serving steps only
+        self.reset_launch_stats()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage
             self._warm_eager_decode()
@@ -364,6 +365,16 @@ class ModelRunner:
                 self.mixed_launch_ms.append(pending.launch_s * 1e3)
         return pending
 
+    def reset_launch_stats(self) -> None:
+        """Forget the launch times and graph replays so far (the warm-up's, a benchmark's warm-up)."""
+        for times in (self.launch_ms, self.mixed_launch_ms, self.launch_phases):
+            times.clear()
+        if self.graphs is not None:
+            self.graphs.replays = 0
+            self.graphs.buckets_replayed.clear()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.replays = 0
+
     def arm_launch_probe(self) -> None:
         """``launch_wait_probe_ms``: calibrate ``torch.cuda._sleep``'s cycles per ms once,
         before serving (a deliberate wait)."""
@@ -422,11 +433,12 @@ class ModelRunner:
         seq_lens = inp.seq_lens  # (without a padded verify step's padding)
         self.padded_steps += inp.pads is not None
         st.num_computed[inp.rows] = seq_lens
-        if not inp.handles:
+        marks.append(time.perf_counter())
+        if not inp.handles:  # a prefill chunk short of its prompt's end: nothing to sample
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
+            self.launch_phases.append((key is None, *((b - a) * 1e3 for a, b in zip(marks, marks[1:])), 0.0, 0.0, 0.0))
             return PendingStep(plan.step_id, self.tp.rank, t0)
-        marks.append(time.perf_counter())
         s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device

@@ -392,7 +392,7 @@ def test_launch_wait_summary_counts_waits_and_mixed_steps():
 def test_launch_wait_phase_medians():
     """``benchmarks.launch_wait.phase_medians``: per phase, the decode steps' and the mixed
     steps' medians apart."""
-    from benchmarks.launch_wait import phase_medians
+    from benchmarks.common import phase_medians
 
     run = {"launch_phases_ms": [[False, 1, 2], [True, 10, 20], [False, 3, 4], [False, 5, 0], [True, 30, 40]]}
     assert phase_medians(run) == {"decode": [3, 2], "mixed": [20, 30]}

@@ -72,4 +72,3 @@ def test_borrowed_view_aliases_without_owning():
     t[2, 3] = -1.0  # the graph writes on replay: the view sees it
     assert v[2, 3] == -1.0
     assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) == use  # no new owner
-

@@ -130,7 +130,8 @@ def test_spec_kernel_warm_up_covers_a_padded_logits_stride(ckpt_dir, monkeypatch
 
 def test_worker_start_up_lines_reach_the_console():
     """A worker actor's start-up progress (KV sizing, graph captures: ``workers.*`` INFO lines)
-    goes to its stderr, which Ray forwards to the driver; set up once per process."""
+    goes to its stderr, which Ray forwards to the driver, from the driver's level up; one
+    handler per process."""
     import logging
 
     from workers.actor import _show_worker_logs
@@ -139,10 +140,12 @@ def test_worker_start_up_lines_reach_the_console():
     saved = log.handlers[:], log.level, log.propagate
     log.handlers[:] = []
     try:
-        _show_worker_logs()
-        _show_worker_logs()
+        _show_worker_logs(logging.INFO)
+        _show_worker_logs(logging.INFO)
         assert len(log.handlers) == 1 and log.getEffectiveLevel() == logging.INFO and not log.propagate
         assert logging.getLogger("workers.cuda_graphs").isEnabledFor(logging.INFO)
+        _show_worker_logs(logging.WARNING)  # cluster.serve --log-level warning
+        assert not logging.getLogger("workers.cuda_graphs").isEnabledFor(logging.INFO)
     finally:
         log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
 
