@@ -25,6 +25,7 @@ import logging
 import torch
 
 from kernels.spec_ops import draft_sample, draft_step_inputs
+from workers.cuda_graphs import capture_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +83,13 @@ class ProposeGraphs:
         self.temperature.zero_()
         d.slots.fill_(-1)
         d.seq_lens.fill_(self.window_len)
-        for bound in d.buckets:
-            if bound < self.window_len:
-                continue
-            for b in reversed(d.sizes):
-                self.static_propose(b, bound)  # warm-up: JIT-compile outside capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=d.pool):
-                    self.static_propose(b, bound)
-                self.graphs[(b, bound)] = g
+        for b, bound, _ in capture_shapes(d.sizes, d.buckets, (self.window_len,)):
+            self.static_propose(b, bound)  # warm-up: JIT-compile outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=d.pool):
+                self.static_propose(b, bound)
+            self.graphs[(b, bound)] = g
         torch.cuda.synchronize()
         logger.info("captured %d draft proposal CUDA graphs", len(self.graphs))
 

@@ -93,17 +93,17 @@ def graph_output_bytes(r) -> int:
     the decode graphs' largest logits (the others share its memory), the draft's decode
     graphs' hidden states and the mixed-step graphs' hidden states, which the profiling
     forward does not allocate."""
-    if r.device.type != "cuda" or r.cfg.enforce_eager or r.pp is not None:
+    if not r.captures_graphs():
         return 0
     sched = r.cfg.scheduler
-    k = r.cfg.speculative.num_speculative_tokens if r.spec is not None else 0
-    vocab = -(-r.arch.vocab_size // r.tp.size) * r.tp.size  # the gathered logits' padded row
+    target_q, draft_q = r.graph_query_lens()
+    logits_row = r.model.lm_head.padded_vocab * 4  # fp32 logits, gathered over the TP ranks
     elt = torch.empty(0, dtype=r.dtype).element_size()
     max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, r.max_model_len)
-    total = decode_graph_output_bytes(sched.max_num_seqs, r.max_model_len, (1, 1 + k) if k else (1,), vocab * 4, True)
+    total = decode_graph_output_bytes(sched.max_num_seqs, r.max_model_len, target_q, logits_row, True)
     total += mixed_graph_output_bytes(max_tokens, r.arch.hidden_size * elt)
     if r.spec is not None and r.spec.draft_model is not None:
         draft_row = r.spec.draft_arch.hidden_size * elt
-        total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, (1, k + 2), draft_row, False)
+        total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, draft_q, draft_row, False)
         total += mixed_graph_output_bytes(max_tokens + sched.max_num_seqs, draft_row)
     return total

@@ -275,10 +275,19 @@ class ModelRunner:
             self.execute(plan)
         self._last_end_ev = None  # the first real step's device-idle gap starts with it
 
-    def capture_cuda_graphs(self) -> None:
-        if self.device.type != "cuda" or self.cfg.enforce_eager or self.pp is not None:
-            return  # a pipeline stage runs eagerly: its graphs would need the transfers inside
+    def captures_graphs(self) -> bool:
+        """Whether ``capture_cuda_graphs`` captures (a pipeline stage would need its transfers inside)."""
+        return self.device.type == "cuda" and not self.cfg.enforce_eager and self.pp is None
+
+    def graph_query_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Decode graphs' query lengths: the target's (decode, k-draft verify), the draft's (1, k + 2)."""
         k = self.cfg.speculative.num_speculative_tokens if self.spec is not None else 0
+        return ((1, 1 + k) if k else (1,)), (1, k + 2)
+
+    def capture_cuda_graphs(self) -> None:
+        if not self.captures_graphs():
+            return
+        target_q, draft_q = self.graph_query_lens()
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -288,11 +297,10 @@ class ModelRunner:
             self.max_blocks_per_req,
             self.device,
             self.bounds_are_exact,
-            query_lens=(1, 1 + k) if k else (1,),
+            query_lens=target_q,
         )
         self.graphs.capture()
         if self.spec is not None and self.spec.draft_model is not None:
-            # the draft replays (k + 2)-token windows and then feeds single drafts back
             self.spec.proposer.graphs = DecodeGraphs(
                 self.spec.draft_model,
                 self.spec.proposer.kv_caches,
@@ -302,7 +310,7 @@ class ModelRunner:
                 self.max_blocks_per_req,
                 self.device,
                 self.bounds_are_exact,
-                query_lens=(1, k + 2),
+                query_lens=draft_q,
                 logits=False,
             )
             self.spec.proposer.graphs.capture()
@@ -310,7 +318,7 @@ class ModelRunner:
 
             proposer = self.spec.proposer
             proposer.propose_graphs = ProposeGraphs(
-                proposer, proposer.graphs, self.state.token_ids, self.state.ensure_draft_probs(k)
+                proposer, proposer.graphs, self.state.token_ids, self.state.ensure_draft_probs(self.spec.k)
             )
             proposer.propose_graphs.capture()
         self._capture_mixed()
@@ -437,7 +445,7 @@ class ModelRunner:
         if not inp.handles:  # a prefill chunk short of its prompt's end: nothing to sample
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
-            self.launch_phases.append((key is None, *((b - a) * 1e3 for a, b in zip(marks, marks[1:])), 0.0, 0.0, 0.0))
+            self._record_phases(key is None, marks)
             return PendingStep(plan.step_id, self.tp.rank, t0)
         s_rows, s_pos = sampling_rows(inp, seq_lens)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
@@ -456,11 +464,16 @@ class ModelRunner:
         pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
         pending.start_copy(self.device, self._pinned)
         marks.append(time.perf_counter())
-        self.launch_phases.append((key is None, *((b - a) * 1e3 for a, b in zip(marks, marks[1:]))))
+        self._record_phases(key is None, marks)
         if start_ev is not None:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
         return pending
+
+    def _record_phases(self, mixed: bool, marks: list[float]) -> None:
+        """``LAUNCH_PHASES``' ms from their boundaries (the phases past the last mark: 0)."""
+        marks = marks + [marks[-1]] * (len(LAUNCH_PHASES) + 1 - len(marks))
+        self.launch_phases.append((mixed, *((b - a) * 1e3 for a, b in zip(marks, marks[1:]))))
 
     @staticmethod
     def _commit_tokens(st, s_rows, pos, tokens, count: bool = True) -> None:
