@@ -285,76 +285,10 @@ class ModelRunner:
         return ((1, 1 + k) if k else (1,)), (1, k + 2)
 
     def capture_cuda_graphs(self) -> None:
-        if not self.captures_graphs():
-            return
-        target_q, draft_q = self.graph_query_lens()
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv_caches,
-            self.cfg.scheduler.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
-            self.max_blocks_per_req,
-            self.device,
-            self.bounds_are_exact,
-            query_lens=target_q,
-        )
-        self.graphs.capture()
-        if self.spec is not None and self.spec.draft_model is not None:
-            self.spec.proposer.graphs = DecodeGraphs(
-                self.spec.draft_model,
-                self.spec.proposer.kv_caches,
-                self.cfg.scheduler.max_num_seqs,
-                self.spec.max_position,
-                self.block_size,
-                self.max_blocks_per_req,
-                self.device,
-                self.bounds_are_exact,
-                query_lens=draft_q,
-                logits=False,
-            )
-            self.spec.proposer.graphs.capture()
-            from workers.draft_graphs import ProposeGraphs
+        """The decode, proposal and mixed-step CUDA graphs (``workers.graph_capture``)."""
+        from workers.graph_capture import capture_cuda_graphs
 
-            proposer = self.spec.proposer
-            proposer.propose_graphs = ProposeGraphs(
-                proposer, proposer.graphs, self.state.token_ids, self.state.ensure_draft_probs(self.spec.k)
-            )
-            proposer.propose_graphs.capture()
-        self._capture_mixed()
-
-    def _capture_mixed(self) -> None:
-        """Whole-forward graphs per token bucket (``workers.mixed_graphs``) for the steps the
-        decode graphs do not cover: prefill, mixed and uneven speculative steps, of the model
-        and the draft."""
-        from workers.mixed_graphs import MixedGraphs, max_step_tokens
-
-        sched = self.cfg.scheduler
-        max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
-        common = dict(max_blocks=self.max_blocks_per_req, device=self.device, bounds_are_exact=self.bounds_are_exact)
-        self.mixed_graphs = MixedGraphs(
-            self.model,
-            self.kv_caches,
-            max_tokens,
-            sched.max_num_seqs,
-            self.max_model_len,
-            pool=self.graphs.pool if self.graphs is not None else None,
-            **common,
-        )
-        self.mixed_graphs.capture()
-        if self.spec is not None and self.spec.draft_model is not None:
-            # the draft's window adds each sampling row's newest token to the step's tokens
-            proposer = self.spec.proposer
-            proposer.mixed_graphs = MixedGraphs(
-                self.spec.draft_model,
-                proposer.kv_caches,
-                max_tokens + sched.max_num_seqs,
-                sched.max_num_seqs,
-                self.spec.max_position,
-                pool=proposer.graphs.pool if proposer.graphs is not None else None,
-                **common,
-            )
-            proposer.mixed_graphs.capture()
+        capture_cuda_graphs(self)
 
     # ------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
