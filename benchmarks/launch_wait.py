@@ -91,12 +91,14 @@ def run_mode(
         launches = [ms for s in stats for ms in s["launch_ms"]]
         mixed = [ms for s in stats for ms in s["mixed_launch_ms"]]
         phases = [p for s in stats for p in s["launch_phases_ms"]]
+        allocs = [a for s in stats for a in s["launch_allocs"]]
         return {
             "mode": mode,
             "wait_ms": wait_ms,
             "launch_ms": launches,
             "mixed_launch_ms": mixed,
             "launch_phases_ms": phases,
+            "launch_allocs": allocs,
             "preemptions": llm.engine.scheduler.num_preemptions,
             "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
         }
@@ -119,7 +121,19 @@ def summarize(run: dict) -> dict:
         "max_ms": max(ls) if ls else 0.0,
         "preemptions": run["preemptions"],
         "mixed_graph_replays": run["mixed_graph_replays"],
+        **allocations(run.get("launch_allocs", [])),
     }
+
+
+def allocations(allocs: list) -> dict:
+    """Pinned host blocks and device segments the launches created (each a ``cudaHostAlloc`` or
+    ``cudaMalloc`` on the launch's path), summed over decode and over mixed launches."""
+    out = {}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        rows = [a for a in allocs if bool(a[0]) == mixed]
+        out[f"{kind}_pinned_allocs"] = sum(a[1] for a in rows)
+        out[f"{kind}_device_allocs"] = sum(a[2] for a in rows)
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -146,10 +160,10 @@ def main(argv=None) -> list[dict]:
     model, fmt = resolve_model(args.model, None if args.model else args.shape)
     print(
         f"| mode | launches | waited (> {args.wait_ms / 4:g} ms) | median ms | max ms | decode median ms "
-        "| mixed-step launches | their median ms | preemptions |",
+        "| mixed-step launches | their median ms | preemptions | pinned / device allocations (decode; mixed) |",
         flush=True,
     )
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     runs, rows = [], []
     for mode in modes:  # a row as each mode ends: a long run shows its progress
         runs.append(run_mode(mode, model, fmt, args.wait_ms, sync_check=args.sync_check))
@@ -158,7 +172,8 @@ def main(argv=None) -> list[dict]:
         print(
             f"| {r['mode']} | {r['launches']} | {r['waited']} | {r['median_ms']:.2f} | {r['max_ms']:.1f} "
             f"| {r['decode_median_ms']:.2f} | {r['mixed_launches']} | {r['mixed_median_ms']:.2f} "
-            f"| {r['preemptions']} |",
+            f"| {r['preemptions']} | {r['decode_pinned_allocs']} / {r['decode_device_allocs']}; "
+            f"{r['mixed_pinned_allocs']} / {r['mixed_device_allocs']} |",
             flush=True,
         )
         if args.output:

@@ -43,6 +43,15 @@ def check_fp8_device(model, kv_dtype: torch.dtype, device: torch.device) -> None
         )
 
 
+def allocator_counts() -> tuple[int, int]:
+    """(pinned host blocks, device segments) the caching allocators have created so far: a
+    launch that grows either pays a ``cudaHostAlloc`` or ``cudaMalloc`` (diagnostics only:
+    reading the counters costs the host tens of microseconds)."""
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)  # (torch 2.7+)
+    host = host_stats().get("num_host_alloc", 0) if host_stats is not None else 0
+    return host, torch.cuda.memory_stats().get("num_device_alloc", 0)
+
+
 # a launch's host time, split: releasing and placing requests; the step's inputs; the forward
 # (a graph's input copies and replay, or eager) and the lengths' update; sampling or
 # verification with the commit; the next drafts; the result's copy (0 for the last three
@@ -115,6 +124,8 @@ class ModelRunner:
         self.launch_phases: collections.deque = collections.deque(maxlen=4096)
         self._decode_graph_step = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
+        # with the probe armed, (mixed step?, pinned host blocks, device segments) a launch created
+        self.launch_allocs: collections.deque = collections.deque(maxlen=4096)
         self._last_end_ev = None
         self._pinned = PinnedPool()
 
@@ -296,8 +307,10 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> PendingStep:
         """Apply the plan and enqueue the step's device work; returns without waiting."""
+        allocs = None
         if self._probe_cycles and plan.rows:  # diagnostics: the device is busy for a while
             torch.cuda._sleep(self._probe_cycles)
+            allocs = allocator_counts()
         t0 = time.perf_counter()
         pending = self._enqueue(plan, t0)
         pending.launch_s = time.perf_counter() - t0
@@ -305,11 +318,14 @@ class ModelRunner:
             self.launch_ms.append(pending.launch_s * 1e3)
             if not self._decode_graph_step:
                 self.mixed_launch_ms.append(pending.launch_s * 1e3)
+        if allocs is not None:  # (counted outside the launch's timing)
+            grown = (a - b for a, b in zip(allocator_counts(), allocs))
+            self.launch_allocs.append((not self._decode_graph_step, *grown))
         return pending
 
     def reset_launch_stats(self) -> None:
         """Forget the launch times and graph replays so far (the warm-up's, a benchmark's warm-up)."""
-        for times in (self.launch_ms, self.mixed_launch_ms, self.launch_phases):
+        for times in (self.launch_ms, self.mixed_launch_ms, self.launch_phases, self.launch_allocs):
             times.clear()
         if self.graphs is not None:
             self.graphs.replays = 0

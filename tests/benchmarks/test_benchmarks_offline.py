@@ -389,6 +389,22 @@ def test_launch_wait_summary_counts_waits_and_mixed_steps():
     assert summarize({**run, "launch_ms": [], "mixed_launch_ms": []})["mixed_median_ms"] == 0.0
 
 
+def test_launch_wait_counts_allocations_by_step_kind():
+    """``benchmarks.launch_wait.allocations``: the pinned host blocks and device segments the
+    launches created, decode and mixed launches apart (a run without the counters: zeros)."""
+    from benchmarks.launch_wait import allocations, summarize
+
+    allocs = [[False, 0, 1], [True, 2, 0], [True, 1, 3], [False, 4, 0]]
+    assert allocations(allocs) == {
+        "decode_pinned_allocs": 4,
+        "decode_device_allocs": 1,
+        "mixed_pinned_allocs": 3,
+        "mixed_device_allocs": 3,
+    }
+    run = {"mode": "async", "wait_ms": 100.0, "launch_ms": [1.0], "mixed_launch_ms": [], "preemptions": 0}
+    assert summarize({**run, "mixed_graph_replays": 0})["mixed_pinned_allocs"] == 0
+
+
 def test_launch_wait_phase_medians():
     """``benchmarks.launch_wait.phase_medians``: per phase, the decode steps' and the mixed
     steps' medians apart."""
