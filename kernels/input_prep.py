@@ -1,9 +1,10 @@
 """Triton step-input preparation: one launch for what a step derives on the device.
 
-A step's host part knows only schedule-time values (rows, query lengths, each
-token's request and offset in it, block capacities, block tables); the exact
-starts live on the device (``num_computed``). From them every token needs its
-position, input id and KV slot, every request its ``seq_len`` and query start.
+A step's host part knows only schedule-time values (rows, query lengths and
+their prefix sums, block capacities, block tables): O(requests) ints, none per
+token. The exact starts live on the device (``num_computed``). From them every
+token needs its request (a binary search over the query starts), position, input
+id and KV slot, every request its ``seq_len`` and query start.
 In torch that is about twenty small element-wise and gather launches, each a
 host launch of several microseconds: at batch 1 the decode step's host work, not
 the GPU, set the pace (docs/decisions.md). Here one program per
@@ -22,12 +23,11 @@ from kernels import pdl, reference
 from kernels.pdl import wait_and_release
 
 
-@triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_blk", "stride_tok", "stride_bt", "max_pos"])
+@triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_iter", "n_blk", "stride_tok", "stride_bt", "max_pos"])
 def _prepare_inputs_kernel(
     starts_ptr,
     rows_ptr,
-    token_req_ptr,
-    offsets_ptr,
+    qsl_in_ptr,
     q_lens_ptr,
     capacity_ptr,
     token_ids_ptr,
@@ -39,6 +39,7 @@ def _prepare_inputs_kernel(
     qsl_ptr,
     n_tokens,
     n_reqs,
+    n_iter,
     n_blk,
     stride_tok,
     stride_bt,
@@ -51,8 +52,19 @@ def _prepare_inputs_kernel(
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_tokens
     wait_and_release(USE_PDL)
-    r = tl.load(token_req_ptr + t, mask=ok, other=0)
-    off = tl.load(offsets_ptr + t, mask=ok, other=0)
+    # token t's request r: the last with qsl_in[r] <= t, found by bisection keeping
+    # qsl_in[lo] <= t < qsl_in[hi] (qsl_in[n_reqs] = n_tokens). Every request has a token, so
+    # t - (n_tokens - n_reqs) <= r <= t: the bounds span at most n_tokens - n_reqs + 1
+    # requests (one, no search, in a uniform decode) and n_iter halvings leave hi = lo + 1
+    lo = tl.maximum(t - (n_tokens - n_reqs), 0).to(tl.int32)  # (one type through the loop)
+    hi = tl.minimum(t + 1, n_reqs).to(tl.int32)
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2  # lo < mid < hi while hi - lo > 1, then mid = lo: in range
+        below = tl.load(qsl_in_ptr + mid, mask=ok, other=0) <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    r = lo
+    off = t - tl.load(qsl_in_ptr + r, mask=ok, other=0)
     row = tl.load(rows_ptr + r, mask=ok, other=0)
     # STARTS_BY_ROW: starts_ptr is the per-row num_computed, indexed by the device row
     pos = tl.load(starts_ptr + (row if STARTS_BY_ROW else r), mask=ok, other=0).to(tl.int64) + off
@@ -74,8 +86,8 @@ def _prepare_inputs_kernel(
 def prepare_inputs_triton(
     starts,
     rows,
-    token_req,
-    offsets,
+    qsl,
+    n_tokens: int,
     q_lens,
     capacity,
     token_ids,
@@ -88,14 +100,17 @@ def prepare_inputs_triton(
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
     gives the first four (contiguous, those shapes and dtypes) to write into. ``starts``
-    None: request ``r`` starts at ``num_computed[rows[r]]``."""
+    None: request ``r`` starts at ``num_computed[rows[r]]``. ``qsl`` (the requests' query
+    starts, [R + 1]) must be strictly increasing: every request has a token."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
             raise ValueError("prepare_inputs: give starts or num_computed")
         starts = num_computed
-    n_tokens, n_reqs = token_req.shape[0], rows.shape[0]
-    dev = token_req.device
+    n_reqs = rows.shape[0]
+    dev = qsl.device
+    if qsl.shape != (n_reqs + 1,):
+        raise ValueError(f"prepare_inputs: qsl of {n_reqs} requests has shape {tuple(qsl.shape)}")
     if out is not None:
         positions, input_ids, seq_lens, slots = out
         for t, n, dt in (
@@ -114,16 +129,15 @@ def prepare_inputs_triton(
         input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
-    qsl = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
+    qsl_out = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
     if n_tokens == 0:
-        qsl.zero_()
-        return positions, input_ids, seq_lens, slots, qsl
+        qsl_out.zero_()
+        return positions, input_ids, seq_lens, slots, qsl_out
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
     _prepare_inputs_kernel[(triton.cdiv(n_tokens, block),)](
         starts,
         rows,
-        token_req,
-        offsets,
+        qsl,
         q_lens,
         capacity,
         token_ids,
@@ -132,9 +146,10 @@ def prepare_inputs_triton(
         input_ids,
         seq_lens,
         slots,
-        qsl,
+        qsl_out,
         n_tokens,
         n_reqs,
+        (min(n_reqs, n_tokens - n_reqs + 1) - 1).bit_length(),  # the search's halvings
         block_table.shape[1],
         token_ids.stride(0),
         block_table.stride(0),
@@ -143,16 +158,16 @@ def prepare_inputs_triton(
         BLOCK=block,
         STARTS_BY_ROW=by_row,
         num_warps=4,
-        **pdl.launch_kwargs(token_req),
+        **pdl.launch_kwargs(qsl),
     )
-    return positions, input_ids, seq_lens, slots, qsl
+    return positions, input_ids, seq_lens, slots, qsl_out
 
 
 def prepare_inputs(
     starts,
     rows,
-    token_req,
-    offsets,
+    qsl,
+    n_tokens: int,
     q_lens,
     capacity,
     token_ids,
@@ -163,19 +178,21 @@ def prepare_inputs(
     num_computed=None,
 ):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
-    one Triton launch on CUDA instead of about twenty torch launches. The kernel derives
-    each request's ``seq_len`` and query start from its tokens, so a request without query
+    one Triton launch on CUDA instead of about twenty torch launches. ``qsl``: the requests'
+    query starts (int64 [R + 1]), ``n_tokens`` its last entry as a host int (no device read).
+    The kernel finds each token's request by a binary search over ``qsl`` and derives each
+    request's ``seq_len`` and query start from its tokens, so a request without query
     tokens (``every_request_has_tokens=False``, a host-known fact) takes the reference.
     ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
     static inputs, so a replay needs no copies); the results are those tensors.
     ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
     no gather launch)."""
-    if token_req.is_cuda and every_request_has_tokens:
+    if qsl.is_cuda and every_request_has_tokens:
         return prepare_inputs_triton(
             starts,
             rows,
-            token_req,
-            offsets,
+            qsl,
+            n_tokens,
             q_lens,
             capacity,
             token_ids,
@@ -187,7 +204,7 @@ def prepare_inputs(
     if starts is None:
         starts = num_computed[rows]
     res = reference.prepare_inputs_reference(
-        starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size
+        starts, rows, qsl, n_tokens, q_lens, capacity, token_ids, block_table, block_size
     )
     if out is None:
         return res

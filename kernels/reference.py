@@ -318,15 +318,22 @@ def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positio
 
 
 def prepare_inputs_reference(
-    starts, rows, token_req, offsets, q_lens, capacity, token_ids, block_table, block_size: int
+    starts, rows, qsl, n_tokens: int, q_lens, capacity, token_ids, block_table, block_size: int
 ):
-    """A step's device-derived inputs. Token ``t`` belongs to request ``token_req[t]`` at
-    ``offsets[t]`` within its window, which starts at position ``starts[r]`` (device);
-    its input id comes from ``token_ids[rows[r]]``, its KV slot from ``block_table[r]``
-    (-1 at or past ``capacity[r]``: never written). A request may have no tokens.
-    Returns positions, input_ids, seq_lens (int32), slot_mapping, query_start_loc (int32)."""
+    """A step's device-derived inputs. Request ``r``'s tokens are ``qsl[r] .. qsl[r + 1] - 1``
+    (``qsl``: the query starts, [R + 1]; ``n_tokens``: ``qsl[R]`` as a host int); token
+    ``t`` of them sits at ``t - qsl[r]`` within its window, which starts at position
+    ``starts[r]`` (device); its input id comes from ``token_ids[rows[r]]``, its KV slot from
+    ``block_table[r]`` (-1 at or past ``capacity[r]``: never written). A request may have
+    no tokens. Returns positions, input_ids, seq_lens (int32), slot_mapping,
+    query_start_loc (int32)."""
     n_blk = block_table.shape[1]
     starts = starts.long()
+    # (output_size: no device read of the total)
+    token_req = torch.repeat_interleave(
+        torch.arange(q_lens.shape[0], device=q_lens.device), q_lens, output_size=n_tokens
+    )
+    offsets = torch.arange(n_tokens, device=q_lens.device) - qsl.long()[token_req]
     positions = starts[token_req] + offsets
     input_ids = token_ids[rows[token_req], positions.clamp(max=token_ids.shape[1] - 1)]
     seq_lens = (starts + q_lens).int()

@@ -9,6 +9,8 @@ parameters.
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from metadata.wire import NewRequest, SamplingOptions
@@ -19,6 +21,22 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def int64_tensor(*parts) -> torch.Tensor:
+    """The ints of ``parts`` (lists or other int iterables), concatenated, as an int64 CPU
+    tensor: built through an ``array.array``, about 4x faster than ``torch.tensor(list)``.
+    The tensor shares the array's memory and holds a reference to it (``torch.frombuffer``);
+    nothing else sees the array."""
+    a = array.array("q")
+    for p in parts:
+        if type(p) is list:
+            a.fromlist(p)  # (one resize: faster than extend)
+        else:
+            a.extend(p)
+    if not a:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(a, dtype=torch.int64)
 
 
 def has_penalties(o: SamplingOptions) -> bool:
@@ -106,7 +124,7 @@ class DeviceState:
             rows += [row] * n
             cols += range(start, start + n)
         if toks:
-            d = to_device(torch.tensor([toks, rows, cols], dtype=torch.int64), self.device)
+            d = to_device(int64_tensor(toks, rows, cols).view(3, -1), self.device)
             self.token_ids.index_put_((d[1], d[2]), d[0])
 
     # ----------------------------------------------------------- lifecycle
@@ -146,15 +164,20 @@ class DeviceState:
             b_col += range(nb)
             self.num_blocks_cpu[row] = nb
         if b_ids:  # host block tables: one indexed write
-            b = torch.tensor([b_ids, b_row, b_col], dtype=torch.int64)
+            b = int64_tensor(b_ids, b_row, b_col).view(3, -1)
             self.block_table_cpu.index_put_((b[1], b[2]), b[0].to(torch.int32))
-        # every prompt token, then every output token (one list conversion); their rows and
-        # columns from host tensor ops, not per-token Python lists
-        tokens = [x for req in reqs for x in req.prompt_token_ids] + [x for req in reqs for x in req.output_token_ids]
-        plen = torch.tensor([len(req.prompt_token_ids) for req in reqs], dtype=torch.int64)
-        olen = torch.tensor([len(req.output_token_ids) for req in reqs], dtype=torch.int64)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        n, tp, t = len(reqs), int(plen.sum()), len(tokens)
+        # every prompt token, then every output token (one array, no per-token Python); their
+        # rows and columns from host tensor ops, not per-token Python lists
+        tokens = int64_tensor(*[req.prompt_token_ids for req in reqs], *[req.output_token_ids for req in reqs])
+        per_req = int64_tensor(
+            [len(req.prompt_token_ids) for req in reqs],
+            [len(req.output_token_ids) for req in reqs],
+            rows,
+            [req.num_cached_tokens for req in reqs],
+        )
+        n, t = len(reqs), tokens.numel()
+        plen, olen, rows_t, cached = per_req.split(n)
+        tp = int(plen.sum())
 
         def rows_cols(lens: torch.Tensor, first_col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             start = (lens.cumsum(0) - lens).repeat_interleave(lens)
@@ -163,8 +186,7 @@ class DeviceState:
 
         p_row, p_col = rows_cols(plen, torch.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
-        cached = torch.tensor([req.num_cached_tokens for req in reqs], dtype=torch.int64)
-        packed = torch.cat([torch.tensor(tokens, dtype=torch.int64), p_row, o_row, p_col, o_col, rows_t, cached, plen])
+        packed = torch.cat([tokens, p_row, o_row, p_col, o_col, rows_t, cached, plen])
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, vals = dev.split([t, t, t, n, 2 * n])
         # stale rows: whole-row clears, then this placement's writes

@@ -20,7 +20,9 @@ import torch
 from kernels.input_prep import prepare_inputs
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
-from workers.device_state import DeviceState, to_device
+from workers.device_state import DeviceState, int64_tensor, to_device
+
+_PAD = [0]  # one int64 word: rounds an odd-length segment up to 16 bytes
 
 
 @dataclass
@@ -54,10 +56,10 @@ def build_window(
     allocated blocks are -1 (skipped), so lookahead writes can never touch another row's KV.
 
     Everything host-made travels in ONE pinned copy (each copy costs the host tens of us):
-    the window's lengths, ``packed_extra`` (returned on the device), the block table when
-    not given (its int32 rows reinterpreted as int64 words, so no cast kernel), and the
-    device ``rows`` when given as None. ``starts`` None: the rows' ``num_computed``, read by
-    the input kernel itself.
+    the window's lengths and query starts (nothing per token), ``packed_extra`` (returned
+    on the device), the block table when not given (its int32 rows reinterpreted as int64
+    words, so no cast kernel), and the device ``rows`` when given as None. ``starts`` None:
+    the rows' ``num_computed``, read by the input kernel itself.
     ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
     CUDA graph's static inputs). ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
@@ -68,9 +70,8 @@ def build_window(
     qsl = [0, *accumulate(q_lens)]
     n_tokens = qsl[-1]
     max_ub = max(ubs)
-    token_req = [r for r, q in enumerate(q_lens) for _ in range(q)]
-    offsets = [i for q in q_lens for i in range(q)]
-    lists = [q_lens, token_req, offsets]
+    # the query starts, not per-token lists: the input kernel finds each token's request
+    lists = [q_lens, qsl]
     if capacity is None:
         lists.append([st.num_blocks_cpu[r] * bs for r in rows_cpu])
     extra = list(packed_extra or [])
@@ -80,15 +81,15 @@ def build_window(
     # every segment starts on a 16-byte boundary (an even count of int64 words): Triton
     # specialises a kernel on each pointer's 16-byte alignment, so segments whose offsets
     # followed the batch's parity compiled new kernel variants mid-serving
-    ints, sizes, keep = [], [], []
+    chunks, sizes, keep = [], [], []
     for part in lists + extra:
-        ints.extend(part)
+        chunks.append(part)
         keep.append(len(sizes))
         sizes.append(len(part))
         if len(part) & 1:
-            ints.append(0)
+            chunks.append(_PAD)
             sizes.append(1)
-    parts = [torch.tensor(ints, dtype=torch.int64)]
+    parts = [int64_tensor(*chunks)]
     n_blk = table_blocks if table_blocks is not None else (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
     if block_table is None:
@@ -101,9 +102,9 @@ def build_window(
     packed = to_device(torch.cat(parts) if len(parts) > 1 else parts[0], dev)
     views = torch.split(packed, sizes)
     split = [views[i] for i in keep]  # the segments, without their pads
-    q_lens_d, token_req_d, offsets_d = split[:3]
+    q_lens_d, qsl_in = split[:2]
     if capacity is None:
-        capacity = split[3]
+        capacity = split[2]
     back = split[n_own : n_own + n_extra]
     if rows is None:
         rows = split[n_own + n_extra]
@@ -112,8 +113,8 @@ def build_window(
     positions, input_ids, seq_lens, slot_mapping, qsl_d = prepare_inputs(
         starts,
         rows,
-        token_req_d,
-        offsets_d,
+        qsl_in,
+        n_tokens,
         q_lens_d,
         capacity,
         st.token_ids,

@@ -81,7 +81,10 @@ def test_skinny_linear_in_cuda_graph():
         assert rel_err(out, reference_fp64(xs, w, kw)[0]) < 1e-2
 
 
-@pytest.mark.parametrize("q_lens,short", [([1], False), ([1] * 64, False), ([3, 1, 17, 5], True)])
+@pytest.mark.parametrize(
+    "q_lens,short",
+    [([1], False), ([1] * 64, False), ([3, 1, 17, 5], True), ([1, 1, 5, 1, 2, 1, 9] * 5 + [3, 1], False)],
+)
 def test_prepare_inputs_matches_reference(q_lens, short):
     from kernels import reference as ref
     from kernels.input_prep import prepare_inputs_triton

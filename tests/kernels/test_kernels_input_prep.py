@@ -24,15 +24,20 @@ def make_case(q_lens, bs=4, seed=0, width_slack=3, short_capacity=False):
     starts = torch.randint(0, 40, (n,), generator=g, dtype=torch.int32)
     token_ids = torch.randint(0, 1000, (max_rows, max_len + 1), generator=g)
     q = torch.tensor(q_lens)
-    token_req = torch.repeat_interleave(torch.arange(n), q)
     qsl = torch.zeros(n + 1, dtype=torch.int64)
     qsl[1:] = q.cumsum(0)
-    offsets = torch.arange(int(qsl[-1])) - qsl[:-1][token_req]
     n_blk = (int((starts.long() + q).max()) + bs - 1) // bs
     wide = torch.randperm(n * (n_blk + width_slack) + 7, generator=g)[: n * (n_blk + width_slack)]
     block_table = wide.view(n, n_blk + width_slack).to(torch.int32)[:, :n_blk]
     capacity = (starts.long() + q) if not short_capacity else (starts.long() + q - 2).clamp(min=0)
-    return (starts, rows, token_req, offsets, q, capacity, token_ids, block_table, bs)
+    return (starts, rows, qsl, sum(q_lens), q, capacity, token_ids, block_table, bs)
+
+
+def mixed_lens(n, seed):
+    """``n`` query lengths, about half of them 1 (decode rows), the rest up to 9."""
+    g = torch.Generator().manual_seed(seed)
+    long = torch.randint(2, 10, (n,), generator=g)
+    return torch.where(torch.rand(n, generator=g) < 0.5, 1, long).tolist()
 
 
 @pytest.mark.parametrize(
@@ -50,14 +55,53 @@ def test_prepare_inputs_matches_reference(q_lens, block, short):
         assert (got[3] == -1).any()  # positions at or past capacity write no KV
 
 
+@pytest.mark.parametrize("n,block", [(2, 4), (3, 4), (5, 8), (17, 16), (33, 256), (37, 8), (37, 256), (2049, 256)])
+def test_prepare_inputs_finds_each_tokens_request(n, block):
+    """The kernel's binary search over the query starts: request counts just above and below
+    powers of two, many mixed-length requests (mostly one token: neighbouring starts one
+    apart), blocks that start mid-request."""
+    case = make_case(mixed_lens(n, seed=n), seed=n)
+    got = ip.prepare_inputs_triton(*case, block=block)
+    for g_, w in zip(got, ref.prepare_inputs_reference(*case)):
+        assert g_.dtype == w.dtype and torch.equal(g_, w)
+
+
+@pytest.mark.parametrize(
+    "q_lens", [[1] * 33, [1] * 30 + [2], [2] + [1] * 30, [1, 1, 3, 1, 1], [1] * 9 + [4] + [1] * 9, [5, 1, 1, 1, 1]]
+)
+def test_prepare_inputs_search_bounds_from_the_token_surplus(q_lens):
+    """Every request has a token, so token t's request lies within t - (T - R) .. t: a uniform
+    decode needs no search, a few extra tokens a short one, wherever the longer rows sit."""
+    case = make_case(q_lens, seed=len(q_lens))
+    got = ip.prepare_inputs_triton(*case, block=8)
+    for g_, w in zip(got, ref.prepare_inputs_reference(*case)):
+        assert torch.equal(g_, w)
+
+
+def test_reference_per_token_requests_and_offsets():
+    """The reference's token -> (request, offset) from the query starts alone, including a
+    request without tokens (the Triton path never takes those)."""
+    q_lens = [2, 0, 3, 1]
+    starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs = make_case(q_lens, seed=4)
+    assert qsl.tolist() == [0, 2, 2, 5, 6] and n_tok == 6
+    positions, input_ids, seq_lens, slots, qsl_out = ref.prepare_inputs_reference(
+        starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs
+    )
+    s = starts.tolist()
+    assert positions.tolist() == [s[0], s[0] + 1, s[2], s[2] + 1, s[2] + 2, s[3]]
+    req = [0, 0, 2, 2, 2, 3]
+    assert input_ids.tolist() == [int(token_ids[rows[r], p]) for r, p in zip(req, positions.tolist())]
+    assert seq_lens.tolist() == [a + b for a, b in zip(s, q_lens)] and qsl_out.tolist() == qsl.tolist()
+
+
 def test_prepare_inputs_positions_past_the_token_table():
     """Lookahead positions past the table's width read its last column (clamped), as the
     reference does, instead of another row's tokens."""
-    starts, rows, token_req, offsets, q, cap, token_ids, bt, bs = make_case([3, 2], seed=3)
+    starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs = make_case([3, 2], seed=3)
     starts = torch.tensor([token_ids.shape[1] - 2, 5], dtype=torch.int32)
     n_blk = (int((starts.long() + q).max()) + bs - 1) // bs
     bt = torch.arange(2 * n_blk, dtype=torch.int32).view(2, n_blk)
-    case = (starts, rows, token_req, offsets, q, starts.long() + q, token_ids, bt, bs)
+    case = (starts, rows, qsl, n_tok, q, starts.long() + q, token_ids, bt, bs)
     got = ip.prepare_inputs_triton(*case, block=4)
     for g_, w in zip(got, ref.prepare_inputs_reference(*case)):
         assert torch.equal(g_, w)
@@ -66,19 +110,21 @@ def test_prepare_inputs_positions_past_the_token_table():
 def test_prepare_inputs_reads_starts_from_num_computed_by_row():
     """``starts`` None: request r starts at ``num_computed[rows[r]]`` (rows are a permutation
     of a longer table, so indexing by request instead of by row would differ)."""
-    starts, rows, token_req, offsets, q, cap, token_ids, bt, bs = make_case([2, 1, 4], seed=5)
+    starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs = make_case([2, 1, 4], seed=5)
     num_computed = torch.randint(
         0, 30, (token_ids.shape[0],), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
     )
     num_computed[rows] = starts
     got = ip.prepare_inputs_triton(
-        None, rows, token_req, offsets, q, cap, token_ids, bt, bs, block=4, num_computed=num_computed
+        None, rows, qsl, n_tok, q, cap, token_ids, bt, bs, block=4, num_computed=num_computed
     )
-    want = ref.prepare_inputs_reference(starts, rows, token_req, offsets, q, cap, token_ids, bt, bs)
+    want = ref.prepare_inputs_reference(starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs)
     for g_, w in zip(got, want):
         assert torch.equal(g_, w)
     with pytest.raises(ValueError, match="num_computed"):
-        ip.prepare_inputs_triton(None, rows, token_req, offsets, q, cap, token_ids, bt, bs)
+        ip.prepare_inputs_triton(None, rows, qsl, n_tok, q, cap, token_ids, bt, bs)
+    with pytest.raises(ValueError, match="qsl"):  # the query starts without their end
+        ip.prepare_inputs_triton(starts, rows, qsl[:-1], n_tok, q, cap, token_ids, bt, bs)
 
 
 def test_prepare_inputs_writes_into_given_buffers():

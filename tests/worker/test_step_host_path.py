@@ -85,11 +85,12 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
     assert inp.meta.block_table.dtype == torch.int32
     assert torch.equal(inp.meta.block_table, want_table)
     q = torch.tensor([q for _, q, _ in spec])
-    token_req = torch.repeat_interleave(torch.arange(len(spec)), q)
-    offsets = torch.cat([torch.arange(n) for n in q.tolist()])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)])
+    # the query starts (not per-token lists) ship; the token count is a host int
+    assert torch.equal(kernel_args[2], qsl) and type(kernel_args[3]) is int and kernel_args[3] == int(qsl[-1])
     cap = torch.tensor([st.num_blocks_cpu[r] * BS for r in rows_cpu])
     want = prepare_inputs_reference(
-        st.num_computed[inp.rows].long(), inp.rows, token_req, offsets, q, cap, st.token_ids, want_table, BS
+        st.num_computed[inp.rows].long(), inp.rows, qsl, int(qsl[-1]), q, cap, st.token_ids, want_table, BS
     )
     for got, ref in zip((inp.positions, inp.input_ids, inp.meta.seq_lens, inp.meta.slot_mapping), want):
         assert torch.equal(got, ref)
@@ -203,6 +204,28 @@ def test_packed_extras_come_back_whole_and_aligned():
     win, back, rows = build_window(st, None, rows_cpu, [1, 2, 3], [10, 5, 3], None, BS, True, packed_extra=extras)
     assert [t.tolist() for t in back] == extras and rows.tolist() == rows_cpu
     assert all(t.data_ptr() % 16 == 0 for t in [*back, rows, win.capacity, win.block_table])
+
+
+def test_int64_tensor_from_host_ints():
+    """The array-backed list -> int64 conversion: concatenated parts, the empty case (which
+    ``torch.frombuffer`` refuses), the int64 range's ends, and the array kept alive by the
+    tensor alone (a CPU "copy" is that tensor itself)."""
+    import gc
+
+    from workers.device_state import int64_tensor, to_device
+
+    big = [2**63 - 1, -(2**63), -1, 0, 2**40 + 3]
+    t = int64_tensor(big)
+    assert t.dtype == torch.int64 and t.tolist() == big
+    assert int64_tensor([1, -2], [], range(3), (7,)).tolist() == [1, -2, 0, 1, 2, 7]
+    for empty in (int64_tensor(), int64_tensor([]), int64_tensor([], [])):
+        assert empty.dtype == torch.int64 and empty.shape == (0,)
+    with pytest.raises(OverflowError):
+        int64_tensor([2**63])
+    kept = to_device(int64_tensor(list(range(-5, 1000))), torch.device("cpu"))
+    gc.collect()
+    _ = [list(range(1000, 2000)) for _ in range(50)]  # reuse freed memory, if it were freed
+    assert kept.tolist() == list(range(-5, 1000))
 
 
 def test_uniform_pads_rule():
