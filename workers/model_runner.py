@@ -198,26 +198,11 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
-        self._warm_allocators()
         self.reset_launch_stats()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage
             self._warm_eager_decode()
         self.arm_launch_probe()
-
-    def _warm_allocators(self) -> None:
-        """Pinned blocks for the steps' host-to-device copies and the device segments of an eager
-        draw over the largest logits batch (``workers.allocator_warm_up``)."""
-        from workers.allocator_warm_up import step_copy_bytes, warm_pinned_blocks, warm_sampling_temporaries
-        from workers.mixed_graphs import max_step_tokens
-
-        sched = self.cfg.scheduler
-        max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
-        warm_pinned_blocks(step_copy_bytes(max_tokens, sched.max_num_seqs))
-        if self.stage.is_last:
-            k = self.spec.k if self.spec is not None else 0
-            rows = sched.max_num_seqs * (1 + k)
-            warm_sampling_temporaries(self.draw_once, rows, self.model.lm_head.padded_vocab, self.device)
 
     def _precompile_tile_gemm(self) -> None:
         """The mid-batch GEMM variants its tuning table picks for this model's weights: an
