@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 
+import numpy as np
 import torch
 
 from metadata.wire import NewRequest, SamplingOptions
@@ -163,30 +164,30 @@ class DeviceState:
             b_row += [row] * nb
             b_col += range(nb)
             self.num_blocks_cpu[row] = nb
-        if b_ids:  # host block tables: one indexed write
-            b = int64_tensor(b_ids, b_row, b_col).view(3, -1)
-            self.block_table_cpu.index_put_((b[1], b[2]), b[0].to(torch.int32))
+        if b_ids:  # host block tables: one indexed write (numpy: torch's CPU ops cost more here)
+            self.block_table_cpu.numpy()[b_row, b_col] = b_ids
         # every prompt token, then every output token (one array, no per-token Python); their
-        # rows and columns from host tensor ops, not per-token Python lists
-        tokens = int64_tensor(*[req.prompt_token_ids for req in reqs], *[req.output_token_ids for req in reqs])
-        per_req = int64_tensor(
-            [len(req.prompt_token_ids) for req in reqs],
-            [len(req.output_token_ids) for req in reqs],
-            rows,
-            [req.num_cached_tokens for req in reqs],
-        )
-        n, t = len(reqs), tokens.numel()
-        plen, olen, rows_t, cached = per_req.split(n)
-        tp = int(plen.sum())
+        # rows and columns from numpy (torch CPU ops start intra-op threads: ~0.1 ms each)
+        tokens = array.array("q")
+        for req in reqs:
+            tokens.fromlist(req.prompt_token_ids)
+        for req in reqs:
+            tokens.fromlist(req.output_token_ids)
+        plen = np.array([len(req.prompt_token_ids) for req in reqs], dtype=np.int64)
+        olen = np.array([len(req.output_token_ids) for req in reqs], dtype=np.int64)
+        rows_a = np.array(rows, dtype=np.int64)
+        cached = np.array([req.num_cached_tokens for req in reqs], dtype=np.int64)
+        n, t, tp = len(reqs), len(tokens), int(plen.sum())
 
-        def rows_cols(lens: torch.Tensor, first_col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            start = (lens.cumsum(0) - lens).repeat_interleave(lens)
-            cols = torch.arange(int(lens.sum()), dtype=torch.int64) - start + first_col.repeat_interleave(lens)
-            return rows_t.repeat_interleave(lens), cols
+        def rows_cols(lens: np.ndarray, first_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Each token's row and column: request i's run of ``lens[i]`` from ``first_col[i]``."""
+            shift = np.repeat(np.cumsum(lens) - lens - first_col, lens)
+            return np.repeat(rows_a, lens), np.arange(int(lens.sum()), dtype=np.int64) - shift
 
-        p_row, p_col = rows_cols(plen, torch.zeros_like(plen))
+        p_row, p_col = rows_cols(plen, np.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
-        packed = torch.cat([tokens, p_row, o_row, p_col, o_col, rows_t, cached, plen])
+        tok_a = np.frombuffer(tokens, dtype=np.int64) if t else np.zeros(0, dtype=np.int64)
+        packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen]))
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, vals = dev.split([t, t, t, n, 2 * n])
         # stale rows: whole-row clears, then this placement's writes

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from kernels.input_prep import prepare_inputs
@@ -89,17 +90,18 @@ def build_window(
         if len(part) & 1:
             chunks.append(_PAD)
             sizes.append(1)
-    parts = [int64_tensor(*chunks)]
+    packed = int64_tensor(*chunks)
     n_blk = table_blocks if table_blocks is not None else (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
-    if block_table is None:
-        table = st.block_table_cpu[rows_cpu, :width]
+    if block_table is None:  # (numpy: torch's CPU indexing and cat cost more here)
+        table = st.block_table_cpu.numpy()[rows_cpu, :width]
         if table.shape[1] < width:  # the table's last column: pad the word
-            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        parts.append(table.contiguous().view(torch.int64).flatten())
+            table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
+        words = table.view(np.int64).ravel()
+        packed = torch.from_numpy(np.concatenate([packed.numpy(), words]))
         keep.append(len(sizes))
-        sizes.append(parts[-1].numel())
-    packed = to_device(torch.cat(parts) if len(parts) > 1 else parts[0], dev)
+        sizes.append(words.size)
+    packed = to_device(packed, dev)
     views = torch.split(packed, sizes)
     split = [views[i] for i in keep]  # the segments, without their pads
     q_lens_d, qsl_in = split[:2]
