@@ -76,7 +76,7 @@ def decode_graph_output_bytes(
     (module docstring), so the largest one counts; other graphs (the draft's hidden states)
     each keep their own, which grows with the length buckets, i.e. with ``max_model_len``."""
     sizes = [
-        _alloc_bytes(b * q * row_bytes) + (_alloc_bytes(b * 8) if logits and q == 1 else 0)
+        alloc_bytes(b * q * row_bytes) + (alloc_bytes(b * 8) if logits and q == 1 else 0)
         for b, _, q in capture_shapes(capture_sizes(max_num_seqs), seq_buckets(max_model_len), query_lens)
     ]
     return max(sizes, default=0) if logits else sum(sizes)
@@ -91,7 +91,7 @@ def borrowed_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
-def _alloc_bytes(n: int) -> int:
+def alloc_bytes(n: int) -> int:
     """``n`` rounded up as the caching allocator rounds a block (512 bytes)."""
     return (n + 511) // 512 * 512
 

@@ -52,6 +52,13 @@ def capture_cuda_graphs(r) -> None:
     _capture_mixed(r)
 
 
+def mixed_logits_rows(r) -> int:
+    """The most logits rows a step of the runner ``r`` samples from: one a request, 1 + k with
+    k drafts a row."""
+    k = r.cfg.speculative.num_speculative_tokens if r.spec is not None else 0
+    return r.cfg.scheduler.max_num_seqs * (1 + k)
+
+
 def _capture_mixed(r) -> None:
     """Whole-forward graphs per token bucket (``workers.mixed_graphs``) for the steps the
     decode graphs do not cover: prefill, mixed and uneven speculative steps, of the model
@@ -66,6 +73,7 @@ def _capture_mixed(r) -> None:
         sched.max_num_seqs,
         r.max_model_len,
         pool=r.graphs.pool if r.graphs is not None else None,
+        logits_rows=mixed_logits_rows(r),
         **common,
     )
     r.mixed_graphs.capture()

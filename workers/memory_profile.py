@@ -10,6 +10,7 @@ import torch
 from metadata.attention_metadata import AttentionMetadata
 from workers import kv_cache
 from workers.cuda_graphs import decode_graph_output_bytes
+from workers.graph_capture import mixed_logits_rows
 from workers.mixed_graphs import max_step_tokens, mixed_graph_output_bytes
 from workers.pipeline import scratch_model
 
@@ -90,9 +91,9 @@ def profile_free_bytes(r) -> int:
 def graph_output_bytes(r) -> int:
     """Device bytes the ``ModelRunner`` ``r``'s CUDA graphs will keep as outputs once captured
     (``capture_cuda_graphs``: none on the CPU, with ``enforce_eager`` or in a pipeline stage):
-    the decode graphs' largest logits (the others share its memory), the draft's decode
-    graphs' hidden states and the mixed-step graphs' hidden states, which the profiling
-    forward does not allocate."""
+    the decode graphs' largest logits (the others share its memory), the mixed-step graphs'
+    largest logits, the draft's decode graphs' and mixed-step graphs' hidden states, which
+    the profiling forward does not allocate."""
     if not r.captures_graphs():
         return 0
     sched = r.cfg.scheduler
@@ -101,7 +102,7 @@ def graph_output_bytes(r) -> int:
     elt = torch.empty(0, dtype=r.dtype).element_size()
     max_tokens = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, r.max_model_len)
     total = decode_graph_output_bytes(sched.max_num_seqs, r.max_model_len, target_q, logits_row, True)
-    total += mixed_graph_output_bytes(max_tokens, r.arch.hidden_size * elt)
+    total += mixed_graph_output_bytes(max_tokens, logits_row, mixed_logits_rows(r))
     if r.spec is not None and r.spec.draft_model is not None:
         draft_row = r.spec.draft_arch.hidden_size * elt
         total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, draft_q, draft_row, False)

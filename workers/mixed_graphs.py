@@ -14,6 +14,12 @@ row). Their forward is captured once per *token bucket*, attention included:
   padded counts, and reads every exact value (query starts, lengths, pages) from the
   device, as it does eagerly; the key bound is the longest sequence the cache holds.
 
+The target model's graphs end in its logits at the step's sampled positions (a static
+index, padded to ``logits_rows(t)``) and their greedy argmax, so a step's logits GEMM is no
+eager cuBLAS call, whose per-shape set-up cost the launch about 0.7 ms; those outputs go back
+to the pool as the decode graphs' do (``workers.cuda_graphs``). The draft model's graphs
+return hidden states.
+
 A step then costs a few input copies and one graph launch, where eager attention between
 captured segments cost about 0.5 ms of host time a layer, and a fully eager forward
 enqueues more kernels than the device's launch queue holds (about 1,000 entries on a
@@ -28,8 +34,9 @@ import time
 import torch
 
 from kernels.attention_splits import DECODE_MAX_Q
+from kernels import ops
 from metadata.attention_metadata import AttentionMetadata
-from workers.cuda_graphs import StaticStepInputs
+from workers.cuda_graphs import StaticStepInputs, alloc_bytes, borrowed_view
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +59,13 @@ def token_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
-def mixed_graph_output_bytes(max_tokens: int, row_bytes: int) -> int:
-    """Device bytes the outputs of ``MixedGraphs`` hold (one ``t``-row hidden state a bucket)."""
+def mixed_graph_output_bytes(max_tokens: int, row_bytes: int, logits_rows: int = 0) -> int:
+    """Device bytes the outputs of ``MixedGraphs`` hold: with ``logits_rows``, the largest
+    bucket's logits (``row_bytes`` a row) and argmax (the buckets share them); else one
+    ``t``-row hidden state a bucket."""
+    if logits_rows:
+        rows = min(logits_rows, max_tokens)
+        return alloc_bytes(rows * row_bytes) + alloc_bytes(rows * 8)
     return sum(token_buckets(max_tokens)) * row_bytes
 
 
@@ -62,7 +74,8 @@ class MixedGraphs(StaticStepInputs):
     ``max_tokens`` tokens and ``max_num_seqs`` requests over ``kv_caches`` (the caches the
     graphs were captured with): ``forward`` has the model's signature and result.
     ``max_seq_len``: the longest sequence a step may attend (the attention launch's key
-    bound); ``max_blocks``: the block-table width."""
+    bound); ``max_blocks``: the block-table width. ``logits_rows`` > 0: the graphs end in
+    the logits of up to that many tokens and their argmax (``logits``) instead."""
 
     def __init__(
         self,
@@ -75,8 +88,10 @@ class MixedGraphs(StaticStepInputs):
         device: torch.device,
         bounds_are_exact: bool,
         pool=None,
+        logits_rows: int = 0,
     ):
         self.model, self.kv_caches = model, kv_caches
+        self.logits_rows = logits_rows
         self.buckets = token_buckets(max_tokens)
         self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
         self.bounds_are_exact = bounds_are_exact
@@ -89,7 +104,9 @@ class MixedGraphs(StaticStepInputs):
         self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
         self.ub_cpu = torch.zeros(r, dtype=torch.int32)
         self.block_table = torch.zeros(r, max_blocks, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits_idx = torch.zeros(max(logits_rows, 1), dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.last_greedy: torch.Tensor | None = None  # argmax of the last ``logits`` replay's rows
         self.pool = pool  # shared with the decode graphs: one step replays one graph at a time
         self.replays = 0
 
@@ -115,9 +132,19 @@ class MixedGraphs(StaticStepInputs):
             eager=False,
         )
 
+    def logits_rows_of(self, t: int) -> int:
+        """The logits rows bucket ``t``'s graph computes (a sampled token is a step's token)."""
+        return min(self.logits_rows, t)
+
     def static_forward(self, t: int) -> torch.Tensor:
-        """The forward over the static inputs at bucket ``t`` (what a graph records)."""
-        return self.model(self.input_ids[:t], self.positions[:t], self._meta(t), self.kv_caches)
+        """The forward over the static inputs at bucket ``t`` (what a graph records): hidden
+        states, or with ``logits_rows`` the logits at ``logits_idx`` (indices past ``t``,
+        stale padding, read row ``t - 1``)."""
+        h = self.model(self.input_ids[:t], self.positions[:t], self._meta(t), self.kv_caches)
+        if not self.logits_rows:
+            return h
+        idx = self.logits_idx[: self.logits_rows_of(t)].clamp(max=t - 1)
+        return self.model.compute_logits(h[idx])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,14 +153,20 @@ class MixedGraphs(StaticStepInputs):
         self.qsl.zero_()  # every request empty: the warm-up launches compute nothing
         self.seq_lens.zero_()
         for t in reversed(self.buckets):  # largest first: the pool is sized once
-            self.static_forward(t)  # warm-up: compiles this bucket's kernels outside capture
+            warm = self.static_forward(t)  # warm-up: compiles this bucket's kernels outside capture
+            if self.logits_rows:
+                ops.argmax(warm)
+            del warm
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                hidden = self.static_forward(t)
+                out = self.static_forward(t)
+                greedy = ops.argmax(out) if self.logits_rows else None
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[t] = (g, hidden)
+            if self.logits_rows:  # back to the pool, as the decode graphs' logits
+                out, greedy = borrowed_view(out), borrowed_view(greedy)
+            self.graphs[t] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
             "captured %d mixed-step CUDA graphs in %.1f s (token buckets up to %d)",
@@ -168,10 +201,27 @@ class MixedGraphs(StaticStepInputs):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """The model's forward, from this step's bucket's graph: hidden states ``[T, H]`` of
-        the real tokens."""
+        the real tokens (graphs without ``logits_rows``)."""
         assert kv_caches is self.kv_caches, "a mixed graph replays over the caches it captured"
+        assert not self.logits_rows, "these graphs end in logits: use logits()"
         t = self.load(input_ids, positions, meta)
-        g, hidden = self.graphs[t]
+        g, hidden, _ = self.graphs[t]
         g.replay()
         self.replays += 1
         return hidden[: input_ids.shape[0]]
+
+    def logits(self, input_ids, positions, meta: AttentionMetadata, kv_caches, logits_idx) -> torch.Tensor:
+        """The step's forward from its bucket's graph: float32 logits ``[n, V]`` of the tokens
+        ``logits_idx`` (device int64 ``[n]``, ``n`` may be 0) and their argmax in
+        ``last_greedy``; valid until the next replay of a graph of the pool."""
+        assert kv_caches is self.kv_caches, "a mixed graph replays over the caches it captured"
+        t = self.load(input_ids, positions, meta)
+        n = logits_idx.shape[0]
+        if n > self.logits_rows_of(t):
+            raise ValueError(f"{n} logits rows exceed the {self.logits_rows_of(t)} of token bucket {t}")
+        self.logits_idx[:n].copy_(logits_idx)
+        g, logits, greedy = self.graphs[t]
+        g.replay()
+        self.replays += 1
+        self.last_greedy = greedy[:n]
+        return logits[:n]

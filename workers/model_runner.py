@@ -378,15 +378,18 @@ class ModelRunner:
             raw_argmax = self.graphs.last_greedy  # q = 1 graphs only: one logits row a sampling row
             if inp.pads is not None:  # a padded verify step: the real tokens' logits rows
                 logits = logits[inp.logits_idx]
+        elif inp.mixed_graph:  # the forward, the sampled rows' logits and their argmax: one replay
+            mg = self.mixed_graphs
+            logits = mg.logits(inp.input_ids, inp.positions, inp.meta, self.kv_caches, inp.logits_idx)
+            raw_argmax = mg.last_greedy
         else:
-            forward = self.mixed_graphs.forward if inp.mixed_graph else self.model
             if self.pp is not None:  # a pipeline stage (no graphs): transfers around its layers
                 hidden = self.pp.forward(self.model, inp, self.kv_caches, self.dtype)
                 if not self.stage.is_last:
                     self.pp.pass_on(hidden, inp, st)  # stage 0 also takes the sampled tokens
                     return PendingStep(plan.step_id, self.tp.rank, t0)
             else:
-                hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+                hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
         seq_lens = inp.seq_lens  # (without a padded verify step's padding)
         self.padded_steps += inp.pads is not None

@@ -88,3 +88,36 @@ def test_a_step_over_the_request_bound_is_refused(ckpt_dir):
     mg = MixedGraphs(r.model, r.kv_caches, 64, 2, r.max_model_len, r.max_blocks_per_req, r.device, True)
     with pytest.raises(ValueError, match="3 requests exceeds max_num_seqs=2"):
         mg.load(inp.input_ids, inp.positions, inp.meta)
+
+
+def test_logits_graphs_record_the_sampled_rows_logits(ckpt_dir):
+    """With ``logits_rows`` the recorded forward ends in the logits at the static sampled
+    positions: the step's own logits rows, and stale padding indices past the bucket read a
+    real row instead of out of bounds."""
+    from workers.mixed_graphs import MixedGraphs, mixed_graph_output_bytes
+
+    torch.manual_seed(0)
+    r = _runner(str(ckpt_dir("qwen3")))
+    mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True, logits_rows=6)
+    mg.graphs = {t: None for t in mg.buckets}
+    inp = _mixed_step(r, mg)
+    n = inp.logits_idx.shape[0]
+    assert 0 < n < 6
+    before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
+    with torch.inference_mode():
+        t = mg.load(inp.input_ids, inp.positions, inp.meta)
+        mg.logits_idx.fill_(10**6)  # stale indices from a larger step
+        mg.logits_idx[:n].copy_(inp.logits_idx)
+        got = mg.static_forward(t)
+        assert got.shape == (mg.logits_rows_of(t), r.arch.vocab_size) and got.dtype == torch.float32
+        for (k, v), (k0, v0) in zip(r.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        hidden = r.model(inp.input_ids, inp.positions, inp.meta, r.kv_caches)
+        want = r.model.compute_logits(hidden[inp.logits_idx])
+    torch.testing.assert_close(got[:n], want, atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(got[n:]).all()  # the padding rows read real hidden states
+    # the reserve: one bucket's logits and argmax (shared), not a hidden state a bucket
+    row = 4 * r.arch.vocab_size
+    assert mixed_graph_output_bytes(64, row, 6) == -(-6 * row // 512) * 512 + 512
+    assert mixed_graph_output_bytes(64, row) == sum(mg.buckets) * row
