@@ -61,19 +61,25 @@ class OptionTensors:
 
     def get(self, opts: list[SamplingOptions], dev: torch.device) -> "OptionTensors":
         if self.floats is None or len(opts) != len(self.opts) or any(a is not b for a, b in zip(opts, self.opts)):
-            self.floats = to_device(
-                torch.tensor(
-                    [
-                        [o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
-                        for o in opts
-                    ],
-                    dtype=torch.float32,
-                ).T.contiguous(),
-                dev,
-            ).unbind()
-            self.ints = to_device(
-                torch.tensor([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=torch.int64).T.contiguous(), dev
-            ).unbind()
+            # one packed copy: six float32 rows, then three int64 rows, each padded to a multiple of
+            # four entries so that every row starts on 16 bytes whatever the batch size (Triton
+            # specialises a kernel on a pointer's 16-byte alignment)
+            r = len(opts)
+            w = -(-r // 4) * 4
+            floats = np.zeros((6, w), dtype=np.float32)
+            floats[:, :r] = np.array(
+                [
+                    [o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
+                    for o in opts
+                ],
+                dtype=np.float32,
+            ).T
+            ints = np.zeros((3, w), dtype=np.int64)
+            ints[:, :r] = np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T
+            raw = np.concatenate([floats.view(np.uint8).ravel(), ints.view(np.uint8).ravel()])
+            packed = to_device(torch.from_numpy(raw), dev)
+            self.floats = packed[: 24 * w].view(torch.float32).view(6, w)[:, :r].unbind()
+            self.ints = packed[24 * w :].view(torch.int64).view(3, w)[:, :r].unbind()
             self.opts = list(opts)
             self.flags = dict(
                 all_greedy=all(o.temperature == 0 for o in opts),

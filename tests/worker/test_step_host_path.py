@@ -101,18 +101,22 @@ def test_packed_step_inputs_equal_the_reference(spec, monkeypatch):
 def test_sampling_option_tensors_are_reused_only_for_the_same_requests(monkeypatch):
     st = DeviceState(4, 16, 4, 50, torch.device("cpu"))
     a, b = _opts(temperature=0.5, top_k=3, seed=7), _opts(repetition_penalty=1.3, seed=9)
+    import workers.device_state as ds
+
     built = []
-    real = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *x, **k: built.append(1) or real(*x, **k))
+    real = ds.to_device
+    monkeypatch.setattr(ds, "to_device", lambda *x, **k: built.append(1) or real(*x, **k))
     rows, pos = torch.tensor([0, 1]), torch.tensor([5, 6])
     first = build_sampling_batch([a, b], st, rows, pos)
-    n = len(built)
+    assert len(built) == 1, "one packed copy for every option"
     again = build_sampling_batch([a, b], st, rows, pos)
-    assert len(built) == n, "the same option objects: no new tensors"
+    assert len(built) == 1, "the same option objects: no new copy"
     assert again.temperature is first.temperature and again.top_k is first.top_k
     assert not again.all_greedy and again.any_top_k_top_p and again.penalties is not None
     swapped = build_sampling_batch([b, a], st, rows, pos)
     assert swapped.temperature.tolist() == [0.0, 0.5] and swapped.seeds.tolist() == [9, 7]
+    assert swapped.top_k.tolist() == [0, 3] and swapped.top_p.tolist() == [1.0, 1.0]
+    assert swapped.penalties.repetition.tolist() == pytest.approx([1.3, 1.0])
     equal_not_same = build_sampling_batch([_opts(), _opts()], st, rows, pos)  # new objects
     assert equal_not_same.all_greedy and equal_not_same.penalties is None
     assert equal_not_same.temperature.tolist() == [0.0, 0.0]
@@ -239,3 +243,16 @@ def test_uniform_pads_rule():
     assert uniform_pads([5, 2], [30, 40], (1, 4), 100) is None
     assert uniform_pads([4, 2], [30, 99], (1, 4), 100) is None  # 99 + 2 > 100
     assert uniform_pads([4, 2], [30, 98], (1, 4), 100) == [0, 2]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_sampling_option_rows_start_on_16_bytes(n):
+    """Every option row of the one packed copy starts on 16 bytes whatever the batch size: a
+    kernel taking one (seeds, temperatures) is not recompiled for another alignment."""
+    st = DeviceState(8, 16, 4, 50, torch.device("cpu"))
+    opts = [_opts(temperature=0.1 * i, top_k=i, seed=100 + i) for i in range(n)]
+    got = st.option_tensors.get(opts, st.device)
+    for row in (*got.floats, *got.ints):
+        assert row.data_ptr() % 16 == 0 and row.shape == (n,)
+    assert got.ints[1].tolist() == [100 + i for i in range(n)] and got.ints[0].tolist() == list(range(n))
+    assert got.floats[0].tolist() == pytest.approx([0.1 * i for i in range(n)])
