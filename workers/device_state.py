@@ -222,5 +222,5 @@ class DeviceState:
         n = self.num_blocks_cpu[row]
         if n + len(block_ids) > self.block_table_cpu.shape[1]:
             raise RuntimeError("block table overflow: more blocks than max_model_len needs")
-        self.block_table_cpu[row, n : n + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.block_table_cpu.numpy()[row, n : n + len(block_ids)] = block_ids  # (numpy: no torch CPU op)
         self.num_blocks_cpu[row] = n + len(block_ids)

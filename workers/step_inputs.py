@@ -128,9 +128,9 @@ def build_window(
     )
     meta = AttentionMetadata(
         query_start_loc=qsl_d,
-        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc_cpu=torch.from_numpy(np.array(qsl, dtype=np.int32)),  # (cheaper than torch.tensor)
         seq_lens=seq_lens,
-        seq_lens_upper_bound=torch.tensor(ubs, dtype=torch.int32),
+        seq_lens_upper_bound=torch.from_numpy(np.array(ubs, dtype=np.int32)),
         block_table=block_table,
         slot_mapping=slot_mapping,
         positions=positions,
