@@ -96,6 +96,27 @@ def alloc_bytes(n: int) -> int:
     return (n + 511) // 512 * 512
 
 
+def capture_graph(record, pool, with_argmax: bool = False, give_back: bool = False):
+    """One CUDA graph of ``record()`` into ``pool`` (None: a new pool, ``graph.pool()``), after
+    a warm-up run outside capture (the kernels' JIT compiles there). ``with_argmax``: the
+    graph also takes its output's argmax (Triton). ``give_back``: the outputs return to the
+    pool once captured and the caller holds ``borrowed_view``s (module docstring). Returns
+    ``(graph, output, argmax or None)``."""
+    warm = record()
+    if with_argmax:
+        ops.argmax(warm)
+    del warm
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = record()
+        greedy = ops.argmax(out) if with_argmax else None
+    if give_back:
+        out = borrowed_view(out)
+        greedy = borrowed_view(greedy) if greedy is not None else None
+    return g, out, greedy
+
+
 class StaticStepInputs:
     """The static inputs a captured step reads: ``input_ids``, ``positions`` (per token),
     ``seq_lens`` (per row) and ``slots`` (the slot mapping), set by the subclass. A step
@@ -191,19 +212,12 @@ class DecodeGraphs(StaticStepInputs):
         self.slots.fill_(-1)
         for b, bound, q in capture_shapes(self.sizes, self.buckets, self.query_lens):
             self.seq_lens.fill_(q)
-            warm = self.static_forward(b, bound, q)  # warm-up: JIT-compile the kernels for this shape
-            if self.logits and q == 1:
-                ops.argmax(warm)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.static_forward(b, bound, q)
-                greedy = ops.argmax(out) if self.logits and q == 1 else None
+            # logits graphs give their outputs back to the pool (module docstring): later captures reuse it
+            g, out, greedy = capture_graph(
+                lambda: self.static_forward(b, bound, q), self.pool, self.logits and q == 1, self.logits
+            )
             if self.pool is None:
                 self.pool = g.pool()
-            if self.logits:  # back to the pool (module docstring): later captures reuse it
-                out = borrowed_view(out)
-                greedy = borrowed_view(greedy) if greedy is not None else None
             self.graphs[(b, bound, q)] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(

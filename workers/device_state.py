@@ -174,16 +174,12 @@ class DeviceState:
             self.block_table_cpu.numpy()[b_row, b_col] = b_ids
         # every prompt token, then every output token (one array, no per-token Python); their
         # rows and columns from numpy (torch CPU ops start intra-op threads: ~0.1 ms each)
-        tokens = array.array("q")
-        for req in reqs:
-            tokens.fromlist(req.prompt_token_ids)
-        for req in reqs:
-            tokens.fromlist(req.output_token_ids)
+        tok_a = int64_tensor(*[req.prompt_token_ids for req in reqs], *[req.output_token_ids for req in reqs]).numpy()
         plen = np.array([len(req.prompt_token_ids) for req in reqs], dtype=np.int64)
         olen = np.array([len(req.output_token_ids) for req in reqs], dtype=np.int64)
         rows_a = np.array(rows, dtype=np.int64)
         cached = np.array([req.num_cached_tokens for req in reqs], dtype=np.int64)
-        n, t, tp = len(reqs), len(tokens), int(plen.sum())
+        n, t, tp = len(reqs), tok_a.size, int(plen.sum())
 
         def rows_cols(lens: np.ndarray, first_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """Each token's row and column: request i's run of ``lens[i]`` from ``first_col[i]``."""
@@ -192,7 +188,6 @@ class DeviceState:
 
         p_row, p_col = rows_cols(plen, np.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
-        tok_a = np.frombuffer(tokens, dtype=np.int64) if t else np.zeros(0, dtype=np.int64)
         packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen]))
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, vals = dev.split([t, t, t, n, 2 * n])

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from kernels.spec_ops import draft_sample, draft_step_inputs
-from workers.cuda_graphs import capture_shapes
+from workers.cuda_graphs import capture_graph, capture_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,7 @@ class ProposeGraphs:
         d.slots.fill_(-1)
         d.seq_lens.fill_(self.window_len)
         for b, bound, _ in capture_shapes(d.sizes, d.buckets, (self.window_len,)):
-            self.static_propose(b, bound)  # warm-up: JIT-compile outside capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=d.pool):
-                self.static_propose(b, bound)
-            self.graphs[(b, bound)] = g
+            self.graphs[(b, bound)] = capture_graph(lambda: self.static_propose(b, bound), d.pool)[0]
         torch.cuda.synchronize()
         logger.info("captured %d draft proposal CUDA graphs", len(self.graphs))
 

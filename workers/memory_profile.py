@@ -56,9 +56,7 @@ def profile_free_bytes(r) -> int:
         bounds_are_exact=True,
         eager=True,
     )
-    spec = r.cfg.speculative
-    # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
-    rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if r.spec is not None else 0))
+    rows = mixed_logits_rows(r)  # logits rows of the largest step: every row verifies 1 + k tokens with drafts on
     with torch.inference_mode():
         model = scratch_model(r.model, r.pp, r.dtype)
         h = model(ids, pos, meta, dummy)

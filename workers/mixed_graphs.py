@@ -34,9 +34,8 @@ import time
 import torch
 
 from kernels.attention_splits import DECODE_MAX_Q
-from kernels import ops
 from metadata.attention_metadata import AttentionMetadata
-from workers.cuda_graphs import StaticStepInputs, alloc_bytes, borrowed_view
+from workers.cuda_graphs import StaticStepInputs, alloc_bytes, capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -152,20 +151,11 @@ class MixedGraphs(StaticStepInputs):
         self.slots.fill_(-1)
         self.qsl.zero_()  # every request empty: the warm-up launches compute nothing
         self.seq_lens.zero_()
+        logits = bool(self.logits_rows)  # (logits and argmax back to the pool, as the decode graphs')
         for t in reversed(self.buckets):  # largest first: the pool is sized once
-            warm = self.static_forward(t)  # warm-up: compiles this bucket's kernels outside capture
-            if self.logits_rows:
-                ops.argmax(warm)
-            del warm
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.static_forward(t)
-                greedy = ops.argmax(out) if self.logits_rows else None
+            g, out, greedy = capture_graph(lambda: self.static_forward(t), self.pool, logits, logits)
             if self.pool is None:
                 self.pool = g.pool()
-            if self.logits_rows:  # back to the pool, as the decode graphs' logits
-                out, greedy = borrowed_view(out), borrowed_view(greedy)
             self.graphs[t] = (g, out, greedy)
         torch.cuda.synchronize()
         logger.info(
