@@ -234,6 +234,8 @@ def launch_server(
     import sys
     import tempfile
 
+    from benchmarks.child_process import spawn_session
+
     def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -261,9 +263,7 @@ def launch_server(
             cmd += [flag, v if isinstance(v, str) else json.dumps(v)]
     log = open(log_path or tempfile.mkstemp(prefix="serve-", suffix=".log")[1], "w+")  # noqa: SIM115
     print(f"launching: {' '.join(cmd)} (log: {log.name})", flush=True)
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
-    )
+    proc = spawn_session(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:

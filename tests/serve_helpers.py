@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.child_process import spawn_session
+
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
@@ -110,9 +112,7 @@ class ServerProcess:
             full_env["RAY_ADDRESS"] = ray_addr
         full_env.update(env or {})
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.proc = spawn_session(self.cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.child_process import spawn_session
 from tests.benchmark_results import check_record, check_serve_result, load
 from tests.serve_helpers import free_port
 
@@ -57,7 +58,7 @@ def ray_head(cache_dir):
     log = open(Path(temp) / "head.log", "w")
     # Every port explicit: fixed defaults (agent 52365, client server 10001) may be taken by
     # another Ray instance on this machine, which leaves the head without a job agent.
-    head = subprocess.Popen(
+    head = spawn_session(
         [
             *_ray_cli(),
             "start",
@@ -80,7 +81,6 @@ def ray_head(cache_dir):
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     url = f"http://127.0.0.1:{dash}"
     try:
@@ -323,7 +323,7 @@ def test_serve_jobs_against_real_cluster_serve(ray_head, tmp_path, cache_dir):
     http, grpc_port = free_port(), free_port()
     env = dict(ray_head["env"], RAY_ADDRESS=ray_head["gcs"])
     log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
+    server = spawn_session(
         [
             sys.executable,
             "-m",
@@ -345,7 +345,6 @@ def test_serve_jobs_against_real_cluster_serve(ray_head, tmp_path, cache_dir):
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     common = [
         "--shape",
