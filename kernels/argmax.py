@@ -19,10 +19,12 @@ import triton.language as tl
 from kernels import pdl
 from kernels.pdl import wait_and_release
 from kernels.sampling import MAX_SPLITS, vocab_splits
+from kernels.fast_launch import fast_launch
 
 BIG = tl.constexpr(2147483647)  # "no index" (a jit global must be a constexpr)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["vocab", "stride_x", "per_split", "num_splits"])
 def _argmax_partial_kernel(
     x_ptr,
@@ -62,6 +64,7 @@ def _argmax_partial_kernel(
     tl.store(nan_ptr + row * num_splits + split, nan_i)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_reduce_kernel(
     best_ptr, idx_ptr, nan_ptr, out_ptr, num_splits, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False

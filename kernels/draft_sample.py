@@ -18,12 +18,14 @@ import triton.language as tl
 
 from kernels.reference import STREAM_DRAFT
 from kernels.sampling import _exp_noise, _hash_key, _row_stats, _running_best
+from kernels.fast_launch import fast_launch
 
 _DRAFT = tl.constexpr(STREAM_DRAFT)  # (a jit global must be a constexpr)
 
 
 # The vocabulary and the logits and draft-probability strides are specialised (a multiple of
 # 16 gives aligned rows and tile masks: vectorised loads); every other int is not.
+@fast_launch
 @triton.jit(
     do_not_specialize=["slot", "stride_t", "max_col"],
     do_not_specialize_on_alignment=["temp_ptr", "seeds_ptr", "pos_ptr", "rows_ptr", "known_ptr"],
@@ -125,6 +127,7 @@ def draft_sample_triton(
     return out
 
 
+@fast_launch
 @triton.jit(
     do_not_specialize=["n", "stride_bt", "n_blk", "max_position"],
     do_not_specialize_on_alignment=["tok_ptr", "pos_ptr", "bt_ptr", "cap_ptr"],

@@ -21,8 +21,10 @@ import triton.language as tl
 
 from kernels import pdl, reference
 from kernels.pdl import wait_and_release
+from kernels.fast_launch import fast_launch
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_iter", "n_blk", "stride_tok", "stride_bt", "max_pos"])
 def _prepare_inputs_kernel(
     starts_ptr,

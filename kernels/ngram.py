@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kernels.fast_launch import fast_launch
 
 MAX_N = 16  # the longest n-gram the kernel matches (the option's range is checked in config)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["width", "n_min", "n_max", "max_col", "stride_t"])
 def _ngram_kernel(
     tok_ptr,

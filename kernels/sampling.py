@@ -12,12 +12,15 @@ still fill the GPU. Ties go to the lowest token id, as in ``torch.argmax``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import wait_and_release
+from kernels.fast_launch import fast_launch
 
 
 @triton.jit
@@ -97,6 +100,7 @@ def _row_key(seed_ptr, pos_ptr, row):
 
 # The seed and position rows are often views into a stacked [3, rows] tensor, whose offset is
 # 16-byte aligned only for an even row count: specialising on it would compile a variant mid-serving.
+@fast_launch
 @triton.jit(
     do_not_specialize=["vocab", "stride_p", "per_split", "num_splits"],
     do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"],
@@ -141,6 +145,7 @@ def _race_partial_kernel(
 MAX_SPLITS = 64
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_splits"])
 def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
@@ -153,13 +158,21 @@ def _race_reduce_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.const
     tl.store(out_ptr + row, tl.min(tl.where(b == m, i, 2147483647), axis=0).to(tl.int64))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    """The device's SM count (``get_device_properties`` costs microseconds a call)."""
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
+
+
 def vocab_splits(x: torch.Tensor, block: int, num_splits: int | None) -> tuple[int, int]:
     """``(per_split, num_splits)`` for a row-wise reduction of ``x [rows, vocab]`` split over
     the vocabulary: about four programs per SM over all rows, none tinier than one tile
     (``num_splits`` overrides, 1..MAX_SPLITS); ``per_split`` is a multiple of ``block``."""
     rows, vocab = x.shape
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        sms = _sm_count(x.device.index) if x.is_cuda else 4
         num_splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, rows), MAX_SPLITS))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kernels.reference import STREAM_ACCEPT, STREAM_RECOVER
 from kernels.sampling import _exp_noise, _hash_key, _mix32, _row_stats, _running_best
+from kernels.fast_launch import fast_launch
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)  # (a jit global must be a constexpr)
 _RECOVER = tl.constexpr(STREAM_RECOVER)
@@ -42,6 +43,7 @@ _SMALL += ["bonus_idx_ptr"]
 
 # The vocabulary and the logits and draft-probability strides are specialised (a multiple of
 # 16 gives aligned rows and tile masks: vectorised loads); every other int is not.
+@fast_launch
 @triton.jit(do_not_specialize=["K"], do_not_specialize_on_alignment=_SMALL)
 def _verify_slots_kernel(
     logits_ptr,
@@ -138,6 +140,7 @@ def _verify_slots_kernel(
         tl.store(recovered_ptr + r * K + j, rec)
 
 
+@fast_launch
 @triton.jit(
     do_not_specialize=["K", "stride_t", "max_col", "stride_c"],
     do_not_specialize_on_alignment=["ids_ptr", "draft_idx_ptr", "nd_ptr", "bonus_ptr", "pos_ptr", "rows_ptr"],

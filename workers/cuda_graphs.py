@@ -101,7 +101,12 @@ def capture_graph(record, pool, with_argmax: bool = False, give_back: bool = Fal
     a warm-up run outside capture (the kernels' JIT compiles there). ``with_argmax``: the
     graph also takes its output's argmax (Triton). ``give_back``: the outputs return to the
     pool once captured and the caller holds ``borrowed_view``s (module docstring). Returns
-    ``(graph, output, argmax or None)``."""
+    ``(graph, output, argmax or None)``.
+
+    The graph is replayed once here, over the inputs it was captured with (the warm-up's:
+    harmless by construction): a graph's first launch uploads it to the device, which cost
+    that step's launch about 0.35 ms of host time (H200: 368 us median against 33 us for
+    later launches)."""
     warm = record()
     if with_argmax:
         ops.argmax(warm)
@@ -111,6 +116,7 @@ def capture_graph(record, pool, with_argmax: bool = False, give_back: bool = Fal
     with torch.cuda.graph(g, pool=pool):
         out = record()
         greedy = ops.argmax(out) if with_argmax else None
+    g.replay()
     if give_back:
         out = borrowed_view(out)
         greedy = borrowed_view(greedy) if greedy is not None else None

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from metadata.wire import NewRequest, SamplingOptions
+from workers.host_staging import staging_for
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device through pinned memory, never a blocking copy."""
+    """Host -> device through pinned memory, never a blocking copy (``workers.host_staging``)."""
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return staging_for(device).copy(t)
 
 
 def int64_tensor(*parts) -> torch.Tensor:
