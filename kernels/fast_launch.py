@@ -15,9 +15,13 @@ launches exactly the variant Triton would pick: through ``CompiledKernel.run``, 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.settings import TRITON_INTERPRETED
+
+logger = logging.getLogger(__name__)
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
@@ -36,13 +40,15 @@ class FastLaunch:
 
     def __init__(self, fn):
         self.fn = fn
-        params = getattr(fn, "params", None)
-        self._direct = not TRITON_INTERPRETED and params is not None
-        if self._direct:
+        try:  # (a Triton whose parameters say less: every launch takes Triton's path)
+            params = fn.params
             self._names = [p.name for p in params]
             self._constexpr = [p.is_constexpr for p in params]
-            self._index = {n: i for i, n in enumerate(self._names)}
             self._defaults = [p.default for p in params]
+            self._index = {n: i for i, n in enumerate(self._names)}
+            self._direct = not TRITON_INTERPRETED
+        except AttributeError:
+            self._direct = False
         self._variants: dict = {}
         self.hits = 0  # launches that skipped Triton's path (tests, diagnostics)
 
@@ -86,7 +92,12 @@ class FastLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = kernel.launch_metadata(grid, stream, *full)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        try:
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        except TypeError:  # a launcher of another signature (a Triton this was not written for)
+            logger.warning("kernels.fast_launch: %s launches through Triton's path from now on", self.fn)
+            self._direct = False
+            return self.fn[grid](*args, **kwargs)
         self.hits += 1
         return kernel
 
