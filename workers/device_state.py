@@ -56,31 +56,33 @@ class OptionTensors:
 
     def __init__(self):
         self.opts: list[SamplingOptions] = []
-        self.floats: tuple[torch.Tensor, ...] | None = None  # rows of [6, R]
+        self.floats: tuple[torch.Tensor, ...] | None = None  # rows of [7, R]
         self.ints: tuple[torch.Tensor, ...] | None = None  # rows of [3, R]
         self.flags: dict = {}
 
     def get(self, opts: list[SamplingOptions], dev: torch.device) -> "OptionTensors":
         if self.floats is None or len(opts) != len(self.opts) or any(a is not b for a, b in zip(opts, self.opts)):
-            # one packed copy: six float32 rows, then three int64 rows, each padded to a multiple of
+            # one packed copy: seven float32 rows, then three int64 rows, each padded to a multiple of
             # four entries so that every row starts on 16 bytes whatever the batch size (Triton
             # specialises a kernel on a pointer's 16-byte alignment)
             r = len(opts)
             w = -(-r // 4) * 4
-            floats = np.zeros((6, w), dtype=np.float32)
-            floats[:, :r] = np.array(
+            floats = np.zeros((7, w), dtype=np.float32)
+            floats[:6, :r] = np.array(
                 [
                     [o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
                     for o in opts
                 ],
                 dtype=np.float32,
             ).T
+            # the temperature sampling divides by: greedy rows' distributions are taken at 1
+            floats[6, :r] = np.where(floats[0, :r] > 0, floats[0, :r], 1.0)
             ints = np.zeros((3, w), dtype=np.int64)
             ints[:, :r] = np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T
             raw = np.concatenate([floats.view(np.uint8).ravel(), ints.view(np.uint8).ravel()])
             packed = to_device(torch.from_numpy(raw), dev)
-            self.floats = packed[: 24 * w].view(torch.float32).view(6, w)[:, :r].unbind()
-            self.ints = packed[24 * w :].view(torch.int64).view(3, w)[:, :r].unbind()
+            self.floats = packed[: 28 * w].view(torch.float32).view(7, w)[:, :r].unbind()
+            self.ints = packed[28 * w :].view(torch.int64).view(3, w)[:, :r].unbind()
             self.opts = list(opts)
             self.flags = dict(
                 all_greedy=all(o.temperature == 0 for o in opts),

@@ -32,6 +32,7 @@ class SamplingBatch:
     penalties: "PenaltyBatch | None" = None
     min_tokens_mask: torch.Tensor | None = None  # bool [R, V]: ids to forbid now
     max_num_logprobs: int = -1  # CPU: -1 none
+    sample_temperature: torch.Tensor | None = None  # float32 [R]: temperature, 1 where 0 (None: derived)
 
 
 @dataclass
@@ -85,14 +86,18 @@ def sampling_probs(
     min_p: torch.Tensor,
     any_top_k_top_p: bool,
     any_min_p: bool,
+    sample_temperature: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The distribution a non-greedy row samples from: temperature, top-k/top-p, min-p.
 
-    Rows with temperature 0 are computed at temperature 1 (callers pick argmax for them).
+    Rows with temperature 0 are computed at temperature 1 (callers pick argmax for them);
+    ``sample_temperature``: that divisor, precomputed (``SamplingBatch``: no launches).
     min-p zeroes tokens without renormalising: every consumer (the exponential race,
     the rejection sampler's ratios) is invariant to a per-row scale.
     """
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    temp = sample_temperature
+    if temp is None:
+        temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     if any_top_k_top_p:
         scaled = _top_k_top_p(scaled, top_k, top_p)
@@ -120,7 +125,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
         token_ids = greedy_ids
     else:
         probs = sampling_probs(
-            logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_top_p, batch.any_min_p
+            logits,
+            batch.temperature,
+            batch.top_k,
+            batch.top_p,
+            batch.min_p,
+            batch.any_top_k_top_p,
+            batch.any_min_p,
+            batch.sample_temperature,
         )
         sampled = exponential_race(probs, batch.seeds, batch.positions)
         token_ids = torch.where(batch.temperature > 0, sampled, greedy_ids)

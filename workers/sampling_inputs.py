@@ -15,7 +15,7 @@ def build_sampling_batch(
     dev = st.device
     cached = st.option_tensors.get(opts, dev)
     flags = cached.flags
-    temperature, top_p, min_p, rep, pres, freq = cached.floats
+    temperature, top_p, min_p, rep, pres, freq, sample_temperature = cached.floats
     top_k, seeds, min_tokens = cached.ints
     penalties = None
     if flags["any_penalties"]:
@@ -41,6 +41,7 @@ def build_sampling_batch(
         mask &= (out_len < min_tokens)[:, None]
     return SamplingBatch(
         temperature=temperature,
+        sample_temperature=sample_temperature,
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,

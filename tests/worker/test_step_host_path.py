@@ -256,3 +256,5 @@ def test_sampling_option_rows_start_on_16_bytes(n):
         assert row.data_ptr() % 16 == 0 and row.shape == (n,)
     assert got.ints[1].tolist() == [100 + i for i in range(n)] and got.ints[0].tolist() == list(range(n))
     assert got.floats[0].tolist() == pytest.approx([0.1 * i for i in range(n)])
+    # the divisor sampling takes: the temperature, 1 for greedy rows (temperature 0)
+    assert got.floats[6].tolist() == pytest.approx([1.0] + [0.1 * i for i in range(1, n)])
