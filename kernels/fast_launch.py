@@ -10,28 +10,45 @@ specialises on (a tensor's dtype and 16-byte alignment; an int's equality to 1, 
 by 16 and width; any other value's type; a constexpr's value) plus the launch options
 (``num_warps``, ``launch_pdl``, ...). That key is at least as fine as Triton's, so a hit
 launches exactly the variant Triton would pick: through ``CompiledKernel.run``, as
-``JITFunction.run`` ends. A miss (and the Triton interpreter) goes through Triton.
+``JITFunction.run`` ends. A miss, an argument of another kind (a tuple, a descriptor), a
+Triton before 3.6 and the interpreter go through Triton. Not honoured after a variant is
+cached: Triton's ``debug`` and instrumentation knobs changed while the process runs.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from kernels.settings import TRITON_INTERPRETED
 
-logger = logging.getLogger(__name__)
-
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+class _Uncached(Exception):
+    """An argument whose specialisation this module does not model: Triton's path."""
 
 
 def _arg_key(v):
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
-    if type(v) is int:
-        return (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX)
-    return type(v)
+    t = type(v)
+    if t is int:  # (Triton: i32, i64 or u64 by range; == 1 and % 16 as attributes)
+        return (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX, v >= 2**63)
+    if t is bool or t is float or v is None:
+        return t
+    raise _Uncached  # tuples, descriptors, enums...: Triton specialises on more than the type
+
+
+def _launcher_known() -> bool:
+    """Whether this Triton ends ``JITFunction.run`` with the launch replicated here: checked
+    against 3.6 (the GPU image's) and 3.9; older ones take Triton's path."""
+    import triton
+
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 6)
 
 
 class FastLaunch:
@@ -46,7 +63,7 @@ class FastLaunch:
             self._constexpr = [p.is_constexpr for p in params]
             self._defaults = [p.default for p in params]
             self._index = {n: i for i, n in enumerate(self._names)}
-            self._direct = not TRITON_INTERPRETED
+            self._direct = not TRITON_INTERPRETED and _launcher_known()
         except AttributeError:
             self._direct = False
         self._variants: dict = {}
@@ -76,8 +93,11 @@ class FastLaunch:
         if first is None or not first.is_cuda:
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
-        key = (tuple(v if c else _arg_key(v) for v, c in zip(full, self._constexpr)), tuple(options), device)
-        kernel = self._variants.get(key)
+        try:
+            key = (tuple(v if c else _arg_key(v) for v, c in zip(full, self._constexpr)), tuple(options), device)
+            kernel = self._variants.get(key)
+        except (_Uncached, TypeError):  # (TypeError: an unhashable value)
+            return self.fn[grid](*args, **kwargs)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
             if kernel is not None:
@@ -92,12 +112,7 @@ class FastLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = kernel.launch_metadata(grid, stream, *full)
-        try:
-            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
-        except TypeError:  # a launcher of another signature (a Triton this was not written for)
-            logger.warning("kernels.fast_launch: %s launches through Triton's path from now on", self.fn)
-            self._direct = False
-            return self.fn[grid](*args, **kwargs)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
         self.hits += 1
         return kernel
 

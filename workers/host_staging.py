@@ -18,6 +18,7 @@ import torch
 
 MIN_BUFFER_BYTES = 64 << 10
 MAX_BUFFERS = 64  # past this many copies in flight, torch's own pinned allocator takes over
+MAX_STAGED_BYTES = 4 << 20  # larger copies (rare: many long prompts) too: buffers never shrink
 
 
 class PinnedStaging:
@@ -54,15 +55,17 @@ class PinnedStaging:
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        if torch.cuda.is_current_stream_capturing():  # a graph would replay the buffer's later contents
+            raise RuntimeError("PinnedStaging.copy inside a CUDA graph capture")
         with self._lock:
-            slot = self._slot(nbytes)
+            slot = self._slot(nbytes) if nbytes <= MAX_STAGED_BYTES else None
             if slot is None:
                 return t.pin_memory().to(self.device, non_blocking=True)
             buf, arr, event = slot
             arr[:nbytes] = t.view(-1).view(torch.uint8).numpy()
             out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             out.copy_(buf[:nbytes], non_blocking=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # (the copy's stream: the device's)
         return out.view(t.dtype).view(t.shape)
 
 
