@@ -39,12 +39,12 @@ def mode_options(mode: str, model: str) -> dict:
     return {}
 
 
-def workload(num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000) -> tuple[list, list]:
+def workload(num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000, seed: int = 0) -> tuple[list, list]:
     """Random prompts (token ids) and their sampling parameters: greedy and sampled rows
     alternating, ``max_tokens`` 16-48 (rows finish at different steps)."""
     from cluster import SamplingParams
 
-    rnd = random.Random(0)
+    rnd = random.Random(seed)
     prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
     params = [
         SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i, ignore_eos=True)
@@ -63,8 +63,12 @@ def run_mode(
     max_num_seqs: int = 32,
     vocab: int = 1000,
     sync_check: str = "error",
+    passes: int = 1,
 ) -> dict:
-    """Launch times (ms) of one mode's steady state: after a warm-up request."""
+    """Launch times (ms) of one mode: after a warm-up request, the workload (its prompts, then
+    prompts that hit the prefix cache) ``passes`` times with new prompts each pass, of which
+    only the last is recorded. One pass includes every step shape's first use (a graph's
+    first replay, a GEMM's first shape); later passes time the steady state."""
     import ray
 
     from cluster import LLM
@@ -83,10 +87,13 @@ def run_mode(
         prompts, params = workload(num_prompts, prompt_len, vocab)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
-        ray.get([w.clear_launch_times.remote() for w in workers])
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        hits = [{"prompt_token_ids": p[:160] + [5, 6, 7]} for p in prompts[: num_prompts // 2]]
-        llm.generate(hits, params[: num_prompts // 2], use_tqdm=False)
+        for n in range(passes):
+            if n:
+                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n)
+            ray.get([w.clear_launch_times.remote() for w in workers])  # only the last pass counts
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            hits = [{"prompt_token_ids": p[:160] + [5, 6, 7]} for p in prompts[: num_prompts // 2]]
+            llm.generate(hits, params[: num_prompts // 2], use_tqdm=False)
         stats = ray.get([w.stats.remote() for w in workers])
         launches = [ms for s in stats for ms in s["launch_ms"]]
         mixed = [ms for s in stats for ms in s["mixed_launch_ms"]]
@@ -149,8 +156,17 @@ def main(argv=None) -> list[dict]:
         help="the workers' sync check (default: error; its launch audit adds host time to every "
         "operator: 'off' times the launches as served)",
     )
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run the workload this many times (new prompts each) and time the last (default: 1, "
+        "which includes every step shape's first use; 2 times the steady state)",
+    )
     p.add_argument("--output", default=None, help="write the raw launch times as JSON here")
     args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error(f"--passes must be at least 1, got {args.passes}")
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -166,7 +182,7 @@ def main(argv=None) -> list[dict]:
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     runs, rows = [], []
     for mode in modes:  # a row as each mode ends: a long run shows its progress
-        runs.append(run_mode(mode, model, fmt, args.wait_ms, sync_check=args.sync_check))
+        runs.append(run_mode(mode, model, fmt, args.wait_ms, sync_check=args.sync_check, passes=args.passes))
         r = summarize(runs[-1])
         rows.append(r)
         print(

@@ -359,7 +359,11 @@ def test_launch_calls_profiles_each_launch(ray_local, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv,says",
-    [(["--modes", "async,async+nothing"], "unknown modes async+nothing"), (["--wait-ms", "0"], "--wait-ms must be")],
+    [
+        (["--modes", "async,async+nothing"], "unknown modes async+nothing"),
+        (["--wait-ms", "0"], "--wait-ms must be"),
+        (["--passes", "0"], "--passes must be at least 1"),
+    ],
 )
 def test_launch_wait_refuses_bad_arguments(argv, says, capsys):
     """``benchmarks.launch_wait`` (a GPU benchmark) names a bad mode or wait before starting anything."""

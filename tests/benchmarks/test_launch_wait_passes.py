@@ -1,0 +1,20 @@
+"""``benchmarks.launch_wait.run_mode`` on the CPU: with ``passes`` > 1 only the last pass's
+launches are recorded (the earlier ones warm every step shape), with new prompts."""
+
+from benchmarks.launch_wait import run_mode, workload
+
+
+def test_only_the_last_pass_is_recorded(ray_local, ckpt_dir):
+    ck = str(ckpt_dir("llama", max_pos=4096))
+    kw = dict(num_prompts=8, prompt_len=40, max_num_seqs=4, vocab=200, sync_check="off")
+    one = run_mode("async", ck, "safetensors", 5.0, passes=1, **kw)
+    two = run_mode("async", ck, "safetensors", 5.0, passes=2, **kw)
+    n1, n2 = len(one["launch_ms"]), len(two["launch_ms"])
+    assert n1 > 20 and abs(n2 - n1) <= n1 // 4, (n1, n2)  # one pass's worth, not two
+    assert two["mixed_launch_ms"] and len(two["launch_phases_ms"]) == n2
+
+
+def test_each_pass_has_new_prompts_of_the_same_shape():
+    (a, pa), (b, pb) = workload(4, 30, 100, seed=0), workload(4, 30, 100, seed=1)
+    assert a != b and [len(p) for p in a] == [len(p) for p in b]
+    assert [p.max_tokens for p in pa] == [p.max_tokens for p in pb]
