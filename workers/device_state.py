@@ -14,6 +14,7 @@ import array
 import numpy as np
 import torch
 
+from kernels.place import place_requests
 from metadata.wire import NewRequest, SamplingOptions
 from workers.host_staging import staging_for
 
@@ -193,19 +194,15 @@ class DeviceState:
         o_row, o_col = rows_cols(olen, plen)
         packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen]))
         dev = to_device(packed, self.device)
-        tok, trow, tcol, rr, vals = dev.split([t, t, t, n, 2 * n])
-        # stale rows: whole-row clears, then this placement's writes
+        tok, trow, tcol, rr, cached_d, plen_d = dev.split([t, t, t, n, n, n])
+        # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
+        # outputs to recompute after preemption are counted, repeated tokens accumulating)
         self.output_counts.index_fill_(0, rr, 0)
         self.prompt_mask.index_fill_(0, rr, False)
-        self.token_ids.index_put_((trow, tcol), tok)
-        vals = vals.view(2, n).to(torch.int32)
-        self.num_computed.index_put_((rr,), vals[0])
-        self.prompt_len.index_put_((rr,), vals[1])
-        self.prompt_mask.index_put_((trow[:tp], tok[:tp]), self.true_value)
-        if t > tp:  # outputs to recompute after preemption: repeated tokens accumulate
-            o = tok[tp:]  # (index_add_ on the flat counts: atomics, as the per-request code had)
-            flat = trow[tp:] * self.vocab + o
-            self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(o, dtype=torch.int32))
+        place_requests(
+            self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts,
+            tok, trow, tcol, tp, rr, cached_d, plen_d,
+        )  # fmt: skip
 
     def release(self, handle: int) -> None:
         row = self.row_of.pop(handle, None)

@@ -1,0 +1,117 @@
+"""Placing new requests in the device state in one Triton launch.
+
+``DeviceState.add_many`` ships every new request's tokens with their rows and columns in
+one packed copy; this writes them: each token into ``token_ids[row, col]``, a prompt token's
+bit into ``prompt_mask[row, token]``, an output token (a resumed request's, after
+preemption) counted in ``output_counts[row, token]`` (atomically: a token may repeat), and
+each request's ``num_computed`` (its cached tokens) and ``prompt_len``. Through torch that
+was five indexed writes and a cast, each a launch with tens of microseconds of host time.
+The rows' clears (``output_counts``, ``prompt_mask``) stay before it in the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fast_launch import fast_launch
+
+
+def place_requests_reference(
+    token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen
+):
+    """What the kernel writes (torch); ``tp``: how many of the tokens are prompt tokens (they come first)."""
+    token_ids.index_put_((trow, tcol), tok)
+    num_computed.index_put_((rows,), cached.to(num_computed.dtype))
+    prompt_len.index_put_((rows,), plen.to(prompt_len.dtype))
+    prompt_mask.index_put_((trow[:tp], tok[:tp]), torch.ones((), dtype=torch.bool, device=tok.device))
+    if tok.shape[0] > tp:
+        o = tok[tp:]
+        output_counts.view(-1).index_add_(
+            0, trow[tp:] * output_counts.shape[1] + o, torch.ones_like(o, dtype=output_counts.dtype)
+        )
+
+
+@fast_launch
+# the input segments follow the placement's token count: their 16-byte alignment varies, and
+# specialising on it would compile variants mid-serving
+@triton.jit(
+    do_not_specialize=["n_tok", "n_prompt", "n_req", "stride_tok", "stride_mask", "stride_counts"],
+    do_not_specialize_on_alignment=["tok_ptr", "trow_ptr", "tcol_ptr", "rows_ptr", "cached_ptr", "plen_ptr"],
+)
+def _place_kernel(
+    tok_ptr,
+    trow_ptr,
+    tcol_ptr,
+    rows_ptr,
+    cached_ptr,
+    plen_ptr,
+    token_ids_ptr,
+    num_computed_ptr,
+    prompt_len_ptr,
+    mask_ptr,
+    counts_ptr,
+    n_tok,
+    n_prompt,
+    n_req,
+    stride_tok,
+    stride_mask,
+    stride_counts,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:  # the requests' lengths
+        for start in range(0, n_req, BLOCK):
+            r = start + tl.arange(0, BLOCK)
+            m = r < n_req
+            row = tl.load(rows_ptr + r, mask=m, other=0)
+            tl.store(num_computed_ptr + row, tl.load(cached_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
+            tl.store(prompt_len_ptr + row, tl.load(plen_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
+    else:
+        i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n_tok
+        t = tl.load(tok_ptr + i, mask=m, other=0)
+        row = tl.load(trow_ptr + i, mask=m, other=0)
+        col = tl.load(tcol_ptr + i, mask=m, other=0)
+        tl.store(token_ids_ptr + row * stride_tok + col, t, mask=m)
+        prompt = m & (i < n_prompt)
+        tl.store(mask_ptr + row * stride_mask + t, tl.full([BLOCK], 1, tl.int1), mask=prompt)
+        out = m & (i >= n_prompt)
+        tl.atomic_add(counts_ptr + row * stride_counts + t, tl.full([BLOCK], 1, tl.int32), mask=out)
+
+
+def place_requests(
+    token_ids,
+    num_computed,
+    prompt_len,
+    prompt_mask,
+    output_counts,
+    tok,
+    trow,
+    tcol,
+    tp: int,
+    rows,
+    cached,
+    plen,
+    block: int = 256,
+):
+    """Writes new requests' tokens and lengths (see the module docstring): one launch on CUDA
+    (and under the Triton interpreter), the torch reference elsewhere. ``tp``: a host int."""
+    if not tok.is_cuda and not _interpreted():
+        return place_requests_reference(
+            token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen
+        )
+    for t in (token_ids, prompt_mask, output_counts):
+        assert t.stride(-1) == 1
+    n_tok, n_req = tok.shape[0], rows.shape[0]
+    _place_kernel[(1 + triton.cdiv(n_tok, block),)](
+        tok, trow, tcol, rows, cached, plen, token_ids, num_computed, prompt_len, prompt_mask, output_counts,
+        n_tok, tp, n_req, token_ids.stride(0), prompt_mask.stride(0), output_counts.stride(0), BLOCK=block,
+    )  # fmt: skip
+
+
+def _interpreted() -> bool:
+    from kernels.settings import TRITON_INTERPRETED
+
+    return TRITON_INTERPRETED
