@@ -37,7 +37,7 @@ def place_requests_reference(
 # the input segments follow the placement's token count: their 16-byte alignment varies, and
 # specialising on it would compile variants mid-serving
 @triton.jit(
-    do_not_specialize=["n_tok", "n_prompt", "n_req", "stride_tok", "stride_mask", "stride_counts"],
+    do_not_specialize=["n_tok", "n_prompt", "n_req", "vocab", "stride_tok", "stride_mask", "stride_counts"],
     do_not_specialize_on_alignment=["tok_ptr", "trow_ptr", "tcol_ptr", "rows_ptr", "cached_ptr", "plen_ptr"],
 )
 def _place_kernel(
@@ -55,6 +55,7 @@ def _place_kernel(
     n_tok,
     n_prompt,
     n_req,
+    vocab,
     stride_tok,
     stride_mask,
     stride_counts,
@@ -75,6 +76,7 @@ def _place_kernel(
         row = tl.load(trow_ptr + i, mask=m, other=0)
         col = tl.load(tcol_ptr + i, mask=m, other=0)
         tl.store(token_ids_ptr + row * stride_tok + col, t, mask=m)
+        m = m & (t >= 0) & (t < vocab)  # (ids are checked on admission: never another row's bits)
         prompt = m & (i < n_prompt)
         tl.store(mask_ptr + row * stride_mask + t, tl.full([BLOCK], 1, tl.int1), mask=prompt)
         out = m & (i >= n_prompt)
@@ -107,7 +109,8 @@ def place_requests(
     n_tok, n_req = tok.shape[0], rows.shape[0]
     _place_kernel[(1 + triton.cdiv(n_tok, block),)](
         tok, trow, tcol, rows, cached, plen, token_ids, num_computed, prompt_len, prompt_mask, output_counts,
-        n_tok, tp, n_req, token_ids.stride(0), prompt_mask.stride(0), output_counts.stride(0), BLOCK=block,
+        n_tok, tp, n_req, prompt_mask.shape[1],
+        token_ids.stride(0), prompt_mask.stride(0), output_counts.stride(0), BLOCK=block,
     )  # fmt: skip
 
 

@@ -21,8 +21,8 @@ def _state(rows=6, cols=40, vocab=30):
         torch.randint(0, vocab, (rows, cols), generator=g),  # token_ids (stale values)
         torch.randint(0, 9, (rows,), generator=g, dtype=torch.int32),  # num_computed
         torch.randint(0, 9, (rows,), generator=g, dtype=torch.int32),  # prompt_len
-        torch.zeros(rows, vocab, dtype=torch.bool),  # prompt_mask (cleared rows)
-        torch.zeros(rows, vocab, dtype=torch.int32),  # output_counts
+        torch.rand(rows, vocab, generator=g) < 0.3,  # prompt_mask (stale bits: a stray write shows)
+        torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32),  # output_counts
     )
 
 
@@ -47,16 +47,29 @@ def _placement(seed, n_req, vocab=30, block=None):
     return t(tok), t(trow), t(tcol), sum(plens), t(rows), t(cached), t(plens)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("n_req", [1, 4, 6])
-def test_place_kernel_matches_reference(seed, n_req):
-    args = _placement(seed, n_req)
+def _check(args, block):
     want, got = _state(), _state()
+    before = got[4].sum()
     place_requests_reference(*want, *args)
-    place.place_requests(*got, *args, block=16)  # several token programs
+    place.place_requests(*got, *args, block=block)
     for name, a, b in zip(("token_ids", "num_computed", "prompt_len", "prompt_mask", "output_counts"), want, got):
         assert torch.equal(a, b), name
-    assert got[4].sum() == args[0].shape[0] - args[3]  # every output token counted once
+    assert got[4].sum() - before == args[0].shape[0] - args[3]  # every output token counted once
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n_req", [1, 4, 6])
+@pytest.mark.parametrize("block", [4, 16])  # (4: the lengths loop runs twice for 6 requests)
+def test_place_kernel_matches_reference(seed, n_req, block):
+    _check(_placement(seed, n_req), block)
+
+
+def test_place_kernel_without_prompt_tokens_or_any_token():
+    tok, trow, tcol, tp, rows, cached, plen = _placement(4, 3)
+    outs = slice(tp, None)
+    _check((tok[outs], trow[outs], tcol[outs], 0, rows, cached, plen), 4)  # only resumed outputs
+    empty = torch.empty(0, dtype=torch.int64)
+    _check((empty, empty, empty, 0, rows, cached, plen), 4)  # lengths only
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
@@ -67,10 +80,14 @@ delegate_all(globals(), __file__)  # parent process: each test reports its child
 def test_gpu_place_kernel_matches_reference():
     from kernels.place import place_requests
 
-    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in _placement(3, 6)]
-    want = [x.cuda() for x in _state()]
-    got = [x.cuda() for x in _state()]
-    place_requests_reference(*want, *args)
-    place_requests(*got, *args)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    from kernels import place
+
+    for seed, block in ((3, 16), (5, 16), (3, 256)):  # several token programs; a repeat launches directly
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in _placement(seed, 6)]
+        want = [x.cuda() for x in _state()]
+        got = [x.cuda() for x in _state()]
+        place_requests_reference(*want, *args)
+        place_requests(*got, *args, block=block)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+    assert place._place_kernel.hits > 0
