@@ -83,7 +83,7 @@ def _place_kernel(
         tl.atomic_add(counts_ptr + row * stride_counts + t, tl.full([BLOCK], 1, tl.int32), mask=out)
 
 
-def place_requests(
+def place_requests_triton(
     token_ids,
     num_computed,
     prompt_len,
@@ -98,12 +98,7 @@ def place_requests(
     plen,
     block: int = 256,
 ):
-    """Writes new requests' tokens and lengths (see the module docstring): one launch on CUDA
-    (and under the Triton interpreter), the torch reference elsewhere. ``tp``: a host int."""
-    if not tok.is_cuda and not _interpreted():
-        return place_requests_reference(
-            token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen
-        )
+    """``place_requests_reference`` in one launch. ``tp``: a host int."""
     for t in (token_ids, prompt_mask, output_counts):
         assert t.stride(-1) == 1
     n_tok, n_req = tok.shape[0], rows.shape[0]
@@ -114,7 +109,10 @@ def place_requests(
     )  # fmt: skip
 
 
-def _interpreted() -> bool:
-    from kernels.settings import TRITON_INTERPRETED
-
-    return TRITON_INTERPRETED
+def place_requests(
+    token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp: int, rows, cached, plen
+) -> None:
+    """Writes new requests' tokens and lengths (see the module docstring): one launch on
+    CUDA, the torch reference elsewhere. ``tp``: a host int."""
+    fn = place_requests_triton if tok.is_cuda else place_requests_reference
+    fn(token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen)

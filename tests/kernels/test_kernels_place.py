@@ -51,7 +51,7 @@ def _check(args, block):
     want, got = _state(), _state()
     before = got[4].sum()
     place_requests_reference(*want, *args)
-    place.place_requests(*got, *args, block=block)
+    place.place_requests_triton(*got, *args, block=block)
     for name, a, b in zip(("token_ids", "num_computed", "prompt_len", "prompt_mask", "output_counts"), want, got):
         assert torch.equal(a, b), name
     assert got[4].sum() - before == args[0].shape[0] - args[3]  # every output token counted once
@@ -78,7 +78,7 @@ delegate_all(globals(), __file__)  # parent process: each test reports its child
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_place_kernel_matches_reference():
-    from kernels.place import place_requests
+    from kernels.place import place_requests_triton
 
     from kernels import place
 
@@ -87,7 +87,7 @@ def test_gpu_place_kernel_matches_reference():
         want = [x.cuda() for x in _state()]
         got = [x.cuda() for x in _state()]
         place_requests_reference(*want, *args)
-        place_requests(*got, *args, block=block)
+        place_requests_triton(*got, *args, block=block)
         for a, b in zip(want, got):
             assert torch.equal(a, b)
     assert place._place_kernel.hits > 0
