@@ -322,3 +322,15 @@ def phase_medians(run: dict) -> dict[str, list[float]]:
         rows = [p[1:] for p in run.get("launch_phases_ms", []) if bool(p[0]) == mixed]
         out[kind] = [statistics.median(col) for col in zip(*rows)] if rows else []
     return out
+
+
+def thread_time_medians(run: dict) -> dict[str, tuple[float, float]]:
+    """``(wall, thread CPU)`` median ms of the decode and of the mixed launches
+    (``launch_cpu_ms``); where the CPU time falls short of the wall time, the launching
+    thread did not run: another thread of the worker held the GIL, or the thread blocked."""
+    out = {}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        rows = [c[1:] for c in run.get("launch_cpu_ms", []) if bool(c[0]) == mixed]
+        if rows:
+            out[kind] = (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
+    return out

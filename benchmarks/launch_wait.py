@@ -21,7 +21,7 @@ import json
 import random
 import statistics
 
-from benchmarks.common import phase_medians
+from benchmarks.common import phase_medians, thread_time_medians
 from benchmarks.shapes import resolve_model
 
 MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8")
@@ -98,6 +98,7 @@ def run_mode(
         launches = [ms for s in stats for ms in s["launch_ms"]]
         mixed = [ms for s in stats for ms in s["mixed_launch_ms"]]
         phases = [p for s in stats for p in s["launch_phases_ms"]]
+        cpu = [c for s in stats for c in s["launch_cpu_ms"]]
         allocs = [a for s in stats for a in s["launch_allocs"]]
         return {
             "mode": mode,
@@ -105,6 +106,7 @@ def run_mode(
             "launch_ms": launches,
             "mixed_launch_ms": mixed,
             "launch_phases_ms": phases,
+            "launch_cpu_ms": cpu,
             "launch_allocs": allocs,
             "preemptions": llm.engine.scheduler.num_preemptions,
             "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
@@ -204,6 +206,13 @@ def main(argv=None) -> list[dict]:
         for kind, medians in phase_medians(run).items():
             if medians:
                 print(f"| {run['mode']} | {kind} | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
+    print("\nThe launching thread's CPU time against the launch's wall time (medians, ms; a gap: the")
+    print("thread did not run, another thread of the worker holding the GIL, or it blocked):")
+    print("| mode | steps | wall | thread CPU | CPU / wall |")
+    print("|---|---|---|---|---|")
+    for run in runs:
+        for kind, (wall, cpu) in thread_time_medians(run).items():
+            print(f"| {run['mode']} | {kind} | {wall:.3f} | {cpu:.3f} | {cpu / wall if wall else 0:.2f} |")
     return rows
 
 

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks import common
-from benchmarks.common import phase_medians
+from benchmarks.common import phase_medians, thread_time_medians
 from benchmarks.datasets import SampleRequest, add_dataset_args, get_requests, vocab_size_of
 from benchmarks.hf_baseline import hf_available, run_hf, throughput_fields, token_prompts_of
 
@@ -102,6 +102,7 @@ def run_engine(llm, requests: list[SampleRequest], temperature: float, num_warmu
             "mixed_steps": len(launches["mixed_launch_ms"]),
             "mixed_median": statistics.median(launches["mixed_launch_ms"]) if launches["mixed_launch_ms"] else 0.0,
             "phases": phase_medians(launches),  # decode / mixed: median ms of each LAUNCH_PHASES
+            "thread_time": thread_time_medians(launches),  # decode / mixed: (wall, thread CPU) median ms
         }
     if engine is not None and engine.timeline:  # measure_device_timeline: where the device's time went
         busy = sum(t[1] for t in engine.timeline)
@@ -227,6 +228,8 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
             if medians:
                 split = ", ".join(f"{name} {m:.2f}" for name, m in zip(LAUNCH_PHASES, medians))
                 print(f"{label}  {kind} launch, median ms by phase: {split}")
+        for kind, (wall, cpu) in wl.get("thread_time", {}).items():
+            print(f"{label}  {kind} launch, median ms: wall {wall:.2f}, the launching thread's CPU {cpu:.2f}")
     if tl:
         print(
             f"{label}Device: busy {tl['device_busy_s']:.3f} s, idle between steps {tl['device_idle_s']:.3f} s "

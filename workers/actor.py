@@ -121,6 +121,8 @@ class WorkerActor:
             "mixed_launch_ms": list(self.runner.mixed_launch_ms) if self.runner is not None else [],
             # (mixed step?, ms of each of workers.model_runner.LAUNCH_PHASES) a sampling launch
             "launch_phases_ms": [list(p) for p in self.runner.launch_phases] if self.runner is not None else [],
+            # (mixed step?, wall ms, the launching thread's CPU ms) a sampling launch
+            "launch_cpu_ms": [list(c) for c in self.runner.launch_cpu] if self.runner is not None else [],
             # with launch_wait_probe_ms: (mixed step?, pinned host blocks, device segments) created a launch
             "launch_allocs": [list(a) for a in self.runner.launch_allocs] if self.runner is not None else [],
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),

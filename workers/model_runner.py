@@ -122,6 +122,9 @@ class ModelRunner:
         self.mixed_launch_ms: collections.deque = collections.deque(maxlen=4096)  # ... of steps no decode graph fits
         # (mixed step?, ms of each of LAUNCH_PHASES) a launch with rows: where the host time goes
         self.launch_phases: collections.deque = collections.deque(maxlen=4096)
+        # (mixed step?, wall ms, the launching thread's CPU ms) a launch with rows: a gap between
+        # the two is time the thread did not run (another thread held the GIL, or it blocked)
+        self.launch_cpu: collections.deque = collections.deque(maxlen=4096)
         self._decode_graph_step = True  # whether the step being launched replays a decode graph
         self._probe_cycles = 0  # launch_wait_probe_ms in torch.cuda._sleep cycles
         # with the probe armed, (mixed step?, pinned host blocks, device segments) a launch created
@@ -311,11 +314,13 @@ class ModelRunner:
         if self._probe_cycles and plan.rows:  # diagnostics: the device is busy for a while
             torch.cuda._sleep(self._probe_cycles)
             allocs = allocator_counts()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         pending = self._enqueue(plan, t0)
         pending.launch_s = time.perf_counter() - t0
         if plan.rows:
+            cpu_ms = (time.thread_time() - c0) * 1e3
             self.launch_ms.append(pending.launch_s * 1e3)
+            self.launch_cpu.append((not self._decode_graph_step, pending.launch_s * 1e3, cpu_ms))
             if not self._decode_graph_step:
                 self.mixed_launch_ms.append(pending.launch_s * 1e3)
         if allocs is not None:  # (counted outside the launch's timing)
@@ -325,7 +330,7 @@ class ModelRunner:
 
     def reset_launch_stats(self) -> None:
         """Forget the launch times and graph replays so far (the warm-up's, a benchmark's warm-up)."""
-        for times in (self.launch_ms, self.mixed_launch_ms, self.launch_phases, self.launch_allocs):
+        for times in (self.launch_ms, self.mixed_launch_ms, self.launch_phases, self.launch_cpu, self.launch_allocs):
             times.clear()
         if self.graphs is not None:
             self.graphs.replays = 0

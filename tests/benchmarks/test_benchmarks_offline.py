@@ -417,3 +417,14 @@ def test_launch_wait_phase_medians():
     run = {"launch_phases_ms": [[False, 1, 2], [True, 10, 20], [False, 3, 4], [False, 5, 0], [True, 30, 40]]}
     assert phase_medians(run) == {"decode": [3, 2], "mixed": [20, 30]}
     assert phase_medians({"launch_phases_ms": []}) == {"decode": [], "mixed": []}
+
+
+def test_launch_wait_thread_time_medians():
+    """``benchmarks.common.thread_time_medians``: (wall, thread CPU) medians of the decode and
+    the mixed launches apart; a kind with no launch is left out."""
+    from benchmarks.common import thread_time_medians
+
+    run = {"launch_cpu_ms": [[False, 1.0, 0.5], [True, 10.0, 2.0], [False, 3.0, 2.5], [False, 2.0, 2.0]]}
+    assert thread_time_medians(run) == {"decode": (2.0, 2.0), "mixed": (10.0, 2.0)}
+    assert thread_time_medians({"launch_cpu_ms": [[True, 4.0, 4.0]]}) == {"mixed": (4.0, 4.0)}
+    assert thread_time_medians({}) == {}

@@ -12,6 +12,8 @@ def test_only_the_last_pass_is_recorded(ray_local, ckpt_dir):
     n1, n2 = len(one["launch_ms"]), len(two["launch_ms"])
     assert n1 > 20 and abs(n2 - n1) <= n1 // 4, (n1, n2)  # one pass's worth, not two
     assert two["mixed_launch_ms"] and len(two["launch_phases_ms"]) == n2
+    assert [c[1] for c in two["launch_cpu_ms"]] == two["launch_ms"]  # each launch's thread CPU time beside
+    assert all(0 < c[2] <= c[1] + 0.05 for c in two["launch_cpu_ms"])
 
 
 def test_each_pass_has_new_prompts_of_the_same_shape():

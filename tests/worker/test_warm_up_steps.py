@@ -163,3 +163,35 @@ def test_launch_phases_split_the_launch(ckpt_dir):
         assert phases[0] is True and len(phases) == 1 + len(LAUNCH_PHASES)
         assert all(ms >= 0 for ms in phases[1:]) and sum(phases[1:]) <= total
     assert phases[3] > 0  # the forward ran
+
+
+def test_launch_thread_time_shows_another_thread_holding_the_gil(ckpt_dir):
+    """Each sampling launch also records its thread's CPU time (``launch_cpu``): at most its
+    wall time, and far below it while another thread of the process runs Python (the GIL
+    handed back and forth at each operator), the gap ``benchmarks.launch_wait`` reports."""
+    import threading
+
+    model = ckpt_dir("llama")
+    quiet = _runner(model)
+    _serve(quiet)
+    assert len(quiet.launch_cpu) == len(quiet.launch_ms) == 4
+    for (mixed, wall, cpu), total in zip(quiet.launch_cpu, quiet.launch_ms):
+        assert mixed is True and wall == total and 0 < cpu <= wall + 0.05
+
+    busy, stop = _runner(model), threading.Event()
+
+    def spin():
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        _serve(busy)
+    finally:
+        stop.set()
+        spinner.join()
+    wall = sum(c[1] for c in busy.launch_cpu)
+    cpu = sum(c[2] for c in busy.launch_cpu)
+    assert cpu < 0.5 * wall, (cpu, wall)
