@@ -379,14 +379,15 @@ def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weigh
 
 
 def _fp8_skinny_config(x, weight, norm: bool, act, out_dtype) -> dict | None:
-    """The skinny table's tiles for an FP8 weight of this shape (its 16-bit entries); the
-    fallback tiles where it names the GEMV (no FP8 GEMV), or says "unfused" at one row or for
-    a plain GEMM (no cuBLAS path for FP8); None where it says "unfused" for a fused call at
-    more than one row (the caller runs the norm and activation kernels around a plain GEMM)."""
+    """The skinny table's tiles for an FP8 weight of this shape (its FP8 entry, else its 16-bit
+    one); the fallback tiles where it names the GEMV (no FP8 GEMV), or says "unfused" at one row
+    or for a plain GEMM (no cuBLAS path for FP8); None where it says "unfused" for a fused call
+    at more than one row (the caller runs the norm and activation kernels around a plain GEMM)."""
     from kernels.skinny_gemm import fallback_config, kind_of, select_config
 
     m = x.shape[0]
-    cfg = select_config(m, *weight.shape, kind_of(norm, act, out_dtype == torch.float32), current().skinny_table)
+    kind = kind_of(norm, act, out_dtype == torch.float32)
+    cfg = select_config(m, *weight.shape, kind, current().skinny_table, fp8=True)
     if cfg is None and m > 1 and (norm or act is not None):
         return None
     return fallback_config(m) if cfg is None or cfg.get("kernel") == "gemv" else cfg

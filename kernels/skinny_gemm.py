@@ -9,7 +9,9 @@ Which path and tile a call uses is a CPU decision by weight shape and M class
 on the target GPU by ``python -m benchmarks.kernels.bench --tune``, or the file named by
 the ``skinny_tuning`` option; each entry is the fastest candidate, or null where
 the unfused RMSNorm + cuBLAS + SiLU*mul path was faster; a batch-1 entry with
-``"kernel": "gemv"`` routes to ``kernels.gemv``), else ``DEFAULTS``.
+``"kernel": "gemv"`` routes to ``kernels.gemv``), else ``DEFAULTS``. FP8 weights move half
+the bytes a tile of the same shape, so they have entries of their own (``|fp8`` keys, written
+by ``--tune ... --weights fp8``); a shape without one takes its 16-bit entry.
 
 No host syncs; the grid depends on ``N`` only. ``M`` is not specialised, so
 every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
@@ -87,17 +89,23 @@ def _load_tuning(path: str) -> dict[str, dict | None]:
     return load_entries(path, TUNING_FILE, "skinny_tuning", "skinny-GEMM")
 
 
-def tuning_key(kind: str, mc: int, n: int, k: int) -> str:
-    return f"{kind}|m{mc}|{n}x{k}"
+def tuning_key(kind: str, mc: int, n: int, k: int, fp8: bool = False) -> str:
+    """A tuning table's key; ``fp8``: the entry for FP8 (e4m3) weights of that shape."""
+    return f"{kind}|m{mc}|{n}x{k}" + ("|fp8" if fp8 else "")
 
 
-def select_config(m: int, n: int, k: int, kind: str, table: dict[str, dict | None] | None = None) -> dict | None:
+def select_config(
+    m: int, n: int, k: int, kind: str, table: dict[str, dict | None] | None = None, fp8: bool = False
+) -> dict | None:
     """The skinny config for this call from ``table`` (None: the packaged one), else the
-    defaults; None where the unfused path is faster (CPU ints only: shapes, batch class)."""
+    defaults; None where the unfused path is faster (CPU ints only: shapes, batch class).
+    ``fp8``: an FP8 weight, whose own entry (``tuning_key(..., fp8=True)``) comes first."""
     mc = m_class(m)
     if mc is None:
         return None
     table = load_table() if table is None else table
+    if fp8 and (key := tuning_key(kind, mc, n, k, fp8=True)) in table:
+        return table[key]
     key = tuning_key(kind, mc, n, k)
     if key in table:
         return table[key]

@@ -2,7 +2,7 @@
 
     python -m benchmarks.kernels.bench --out /tmp/kernel-bench.json
         [--only gemm|gemv|attention|attention-sweep[-big]|probe|rope-attention]
-    python -m benchmarks.kernels.bench --tune kernels/skinny_tuning.json
+    python -m benchmarks.kernels.bench --tune kernels/skinny_tuning.json [--weights fp8]
 
 Timings: ``benchmarks.kernels.timing`` (CUDA-graph replays over operand copies larger
 than L2). The GEMM baseline is what the
@@ -43,28 +43,62 @@ TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_sta
         (True, 32, 128, 4, 5, False),
     ],
 }
+# FP8 weights: a tile of the same shape moves half the bytes, so deeper K tiles join in
+TUNE_CANDIDATES_FP8 = {
+    1: [
+        (False, 8, 1024, 4, 2, False),
+        (False, 8, 2048, 4, 2, False),
+        (False, 4, 2048, 4, 2, False),
+        (False, 16, 1024, 8, 2, False),
+        (False, 4, 1024, 4, 2, True),
+        (False, 4, 2048, 4, 2, True),
+        (False, 8, 512, 4, 2, False),
+    ],
+    16: [
+        (True, 32, 256, 4, 4, False),
+        (True, 32, 512, 4, 3, False),
+        (True, 64, 256, 4, 4, False),
+        (True, 16, 512, 4, 4, False),
+        (True, 64, 128, 4, 4, False),
+        (True, 32, 128, 4, 5, False),
+    ],
+}
+CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")
 
 
-def bench_gemm(ms: list[int]) -> list[dict]:
+def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
+    """Each model shape's skinny candidates against its baseline at each M up to 16. 16-bit
+    weights: the baseline is the unfused path (norm kernel + cuBLAS + act kernel). ``fp8``:
+    per-row FP8 weights (no lm_head), the baseline is what serving runs now (the packaged
+    table's tiles, or the unfused norm + weight-only GEMM + act)."""
     from kernels import ops
+    from kernels.fp8_reference import quantize_weight_fp8
     from kernels.skinny_gemm import skinny_linear_triton
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: smoke tests
     dt = torch.bfloat16
+    candidates = TUNE_CANDIDATES_FP8 if fp8 else TUNE_CANDIDATES
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
-        nbytes = n * k * 2
+        if fp8 and variant == "logits":  # the lm_head stays 16-bit
+            continue
+        nbytes = n * k * (1 if fp8 else 2)
         copies = rotation_copies(nbytes)
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        scales = [None] * copies
+        if fp8:
+            ws, scales = map(list, zip(*(quantize_weight_fp8(w) for w in ws)))
         for m in ms:
             if m > 16:  # M classes 1 and 2..16; larger batches stay on cuBLAS
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
             kw = gemm_call_kwargs(variant, m, k, dt, dev)
             saved = ops.SKINNY_MAX_M
-            ops.SKINNY_MAX_M = 0  # the unfused path: norm kernel + cuBLAS + act kernel
+            ops.SKINNY_MAX_M = saved if fp8 else 0  # 16-bit: the unfused path, norm + cuBLAS + act
             try:
-                base = graph_time_us([lambda w=w: ops.linear(x, w, **kw) for w in ws])
+                base = graph_time_us(
+                    [lambda w=w, s=s: ops.linear(x, w, weight_scale=s, **kw) for w, s in zip(ws, scales)]
+                )
             finally:
                 ops.SKINNY_MAX_M = saved
             row = {
@@ -79,10 +113,15 @@ def bench_gemm(ms: list[int]) -> list[dict]:
                 "configs": [],
             }
             mc = 1 if m == 1 else 16
-            for use_dot, bn, bk, nw, st, pf in TUNE_CANDIDATES[mc]:
-                cfg = dict(use_dot=use_dot, block_n=bn, block_k=bk, num_warps=nw, num_stages=st, prefetch=pf)
+            for values in candidates[mc]:
+                cfg = dict(zip(CONFIG_FIELDS, values))
                 try:
-                    us = graph_time_us([lambda w=w, cfg=cfg: skinny_linear_triton(x, w, config=cfg, **kw) for w in ws])
+                    us = graph_time_us(
+                        [
+                            lambda w=w, s=s, cfg=cfg: skinny_linear_triton(x, w, weight_scale=s, config=cfg, **kw)
+                            for w, s in zip(ws, scales)
+                        ]
+                    )
                 except Exception as e:  # a config that does not compile (resources)
                     row["configs"].append({**cfg, "error": repr(e)[:200]})
                     continue
@@ -93,7 +132,7 @@ def bench_gemm(ms: list[int]) -> list[dict]:
             row["speedup"] = base / best["us"] if best else None
             rows.append(row)
             print(
-                f"gemm {name:12s} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
+                f"gemm {name:12s}{' fp8' if fp8 else ''} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
                 + (
                     f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
                     f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
@@ -282,44 +321,68 @@ def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8,
     return rows
 
 
-def tune(path: str) -> dict:
-    """Measure M=1 and M=8 on the model shapes; write the per-shape choices that
-    ``kernels.skinny_gemm.select_config`` reads (None = the unfused path won)."""
-    import datetime
-    import sys
-
-    import triton
-
+def tuned_entries(rows: list[dict], fp8: bool = False) -> dict[str, dict | None]:
+    """A tuning table's entries from ``bench_gemm`` rows. 16-bit: the fastest candidate where
+    it beats the unfused baseline, else null (the unfused path). ``fp8``: ``|fp8`` entries for
+    the shapes where the fastest candidate beats what serving runs now; none elsewhere (the
+    16-bit entry goes on applying)."""
     from kernels.skinny_gemm import tuning_key
 
-    rows = bench_gemm([1, 8])
-    entries, table = {}, []
+    entries = {}
     for r in rows:
         mc = 1 if r["m"] == 1 else 16
         best = r["best"]
         use = best is not None and best["us"] < r["baseline_us"]
-        cfg = (
-            {k: best[k] for k in ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")}
-            if use
-            else None
-        )
-        entries[tuning_key(KIND[r["variant"]], mc, r["n"], r["k"])] = cfg
-        table.append((r["shape"], r["m"], r["baseline_us"], best["us"] if best else None, use))
-    out = {
+        if fp8 and not use:
+            continue
+        key = tuning_key(KIND[r["variant"]], mc, r["n"], r["k"], fp8=fp8)
+        entries[key] = {f: best[f] for f in CONFIG_FIELDS} if use else None
+    return entries
+
+
+def merged_entries(old: dict[str, dict | None], new: dict[str, dict | None], fp8: bool) -> dict[str, dict | None]:
+    """A re-tune's table: the new entries over the old file's; an FP8 tune keeps the 16-bit
+    entries, a 16-bit tune keeps the ``|fp8`` ones and replaces the rest."""
+    keep = {key: cfg for key, cfg in old.items() if fp8 or key.endswith("|fp8")}
+    return {**keep, **new}
+
+
+def tune(path: str, fp8: bool = False) -> dict:
+    """Measure M=1 and M=8 on the model shapes; write the per-shape choices that
+    ``kernels.skinny_gemm.select_config`` reads into ``path``, keeping the file's entries of
+    the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries)."""
+    import datetime
+    import os
+    import sys
+
+    import triton
+
+    rows = bench_gemm([1, 8], fp8=fp8)
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    entries = merged_entries(old.get("entries", {}), tuned_entries(rows, fp8), fp8)
+    run = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
-        "entries": entries,
-        "measurements": rows,
     }
+    if fp8:  # the 16-bit tune's header stays; this run's goes beside it
+        out = {**old, "entries": entries, "fp8": {**run, "measurements": rows}}
+    else:
+        out = {**run, "entries": entries, "measurements": rows, **({"fp8": old["fp8"]} if "fp8" in old else {})}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(
         "tuned:",
         ", ".join(
-            f"{s} M={m}: {b:.1f}->{t:.1f}us {'skinny' if u else 'unfused'}" for s, m, b, t, u in table if t is not None
+            f"{r['shape']} M={r['m']}: {r['baseline_us']:.1f}->{r['best']['us']:.1f}us "
+            f"{'skinny' if r['best']['us'] < r['baseline_us'] else ('as served' if fp8 else 'unfused')}"
+            for r in rows
+            if r["best"] is not None
         ),
         flush=True,
     )
@@ -347,9 +410,17 @@ def main(argv=None):
         default=None,
         help="measure and write the skinny-GEMM tuning table (kernels/skinny_tuning.json)",
     )
+    p.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="with --tune: tune for 16-bit weights (default) or add the FP8 weights' entries",
+    )
     a = p.parse_args(argv)
     if a.tune:
-        return tune(a.tune)
+        return tune(a.tune, fp8=a.weights == "fp8")
+    if a.weights != "bf16":
+        p.error("--weights goes with --tune")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
 
