@@ -356,26 +356,53 @@ def _activate(y, act: str | None, out_dtype):
 
 
 def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weight, eps, act, out_dtype):
-    """``linear`` with an FP8 weight (``kernels.fp8_linear``): weight-only skinny GEMM up to
-    ``SKINNY_MAX_M`` rows (the norm and activation fused where the skinny table fuses them);
-    else norm, FP8 quantization of the input, FP8 GEMM, activation."""
+    """``linear`` with an FP8 weight (``kernels.fp8_linear``), routed by ``fp8_route``: the
+    weight-only skinny GEMM with the norm and activation fused, or norm kernel + weight-only
+    GEMM + activation kernel, or norm, FP8 quantization of the input, FP8 GEMM, activation."""
     from kernels import fp8_linear
 
-    small = x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M
-    if small:
-        cfg = _fp8_skinny_config(x, weight, norm_weight is not None, act, out_dtype) if _use_triton(x) else None
-        if cfg is not None or not _use_triton(x):  # fused (on the CPU: its reference)
-            kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype)
-            return fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg, **kw)
+    path, cfg = fp8_route(x, weight, norm_weight is not None, act, out_dtype)
+    if path == "fused":  # (on the CPU: its reference)
+        kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, act=act, out_dtype=out_dtype)
+        return fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg, **kw)
     new_res = None  # unfused, as the 16-bit path: norm kernel, GEMM, activation kernel
     if norm_weight is not None:
         x, new_res = rms_norm(x, norm_weight, eps, residual)
-    if small:
-        plain = _fp8_skinny_config(x, weight, False, None, None)
-        y = fp8_linear.weight_only_linear(x, weight, weight_scale, bias, plain)[0]
+    if path == "unfused":
+        y = fp8_linear.weight_only_linear(x, weight, weight_scale, bias, cfg)[0]
     else:
         y = fp8_linear.w8a8_linear(x, weight, weight_scale, input_scale, bias)
     return _activate(y, act, out_dtype), new_res
+
+
+def fp8_route(x, weight, norm: bool, act, out_dtype) -> tuple[str, dict | None]:
+    """How an FP8 ``linear`` of ``x [M, K]`` runs (CPU ints only): ``("fused", cfg)`` weight-only
+    with the norm and activation fused, ``("unfused", cfg)`` norm kernel + weight-only plain
+    GEMM + activation kernel, or ``("w8a8", None)``. Up to ``SKINNY_MAX_M`` rows always
+    weight-only (``_fp8_skinny_config``; the reference on the CPU). 17-64 rows weight-only only
+    where the table has an FP8 entry for the call's kind (or, unfused, for the plain GEMM):
+    the tune found it faster than quantizing the activations; else (and on the CPU) w8a8."""
+    from kernels.skinny_gemm import MAX_M, kind_of, select_config
+
+    m = x.shape[0] if x.dim() == 2 else 0
+    if not 0 < m <= MAX_M:
+        return "w8a8", None
+    if m <= SKINNY_MAX_M:
+        if not _use_triton(x):
+            return "fused", None
+        cfg = _fp8_skinny_config(x, weight, norm, act, out_dtype)
+        return ("fused", cfg) if cfg is not None else ("unfused", _fp8_skinny_config(x, weight, False, None, None))
+    if not _use_triton(x):
+        return "w8a8", None
+    table = current().skinny_table
+    cfg = select_config(m, *weight.shape, kind_of(norm, act, out_dtype == torch.float32), table, fp8=True)
+    if cfg is not None and cfg.get("kernel") != "gemv":
+        return "fused", cfg
+    if norm or act is not None:
+        plain = select_config(m, *weight.shape, "plain", table, fp8=True)
+        if plain is not None and plain.get("kernel") != "gemv":
+            return "unfused", plain
+    return "w8a8", None
 
 
 def _fp8_skinny_config(x, weight, norm: bool, act, out_dtype) -> dict | None:

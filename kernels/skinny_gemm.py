@@ -74,8 +74,19 @@ def kind_of(norm: bool, act: bool | str | None, out_f32: bool) -> str:
     return "plain_f32" if out_f32 else "plain"
 
 
-def m_class(m: int) -> int | None:
-    return 1 if m == 1 else 16 if m <= 16 else None
+FP8_M_CLASSES = (32, 64)  # FP8 weights only: weight-only rows past 16, where a tuned entry says so
+
+
+def m_class(m: int, fp8: bool = False) -> int | None:
+    """The batch class a call's tuning entry is keyed by: 1, 2-16, and for FP8 weights also
+    17-32 and 33-64 (entries only from a tune: no defaults there)."""
+    if m == 1:
+        return 1
+    if m <= 16:
+        return 16
+    if fp8:
+        return next((c for c in FP8_M_CLASSES if m <= c), None)
+    return None
 
 
 def load_table(path: str | None = None) -> dict[str, dict | None]:
@@ -99,8 +110,9 @@ def select_config(
 ) -> dict | None:
     """The skinny config for this call from ``table`` (None: the packaged one), else the
     defaults; None where the unfused path is faster (CPU ints only: shapes, batch class).
-    ``fp8``: an FP8 weight, whose own entry (``tuning_key(..., fp8=True)``) comes first."""
-    mc = m_class(m)
+    ``fp8``: an FP8 weight, whose own entry (``tuning_key(..., fp8=True)``) comes first; past
+    16 rows only such an entry applies (``FP8_M_CLASSES``)."""
+    mc = m_class(m, fp8)
     if mc is None:
         return None
     table = load_table() if table is None else table

@@ -62,6 +62,20 @@ TUNE_CANDIDATES_FP8 = {
         (True, 64, 128, 4, 4, False),
         (True, 32, 128, 4, 5, False),
     ],
+    # 17-64 rows: weight-only (16-bit activations, no quantization launch) against the
+    # quantize + FP8 GEMM path serving runs there now
+    32: [
+        (True, 32, 256, 4, 4, False),
+        (True, 64, 256, 4, 3, False),
+        (True, 32, 512, 4, 3, False),
+        (True, 64, 128, 4, 4, False),
+    ],
+    64: [
+        (True, 32, 256, 4, 3, False),
+        (True, 64, 256, 8, 3, False),
+        (True, 64, 128, 4, 4, False),
+        (True, 128, 128, 8, 3, False),
+    ],
 }
 CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")
 
@@ -69,11 +83,12 @@ CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "pr
 def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
     """Each model shape's skinny candidates against its baseline at each M up to 16. 16-bit
     weights: the baseline is the unfused path (norm kernel + cuBLAS + act kernel). ``fp8``:
-    per-row FP8 weights (no lm_head), the baseline is what serving runs now (the packaged
-    table's tiles, or the unfused norm + weight-only GEMM + act)."""
+    per-row FP8 weights (no lm_head), M up to 64, the baseline is what serving runs now (the
+    packaged table's tiles, the unfused norm + weight-only GEMM + act, or past 16 rows the
+    activation quantization + FP8 GEMM)."""
     from kernels import ops
     from kernels.fp8_reference import quantize_weight_fp8
-    from kernels.skinny_gemm import skinny_linear_triton
+    from kernels.skinny_gemm import m_class, skinny_linear_triton
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: smoke tests
     dt = torch.bfloat16
@@ -89,7 +104,8 @@ def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
         if fp8:
             ws, scales = map(list, zip(*(quantize_weight_fp8(w) for w in ws)))
         for m in ms:
-            if m > 16:  # M classes 1 and 2..16; larger batches stay on cuBLAS
+            mc = m_class(m, fp8)  # 1 and 2..16 (FP8 also 17-32, 33-64); larger batches: GEMM kernels
+            if mc is None:
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
             kw = gemm_call_kwargs(variant, m, k, dt, dev)
@@ -112,7 +128,6 @@ def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
                 "baseline_tb_s": nbytes / base / 1e6,
                 "configs": [],
             }
-            mc = 1 if m == 1 else 16
             for values in candidates[mc]:
                 cfg = dict(zip(CONFIG_FIELDS, values))
                 try:
@@ -326,11 +341,11 @@ def tuned_entries(rows: list[dict], fp8: bool = False) -> dict[str, dict | None]
     it beats the unfused baseline, else null (the unfused path). ``fp8``: ``|fp8`` entries for
     the shapes where the fastest candidate beats what serving runs now; none elsewhere (the
     16-bit entry goes on applying)."""
-    from kernels.skinny_gemm import tuning_key
+    from kernels.skinny_gemm import m_class, tuning_key
 
     entries = {}
     for r in rows:
-        mc = 1 if r["m"] == 1 else 16
+        mc = m_class(r["m"], fp8)
         best = r["best"]
         use = best is not None and best["us"] < r["baseline_us"]
         if fp8 and not use:
@@ -348,7 +363,7 @@ def merged_entries(old: dict[str, dict | None], new: dict[str, dict | None], fp8
 
 
 def tune(path: str, fp8: bool = False) -> dict:
-    """Measure M=1 and M=8 on the model shapes; write the per-shape choices that
+    """Measure M=1 and M=8 (FP8: also 32 and 64) on the model shapes; write the per-shape choices that
     ``kernels.skinny_gemm.select_config`` reads into ``path``, keeping the file's entries of
     the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries)."""
     import datetime
@@ -357,7 +372,7 @@ def tune(path: str, fp8: bool = False) -> dict:
 
     import triton
 
-    rows = bench_gemm([1, 8], fp8=fp8)
+    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8)
     old = {}
     if os.path.exists(path):
         with open(path) as f:

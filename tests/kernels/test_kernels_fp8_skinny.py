@@ -75,7 +75,7 @@ def test_interpreter_widens_every_finite_e4m3_code_exactly():
 
 
 @pytest.mark.parametrize("case", list(SKINNY_CASES))
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])  # 40: a 64-row M block (FP8's 33-64 class)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_skinny_dot(case, m, dtype):
     # k=96 with block_k 64: a masked K tail; n=40: a masked N tail

@@ -69,3 +69,68 @@ def test_weights_flag_needs_tune(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--weights", "fp8"])
     assert e.value.code == 2 and "--weights goes with --tune" in capsys.readouterr().err
+
+
+def test_fp8_batch_classes_past_16_rows_only_from_fp8_entries():
+    assert [sg.m_class(m, fp8=True) for m in (1, 2, 16, 17, 32, 33, 64, 65)] == [1, 16, 16, 32, 32, 64, 64, None]
+    assert sg.m_class(17) is None  # 16-bit weights: the GEMM kernels past 16 rows
+    table = {sg.tuning_key("plain", 32, 4096, 4096, fp8=True): DEEP}
+    assert sg.select_config(24, 4096, 4096, "plain", table, fp8=True) == DEEP
+    assert sg.select_config(24, 4096, 4096, "plain", table) is None
+    assert sg.select_config(40, 4096, 4096, "plain", table, fp8=True) is None  # no 33-64 entry: no default
+
+
+def test_fp8_route(monkeypatch):
+    """``kernels.ops.fp8_route``: up to 16 rows weight-only as before; 17-64 rows weight-only only
+    where an FP8 entry says so (fused for the call's kind, else unfused around the plain GEMM's
+    entry), else the quantized-activation GEMM; the CPU keeps its references' split at 16."""
+    from kernels import ops
+
+    w = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
+
+    def route(m, norm=False, act=None, table=None):
+        x = torch.zeros(m, 32, dtype=torch.bfloat16)
+        with overridden(skinny_table=table or {}):
+            return ops.fp8_route(x, w, norm, act, None)
+
+    assert route(8) == ("fused", None) and route(24) == ("w8a8", None)  # the CPU: its references
+    monkeypatch.setattr("kernels.ops._use_triton", lambda t: True)  # the CUDA dispatch, on CPU
+    assert route(8) == ("fused", sg.DEFAULTS[("plain", 16)])
+    assert route(8, norm=True) == ("unfused", sg.DEFAULTS[("plain", 16)])  # the default says unfused
+    assert route(24) == ("w8a8", None) and route(24, norm=True, act="silu_and_mul") == ("w8a8", None)
+    fused = {sg.tuning_key("norm_act", 32, 64, 32, fp8=True): DEEP}
+    assert route(24, norm=True, act="silu_and_mul", table=fused) == ("fused", DEEP)
+    plain = {sg.tuning_key("plain", 64, 64, 32, fp8=True): TILE}
+    assert route(40, norm=True, table=plain) == ("unfused", TILE)
+    assert route(40, table=plain) == ("fused", TILE)
+    assert route(24, table=plain) == ("w8a8", None)  # an entry of the other class
+    assert route(65, table={sg.tuning_key("plain", 64, 64, 32, fp8=True): TILE}) == ("w8a8", None)
+
+
+def test_tuned_fp8_entries_of_the_wider_classes():
+    rows = [_row("plain", 32, 10.0, 8.0), _row("norm", 64, 10.0, 11.0)]
+    assert tuned_entries(rows, fp8=True) == {"plain|m32|4096x4096|fp8": DEEP}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [24, 40])
+def test_gpu_fp8_weight_only_past_16_rows(m):
+    """With an FP8 entry for its class, ``ops.linear`` at 17-64 rows runs the weight-only skinny
+    GEMM (16-bit activations): it matches the weight-only reference, where the quantized
+    activations' path would be ~3e-2 off."""
+    from kernels import ops
+    from kernels.fp8_reference import quantize_weight_fp8
+    from kernels.reference import skinny_linear_reference
+
+    torch.manual_seed(m)
+    n, k = 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_weight_fp8(torch.randn(n, k, device="cuda") * 0.02)
+    cfg = {"use_dot": True, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3, "prefetch": False}
+    with overridden(skinny_table={sg.tuning_key("plain", sg.m_class(m, fp8=True), n, k, fp8=True): cfg}):
+        assert ops.fp8_route(x, wq, False, None, None) == ("fused", cfg)
+        y, _ = ops.linear(x, wq, weight_scale=ws)
+    exp, _ = skinny_linear_reference(x.float(), wq, weight_scale=ws)
+    err = ((y.float() - exp).norm() / exp.norm()).item()
+    assert err < 1e-2, err
