@@ -80,7 +80,7 @@ TUNE_CANDIDATES_FP8 = {
 CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")
 
 
-def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
+def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None) -> list[dict]:
     """Each model shape's skinny candidates against its baseline at each M up to 16. 16-bit
     weights: the baseline is the unfused path (norm kernel + cuBLAS + act kernel). ``fp8``:
     per-row FP8 weights (no lm_head), M up to 64, the baseline is what serving runs now (the
@@ -95,6 +95,8 @@ def bench_gemm(ms: list[int], fp8: bool = False) -> list[dict]:
     candidates = TUNE_CANDIDATES_FP8 if fp8 else TUNE_CANDIDATES
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
+        if shapes is not None and name not in shapes:
+            continue
         if fp8 and variant == "logits":  # the lm_head stays 16-bit
             continue
         nbytes = n * k * (1 if fp8 else 2)
@@ -362,7 +364,7 @@ def merged_entries(old: dict[str, dict | None], new: dict[str, dict | None], fp8
     return {**keep, **new}
 
 
-def tune(path: str, fp8: bool = False) -> dict:
+def tune(path: str, fp8: bool = False, shapes: list[str] | None = None) -> dict:
     """Measure M=1 and M=8 (FP8: also 32 and 64) on the model shapes; write the per-shape choices that
     ``kernels.skinny_gemm.select_config`` reads into ``path``, keeping the file's entries of
     the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries)."""
@@ -372,7 +374,7 @@ def tune(path: str, fp8: bool = False) -> dict:
 
     import triton
 
-    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8)
+    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8, shapes=shapes)
     old = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -431,11 +433,19 @@ def main(argv=None):
         default="bf16",
         help="with --tune: tune for 16-bit weights (default) or add the FP8 weights' entries",
     )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help=f"with --tune: only these model shapes, comma-separated (default: all of {', '.join(GEMM_SHAPES)})",
+    )
     a = p.parse_args(argv)
+    shapes = a.shapes.split(",") if a.shapes else None
+    if shapes is not None and (bad := [x for x in shapes if x not in GEMM_SHAPES]):
+        p.error(f"unknown shapes {', '.join(bad)} (known: {', '.join(GEMM_SHAPES)})")
     if a.tune:
-        return tune(a.tune, fp8=a.weights == "fp8")
-    if a.weights != "bf16":
-        p.error("--weights goes with --tune")
+        return tune(a.tune, fp8=a.weights == "fp8", shapes=shapes)
+    if a.weights != "bf16" or shapes is not None:
+        p.error("--weights and --shapes go with --tune")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
 

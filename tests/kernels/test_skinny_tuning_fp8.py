@@ -65,10 +65,18 @@ def test_a_tune_keeps_the_other_weight_types_entries():
     assert merged_entries(old, {"plain|m1|8x8": DEEP}, fp8=False) == {"plain|m1|8x8|fp8": TILE, "plain|m1|8x8": DEEP}
 
 
-def test_weights_flag_needs_tune(capsys):
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--weights", "fp8"], "--weights and --shapes go with --tune"),
+        (["--shapes", "8b_o"], "--weights and --shapes go with --tune"),
+        (["--tune", "t.json", "--shapes", "8b_o,70b_o"], "unknown shapes 70b_o"),
+    ],
+)
+def test_tune_flags_are_checked(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
-        main(["--weights", "fp8"])
-    assert e.value.code == 2 and "--weights goes with --tune" in capsys.readouterr().err
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_fp8_batch_classes_past_16_rows_only_from_fp8_entries():
