@@ -367,7 +367,8 @@ def merged_entries(old: dict[str, dict | None], new: dict[str, dict | None], fp8
 def tune(path: str, fp8: bool = False, shapes: list[str] | None = None) -> dict:
     """Measure M=1 and M=8 (FP8: also 32 and 64) on the model shapes; write the per-shape choices that
     ``kernels.skinny_gemm.select_config`` reads into ``path``, keeping the file's entries of
-    the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries)."""
+    the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries, added
+    to the packaged table's when ``path`` does not exist yet)."""
     import datetime
     import os
     import sys
@@ -375,9 +376,14 @@ def tune(path: str, fp8: bool = False, shapes: list[str] | None = None) -> dict:
     import triton
 
     rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8, shapes=shapes)
+    from kernels.skinny_gemm import TUNING_FILE
+
     old = {}
-    if os.path.exists(path):
-        with open(path) as f:
+    # an FP8 tune adds to the file's table, or to the packaged one's (a table without the 16-bit
+    # entries would change the 16-bit and the untuned FP8 shapes' tiles when installed)
+    source = path if os.path.exists(path) else (str(TUNING_FILE) if fp8 and TUNING_FILE.exists() else None)
+    if source is not None:
+        with open(source) as f:
             old = json.load(f)
     entries = merged_entries(old.get("entries", {}), tuned_entries(rows, fp8), fp8)
     run = {

@@ -142,3 +142,25 @@ def test_gpu_fp8_weight_only_past_16_rows(m):
     exp, _ = skinny_linear_reference(x.float(), wq, weight_scale=ws)
     err = ((y.float() - exp).norm() / exp.norm()).item()
     assert err < 1e-2, err
+
+
+def test_tune_files(tmp_path, monkeypatch):
+    """``tune``'s file: an FP8 tune of a new file starts from the packaged table (16-bit entries
+    and header kept, its run beside them); a 16-bit re-tune keeps the FP8 entries. (The
+    measurements, GPU only, are replaced by fixed rows here.)"""
+    import json
+
+    import benchmarks.kernels.bench as bench
+
+    rows = {True: [_row("plain", 32, 10.0, 8.0)], False: [_row("plain", 1, 10.0, 12.0)]}
+    monkeypatch.setattr(bench, "bench_gemm", lambda ms, fp8=False, shapes=None: rows[fp8])
+    path = tmp_path / "t.json"
+    packaged = json.loads(sg.TUNING_FILE.read_text())
+    bench.tune(str(path), fp8=True)
+    out = json.loads(path.read_text())
+    assert out["entries"] == {**packaged["entries"], "plain|m32|4096x4096|fp8": DEEP}
+    assert out["device"] == packaged["device"] and out["fp8"]["measurements"] == rows[True]
+    bench.tune(str(path), fp8=False)
+    again = json.loads(path.read_text())
+    assert again["entries"] == {"plain|m1|4096x4096": None, "plain|m32|4096x4096|fp8": DEEP}
+    assert again["fp8"] == out["fp8"] and again["measurements"] == rows[False]
