@@ -327,7 +327,8 @@ def phase_medians(run: dict) -> dict[str, list[float]]:
 def thread_time_medians(run: dict) -> dict[str, tuple[float, float]]:
     """``(wall, thread CPU)`` median ms of the decode and of the mixed launches
     (``launch_cpu_ms``); where the CPU time falls short of the wall time, the launching
-    thread did not run: another thread of the worker held the GIL, or the thread blocked."""
+    thread did not run: another thread of the worker held the GIL, or the thread blocked (on
+    the CPU also: the operators' own intra-op threads did the work)."""
     out = {}
     for kind, mixed in (("decode", False), ("mixed", True)):
         rows = [c[1:] for c in run.get("launch_cpu_ms", []) if bool(c[0]) == mixed]

@@ -273,10 +273,11 @@ def linear(
     """``act(norm(x [+ residual]) @ weight^T + bias)`` -> ``(y, new_residual)``.
 
     With ``weight_scale`` (float32 per output row) ``weight`` is FP8 (e4m3). Up to
-    ``SKINNY_MAX_M`` rows it is weight-only: the 16-bit ``x`` (not quantized; ``input_scale``
-    is ignored) times the widened weight in one skinny-GEMM launch with the norm and
-    activation fused (the reference on the CPU). Larger batches: the normed ``x`` is quantized
-    per row (or with the static per-tensor ``input_scale``) and multiplied by
+    ``SKINNY_MAX_M`` rows, and on CUDA at 17-64 rows where the skinny table holds an FP8 entry
+    for that batch class (``fp8_route``), it is weight-only: the 16-bit ``x`` (not quantized;
+    ``input_scale`` is ignored) times the widened weight in one skinny-GEMM launch with the
+    norm and activation fused (the reference on the CPU). Other batches: the normed ``x`` is
+    quantized per row (or with the static per-tensor ``input_scale``) and multiplied by
     ``kernels.fp8_gemm`` (its reference on the CPU), the scales applied in its epilogue.
 
     Decode-sized 16-bit batches on CUDA: one Triton skinny-GEMM launch (at batch 1, the
@@ -378,16 +379,19 @@ def _fp8_linear(x, weight, weight_scale, input_scale, bias, residual, norm_weigh
 def fp8_route(x, weight, norm: bool, act, out_dtype) -> tuple[str, dict | None]:
     """How an FP8 ``linear`` of ``x [M, K]`` runs (CPU ints only): ``("fused", cfg)`` weight-only
     with the norm and activation fused, ``("unfused", cfg)`` norm kernel + weight-only plain
-    GEMM + activation kernel, or ``("w8a8", None)``. Up to ``SKINNY_MAX_M`` rows always
-    weight-only (``_fp8_skinny_config``; the reference on the CPU). 17-64 rows weight-only only
+    GEMM + activation kernel, or ``("w8a8", None)``. Up to ``SKINNY_MAX_M`` rows (16, or fewer
+    when set lower) always weight-only (``_fp8_skinny_config``; the reference on the CPU); the
+    rest of 1-16 rows w8a8. 17-64 rows weight-only only
     where the table has an FP8 entry for the call's kind (or, unfused, for the plain GEMM):
     the tune found it faster than quantizing the activations; else (and on the CPU) w8a8."""
-    from kernels.skinny_gemm import MAX_M, kind_of, select_config
+    from kernels.skinny_gemm import MAX_M, kind_of, m_class, select_config
 
     m = x.shape[0] if x.dim() == 2 else 0
     if not 0 < m <= MAX_M:
         return "w8a8", None
-    if m <= SKINNY_MAX_M:
+    if m_class(m) is not None:  # 1-16 rows: weight-only up to SKINNY_MAX_M (0 turns it off)
+        if m > SKINNY_MAX_M:
+            return "w8a8", None
         if not _use_triton(x):
             return "fused", None
         cfg = _fp8_skinny_config(x, weight, norm, act, out_dtype)

@@ -5,8 +5,9 @@
     python -m benchmarks.kernels.bench --tune kernels/skinny_tuning.json [--weights fp8]
 
 Timings: ``benchmarks.kernels.timing`` (CUDA-graph replays over operand copies larger
-than L2). The GEMM baseline is what the
-model runs without the skinny path: RMSNorm kernel + cuBLAS + SiLU*mul kernel.
+than L2). The GEMM baseline is what the model runs without the skinny path: RMSNorm kernel
++ cuBLAS + SiLU*mul kernel; with ``--weights fp8``, what serving runs now (``kernels.ops.linear``
+with the packaged table: weight-only up to 16 rows, activation quantization + FP8 GEMM above).
 """
 
 from __future__ import annotations
@@ -16,154 +17,8 @@ import json
 
 import torch
 
-from benchmarks.kernels.timing import (
-    GEMM_SHAPES,
-    KIND,
-    attention_caches,
-    gemm_call_kwargs,
-    graph_time_us,
-    rotation_copies,
-)
-
-TUNE_CANDIDATES = {  # M class -> (use_dot, block_n, block_k, num_warps, num_stages, prefetch)
-    1: [
-        (False, 8, 512, 4, 2, False),
-        (False, 4, 1024, 4, 2, False),
-        (False, 8, 1024, 4, 2, False),
-        (False, 16, 512, 8, 2, False),
-        (False, 8, 256, 2, 3, False),
-        (False, 8, 512, 4, 2, True),
-        (False, 4, 1024, 4, 2, True),
-        (False, 4, 512, 2, 2, True),
-    ],
-    16: [
-        (True, 32, 256, 4, 4, False),
-        (True, 64, 128, 4, 4, False),
-        (True, 16, 256, 4, 4, False),
-        (True, 32, 128, 4, 5, False),
-    ],
-}
-# FP8 weights: a tile of the same shape moves half the bytes, so deeper K tiles join in
-TUNE_CANDIDATES_FP8 = {
-    1: [
-        (False, 8, 1024, 4, 2, False),
-        (False, 8, 2048, 4, 2, False),
-        (False, 4, 2048, 4, 2, False),
-        (False, 16, 1024, 8, 2, False),
-        (False, 4, 1024, 4, 2, True),
-        (False, 4, 2048, 4, 2, True),
-        (False, 8, 512, 4, 2, False),
-    ],
-    16: [
-        (True, 32, 256, 4, 4, False),
-        (True, 32, 512, 4, 3, False),
-        (True, 64, 256, 4, 4, False),
-        (True, 16, 512, 4, 4, False),
-        (True, 64, 128, 4, 4, False),
-        (True, 32, 128, 4, 5, False),
-    ],
-    # 17-64 rows: weight-only (16-bit activations, no quantization launch) against the
-    # quantize + FP8 GEMM path serving runs there now
-    32: [
-        (True, 32, 256, 4, 4, False),
-        (True, 64, 256, 4, 3, False),
-        (True, 32, 512, 4, 3, False),
-        (True, 64, 128, 4, 4, False),
-    ],
-    64: [
-        (True, 32, 256, 4, 3, False),
-        (True, 64, 256, 8, 3, False),
-        (True, 64, 128, 4, 4, False),
-        (True, 128, 128, 8, 3, False),
-    ],
-}
-CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "num_stages", "prefetch")
-
-
-def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None) -> list[dict]:
-    """Each model shape's skinny candidates against its baseline at each M up to 16. 16-bit
-    weights: the baseline is the unfused path (norm kernel + cuBLAS + act kernel). ``fp8``:
-    per-row FP8 weights (no lm_head), M up to 64, the baseline is what serving runs now (the
-    packaged table's tiles, the unfused norm + weight-only GEMM + act, or past 16 rows the
-    activation quantization + FP8 GEMM)."""
-    from kernels import ops
-    from kernels.fp8_reference import quantize_weight_fp8
-    from kernels.skinny_gemm import m_class, skinny_linear_triton
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: smoke tests
-    dt = torch.bfloat16
-    candidates = TUNE_CANDIDATES_FP8 if fp8 else TUNE_CANDIDATES
-    rows = []
-    for name, (n, k, variant) in GEMM_SHAPES.items():
-        if shapes is not None and name not in shapes:
-            continue
-        if fp8 and variant == "logits":  # the lm_head stays 16-bit
-            continue
-        nbytes = n * k * (1 if fp8 else 2)
-        copies = rotation_copies(nbytes)
-        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
-        scales = [None] * copies
-        if fp8:
-            ws, scales = map(list, zip(*(quantize_weight_fp8(w) for w in ws)))
-        for m in ms:
-            mc = m_class(m, fp8)  # 1 and 2..16 (FP8 also 17-32, 33-64); larger batches: GEMM kernels
-            if mc is None:
-                continue
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            kw = gemm_call_kwargs(variant, m, k, dt, dev)
-            saved = ops.SKINNY_MAX_M
-            ops.SKINNY_MAX_M = saved if fp8 else 0  # 16-bit: the unfused path, norm + cuBLAS + act
-            try:
-                base = graph_time_us(
-                    [lambda w=w, s=s: ops.linear(x, w, weight_scale=s, **kw) for w, s in zip(ws, scales)]
-                )
-            finally:
-                ops.SKINNY_MAX_M = saved
-            row = {
-                "shape": name,
-                "n": n,
-                "k": k,
-                "m": m,
-                "variant": variant,
-                "weight_bytes": nbytes,
-                "baseline_us": base,
-                "baseline_tb_s": nbytes / base / 1e6,
-                "configs": [],
-            }
-            for values in candidates[mc]:
-                cfg = dict(zip(CONFIG_FIELDS, values))
-                try:
-                    us = graph_time_us(
-                        [
-                            lambda w=w, s=s, cfg=cfg: skinny_linear_triton(x, w, weight_scale=s, config=cfg, **kw)
-                            for w, s in zip(ws, scales)
-                        ]
-                    )
-                except Exception as e:  # a config that does not compile (resources)
-                    row["configs"].append({**cfg, "error": repr(e)[:200]})
-                    continue
-                row["configs"].append({**cfg, "us": us, "tb_s": nbytes / us / 1e6})
-            ok = [c for c in row["configs"] if "us" in c]
-            best = min(ok, key=lambda c: c["us"]) if ok else None
-            row["best"] = best
-            row["speedup"] = base / best["us"] if best else None
-            rows.append(row)
-            print(
-                f"gemm {name:12s}{' fp8' if fp8 else ''} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
-                + (
-                    f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
-                    f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
-                    f"w={best['num_warps']} s={best['num_stages']} pf={best['prefetch']} "
-                    f"-> {row['speedup']:.2f}x"
-                    if best
-                    else ", no config ran"
-                ),
-                flush=True,
-            )
-        del ws
-        torch.cuda.empty_cache()
-    return rows
-
+from benchmarks.kernels.skinny_tune import bench_gemm, tune
+from benchmarks.kernels.timing import GEMM_SHAPES, attention_caches, graph_time_us
 
 ATTN_CASES = [  # (batch, context, hq, hkv, bound): the roofline cells' decode attention
     (1, 512, 32, 8, 1024),
@@ -336,80 +191,6 @@ def bench_attention_sweep(cases=None, tiles=SWEEP_TILES, splits_set=(1, 2, 4, 8,
         del caches
         torch.cuda.empty_cache()
     return rows
-
-
-def tuned_entries(rows: list[dict], fp8: bool = False) -> dict[str, dict | None]:
-    """A tuning table's entries from ``bench_gemm`` rows. 16-bit: the fastest candidate where
-    it beats the unfused baseline, else null (the unfused path). ``fp8``: ``|fp8`` entries for
-    the shapes where the fastest candidate beats what serving runs now; none elsewhere (the
-    16-bit entry goes on applying)."""
-    from kernels.skinny_gemm import m_class, tuning_key
-
-    entries = {}
-    for r in rows:
-        mc = m_class(r["m"], fp8)
-        best = r["best"]
-        use = best is not None and best["us"] < r["baseline_us"]
-        if fp8 and not use:
-            continue
-        key = tuning_key(KIND[r["variant"]], mc, r["n"], r["k"], fp8=fp8)
-        entries[key] = {f: best[f] for f in CONFIG_FIELDS} if use else None
-    return entries
-
-
-def merged_entries(old: dict[str, dict | None], new: dict[str, dict | None], fp8: bool) -> dict[str, dict | None]:
-    """A re-tune's table: the new entries over the old file's; an FP8 tune keeps the 16-bit
-    entries, a 16-bit tune keeps the ``|fp8`` ones and replaces the rest."""
-    keep = {key: cfg for key, cfg in old.items() if fp8 or key.endswith("|fp8")}
-    return {**keep, **new}
-
-
-def tune(path: str, fp8: bool = False, shapes: list[str] | None = None) -> dict:
-    """Measure M=1 and M=8 (FP8: also 32 and 64) on the model shapes; write the per-shape choices that
-    ``kernels.skinny_gemm.select_config`` reads into ``path``, keeping the file's entries of
-    the other weight type (16-bit: None = the unfused path won; ``fp8``: ``|fp8`` entries, added
-    to the packaged table's when ``path`` does not exist yet)."""
-    import datetime
-    import os
-    import sys
-
-    import triton
-
-    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8, shapes=shapes)
-    from kernels.skinny_gemm import TUNING_FILE
-
-    old = {}
-    # an FP8 tune adds to the file's table, or to the packaged one's (a table without the 16-bit
-    # entries would change the 16-bit and the untuned FP8 shapes' tiles when installed)
-    source = path if os.path.exists(path) else (str(TUNING_FILE) if fp8 and TUNING_FILE.exists() else None)
-    if source is not None:
-        with open(source) as f:
-            old = json.load(f)
-    entries = merged_entries(old.get("entries", {}), tuned_entries(rows, fp8), fp8)
-    run = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-    }
-    if fp8:  # the 16-bit tune's header stays; this run's goes beside it
-        out = {**old, "entries": entries, "fp8": {**run, "measurements": rows}}
-    else:
-        out = {**run, "entries": entries, "measurements": rows, **({"fp8": old["fp8"]} if "fp8" in old else {})}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(
-        "tuned:",
-        ", ".join(
-            f"{r['shape']} M={r['m']}: {r['baseline_us']:.1f}->{r['best']['us']:.1f}us "
-            f"{'skinny' if r['best']['us'] < r['baseline_us'] else ('as served' if fp8 else 'unfused')}"
-            for r in rows
-            if r["best"] is not None
-        ),
-        flush=True,
-    )
-    return out
 
 
 def main(argv=None):

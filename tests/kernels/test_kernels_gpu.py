@@ -406,7 +406,7 @@ def test_skinny_linear_fp32_logits_and_cuda_graph():
 
 
 def _tune_candidates():
-    from benchmarks.kernels.bench import TUNE_CANDIDATES
+    from benchmarks.kernels.skinny_tune import TUNE_CANDIDATES
 
     return [(mc, c) for mc, cs in TUNE_CANDIDATES.items() for c in cs]
 

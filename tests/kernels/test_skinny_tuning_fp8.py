@@ -6,7 +6,8 @@ them)."""
 import pytest
 import torch
 
-from benchmarks.kernels.bench import main, merged_entries, tuned_entries
+from benchmarks.kernels.bench import main
+from benchmarks.kernels.skinny_tune import measured_keys, merged_entries, tuned_entries
 from kernels import skinny_gemm as sg
 from kernels.settings import overridden
 
@@ -118,6 +119,18 @@ def test_fp8_route(monkeypatch):
 def test_tuned_fp8_entries_of_the_wider_classes():
     rows = [_row("plain", 32, 10.0, 8.0), _row("norm", 64, 10.0, 11.0)]
     assert tuned_entries(rows, fp8=True) == {"plain|m32|4096x4096|fp8": DEEP}
+    # a fused-norm shape whose unfused composition (norm kernel + plain weight-only + act) won
+    unfused = {**_row("norm", 32, 10.0, 9.0), "best_unfused": {**TILE, "us": 7.0}, "unfused_configs": []}
+    assert tuned_entries([unfused], fp8=True) == {"norm|m32|4096x4096|fp8": None, "plain|m32|4096x4096|fp8": TILE}
+    fused = {**unfused, "best_unfused": {**TILE, "us": 9.5}}
+    assert tuned_entries([fused], fp8=True) == {"norm|m32|4096x4096|fp8": DEEP}
+    assert measured_keys([unfused], fp8=True) == {"norm|m32|4096x4096|fp8", "plain|m32|4096x4096|fp8"}
+
+
+def test_an_fp8_retune_drops_the_entries_it_no_longer_wins():
+    old = {"plain|m1|8x8": TILE, "plain|m32|8x8|fp8": DEEP, "plain|m64|8x8|fp8": DEEP}
+    measured = {"plain|m32|8x8|fp8", "plain|m16|8x8|fp8"}  # m32 measured, no candidate won this time
+    assert merged_entries(old, {}, fp8=True, measured=measured) == {"plain|m1|8x8": TILE, "plain|m64|8x8|fp8": DEEP}
 
 
 @pytest.mark.gpu
@@ -150,7 +163,7 @@ def test_tune_files(tmp_path, monkeypatch):
     measurements, GPU only, are replaced by fixed rows here.)"""
     import json
 
-    import benchmarks.kernels.bench as bench
+    import benchmarks.kernels.skinny_tune as bench
 
     rows = {True: [_row("plain", 32, 10.0, 8.0)], False: [_row("plain", 1, 10.0, 12.0)]}
     monkeypatch.setattr(bench, "bench_gemm", lambda ms, fp8=False, shapes=None: rows[fp8])
@@ -164,3 +177,29 @@ def test_tune_files(tmp_path, monkeypatch):
     again = json.loads(path.read_text())
     assert again["entries"] == {"plain|m1|4096x4096": None, "plain|m32|4096x4096|fp8": DEEP}
     assert again["fp8"] == out["fp8"] and again["measurements"] == rows[False]
+
+
+def _fp8_candidates():
+    from benchmarks.kernels.skinny_tune import TUNE_CANDIDATES_FP8
+
+    return [(mc, c) for mc, cs in TUNE_CANDIDATES_FP8.items() for c in cs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["plain", "norm_res_act"])
+@pytest.mark.parametrize("cand", _fp8_candidates(), ids=lambda c: f"m{c[0]}-{'-'.join(map(str, c[1]))}")
+def test_gpu_every_fp8_tuning_candidate(cand, variant):
+    """Whatever ``--tune --weights fp8`` picks has been checked here: FP8 weights at the class's
+    largest batch, against the weight-only reference (K=1000: a masked tail)."""
+    from benchmarks.kernels.skinny_tune import CONFIG_FIELDS
+    from kernels.fp8_reference import quantize_weight_fp8
+    from kernels.reference import skinny_linear_reference
+    from tests.kernels.test_kernels_gpu import rel_err, skinny_inputs
+
+    mc, values = cand
+    x, w, kw = skinny_inputs(mc, 512, 1000, variant)
+    wq, ws = quantize_weight_fp8(w.float())
+    y, _ = sg.skinny_linear_triton(x, wq, weight_scale=ws, config=dict(zip(CONFIG_FIELDS, values)), **kw)
+    exp, _ = skinny_linear_reference(x, wq, weight_scale=ws, **kw)
+    assert rel_err(y, exp) < 2e-2
