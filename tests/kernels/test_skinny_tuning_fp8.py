@@ -114,6 +114,9 @@ def test_fp8_route(monkeypatch):
     assert route(40, table=plain) == ("fused", TILE)
     assert route(24, table=plain) == ("w8a8", None)  # an entry of the other class
     assert route(65, table={sg.tuning_key("plain", 64, 64, 32, fp8=True): TILE}) == ("w8a8", None)
+    monkeypatch.setattr(ops, "SKINNY_MAX_M", 4)  # the skinny path capped (0: off): past it, w8a8
+    assert route(4) == ("fused", sg.DEFAULTS[("plain", 16)]) and route(8) == ("w8a8", None)
+    assert route(8, table={sg.tuning_key("plain", 16, 64, 32, fp8=True): TILE}) == ("w8a8", None)
 
 
 def test_tuned_fp8_entries_of_the_wider_classes():
