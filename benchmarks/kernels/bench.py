@@ -6,8 +6,9 @@
 
 Timings: ``benchmarks.kernels.timing`` (CUDA-graph replays over operand copies larger
 than L2). The GEMM baseline is what the model runs without the skinny path: RMSNorm kernel
-+ cuBLAS + SiLU*mul kernel; with ``--weights fp8``, what serving runs now (``kernels.ops.linear``
-with the packaged table: weight-only up to 16 rows, activation quantization + FP8 GEMM above).
++ cuBLAS + SiLU*mul kernel; with ``--weights fp8``, what serving runs without FP8 entries
+(``kernels.ops.linear`` on the 16-bit entries: weight-only up to 16 rows, activation
+quantization + FP8 GEMM above).
 """
 
 from __future__ import annotations

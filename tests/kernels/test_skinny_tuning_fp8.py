@@ -206,3 +206,29 @@ def test_gpu_every_fp8_tuning_candidate(cand, variant):
     y, _ = sg.skinny_linear_triton(x, wq, weight_scale=ws, config=dict(zip(CONFIG_FIELDS, values)), **kw)
     exp, _ = skinny_linear_reference(x, wq, weight_scale=ws, **kw)
     assert rel_err(y, exp) < 2e-2
+
+
+def test_the_fp8_baseline_runs_without_fp8_entries(monkeypatch):
+    """An FP8 tune's baseline is the path without FP8 entries (a re-tune finding the same tiles
+    keeps them); the installed table is back afterwards. (On the CPU the candidates cannot
+    launch and are recorded as errors; the timing is replaced by a recorder.)"""
+    import benchmarks.kernels.skinny_tune as tune_mod
+    from kernels.settings import current
+
+    seen = []
+
+    def record(fns, target_ms=2.0):
+        seen.append(dict(current().skinny_table))
+        for f in fns:
+            f()
+        return 1.0
+
+    monkeypatch.setattr(tune_mod, "GEMM_SHAPES", {"tiny_o": (64, 32, "plain")})
+    monkeypatch.setattr(tune_mod, "graph_time_us", record)
+    monkeypatch.setattr(tune_mod, "rotation_copies", lambda nbytes, cap=32: 1)
+    table = {sg.tuning_key("plain", 32, 64, 32): TILE, sg.tuning_key("plain", 32, 64, 32, fp8=True): DEEP}
+    with overridden(skinny_table=table):
+        rows = tune_mod.bench_gemm([32], fp8=True)
+        assert current().skinny_table == table
+    assert seen[0] == tune_mod.without_fp8_entries(table) == {sg.tuning_key("plain", 32, 64, 32): TILE}
+    assert len(rows) == 1 and rows[0]["best"] is None  # (no candidate launches on the CPU)
