@@ -5,13 +5,14 @@ the kernel and its fusions (RMSNorm prologue, SiLU*mul epilogue, FP8 weight-only
 ``kernels.skinny_gemm_kernel``.
 
 Which path and tile a call uses is a CPU decision by weight shape and M class
-(1, or 2..16; FP8 weights also 17..32 and 33..64, from their own entries only): ``select_config`` reads ``kernels/skinny_tuning.json`` (written
-on the target GPU by ``python -m benchmarks.kernels.bench --tune``, or the file named by
-the ``skinny_tuning`` option; each entry is the fastest candidate, or null where
-the unfused RMSNorm + cuBLAS + SiLU*mul path was faster; a batch-1 entry with
-``"kernel": "gemv"`` routes to ``kernels.gemv``), else ``DEFAULTS``. FP8 weights move half
-the bytes a tile of the same shape, so they have entries of their own (``|fp8`` keys, written
-by ``--tune ... --weights fp8``); a shape without one takes its 16-bit entry.
+(1, or 2..16; FP8 weights also 17..32 and 33..64, from their own entries only):
+``select_config`` reads ``kernels/skinny_tuning.json`` (written on the target GPU by
+``python -m benchmarks.kernels.bench --tune``, or the file named by the ``skinny_tuning``
+option; each entry is the fastest candidate, or null where the unfused RMSNorm + cuBLAS +
+SiLU*mul path was faster; a batch-1 entry with ``"kernel": "gemv"`` routes to
+``kernels.gemv``), else ``DEFAULTS``. FP8 weights move half the bytes a tile of the same
+shape, so they have entries of their own (``|fp8`` keys, written by ``--tune ... --weights
+fp8``); a shape without one takes its 16-bit entry.
 
 No host syncs; the grid depends on ``N`` only. ``M`` is not specialised, so
 every padded CUDA-graph batch size of one ``BLOCK_M`` shares one compilation.
@@ -31,7 +32,7 @@ from kernels.skinny_gemm_kernel import _skinny_kernel
 from kernels.tuning_file import load_entries
 
 
-MAX_M = 64  # the kernel's limit (one M block); kernels.ops routes M <= SKINNY_MAX_M here (FP8: up to 64, by entry)
+MAX_M = 64  # the kernel's limit (one M block); kernels.ops routes M <= SKINNY_MAX_M here (FP8: to 64, by entry)
 
 # Per (kind, M class) defaults from a sweep (docs/decisions.md);
 # None: the unfused path (RMSNorm kernel + cuBLAS + SiLU*mul kernel) is faster there.

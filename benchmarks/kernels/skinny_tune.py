@@ -140,7 +140,8 @@ def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None
                 row["best_unfused"] = _fastest(row["unfused_configs"])
             rows.append(row)
             print(
-                f"gemm {name:12s}{' fp8' if fp8 else ''} M={m:3d}: baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
+                f"gemm {name:12s}{' fp8' if fp8 else ''} M={m:3d}: "
+                f"baseline {base:8.2f} us ({row['baseline_tb_s']:.2f} TB/s)"
                 + (
                     f", best {best['us']:8.2f} us ({best['tb_s']:.2f} TB/s) "
                     f"dot={best['use_dot']} bn={best['block_n']} bk={best['block_k']} "
@@ -154,8 +155,6 @@ def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None
         del ws
         torch.cuda.empty_cache()
     return rows
-
-
 
 
 def without_fp8_entries(table: dict[str, dict | None]) -> dict[str, dict | None]:
@@ -247,9 +246,9 @@ def tune(path: str, fp8: bool = False, shapes: list[str] | None = None) -> dict:
 
     import triton
 
-    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8, shapes=shapes)
     from kernels.skinny_gemm import TUNING_FILE
 
+    rows = bench_gemm([1, 8, 32, 64] if fp8 else [1, 8], fp8=fp8, shapes=shapes)
     old = {}
     # an FP8 tune adds to the file's table, or to the packaged one's (a table without the 16-bit
     # entries would change the 16-bit and the untuned FP8 shapes' tiles when installed)

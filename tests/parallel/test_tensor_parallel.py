@@ -51,7 +51,13 @@ def test_tp2_matches_tp1(ray_local, ckpt_dir, arch, kw, tp2_options, monkeypatch
     assert tp2 == tp1
     if tp2_options.get("ubatch_token_threshold"):
         assert all(s["ubatched_steps"] > 0 for s in stats), stats  # every rank split the same steps
-        timings = ("launch_ms", "mixed_launch_ms", "launch_phases_ms", "launch_cpu_ms", "allocator_growths")  # host timings, allocators
+        timings = (
+            "launch_ms",
+            "mixed_launch_ms",
+            "launch_phases_ms",
+            "launch_cpu_ms",
+            "allocator_growths",
+        )  # host timings, allocators
         same = [{k: v for k, v in s.items() if k not in timings} for s in stats]
         assert same[0] == same[1]
     assert all(s["tp_all_reduce"] == "gloo" for s in stats), stats
