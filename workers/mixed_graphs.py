@@ -179,12 +179,12 @@ class MixedGraphs(StaticStepInputs):
         self._copy_in(input_ids, positions, meta.seq_lens, meta.slot_mapping[:t_real])
         self.slots[t_real:t].fill_(-1)
         self.qsl[: n + 1].copy_(meta.query_start_loc)
-        self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
-        end = int(meta.query_start_loc_cpu[n])  # a CPU tensor: no device read
-        self.qsl[n + 1 : r + 1].fill_(end)
-        self.qsl_cpu[n + 1 : r + 1] = end
-        self.ub_cpu[:n] = meta.seq_lens_upper_bound
-        self.ub_cpu[n:r] = 0
+        self.qsl[n + 1 : r + 1].fill_(t_real)  # padded requests: empty, at the real token count
+        if not self.qsl.is_cuda:  # only the torch reference (CPU) reads the CPU copies; a replay never does
+            self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
+            self.qsl_cpu[n + 1 : r + 1] = t_real
+            self.ub_cpu[:n] = meta.seq_lens_upper_bound
+            self.ub_cpu[n:r] = 0
         if meta.block_table.data_ptr() != self.block_table.data_ptr():
             self.block_table[:n, : meta.block_table.shape[1]].copy_(meta.block_table)
         return t
