@@ -1,16 +1,20 @@
 """Starts the worker actors in placement groups and ships them step plans.
 
-One actor per rank of the TP x PP layout (placement/). Every rank of every
-pipeline stage receives the same plan bytes; one result comes back per step, the
-last stage's first rank's (it sampled the tokens; rank 0 without pipeline stages).
-``collect`` waits on all ranks at once, so a rank that dies while its peers are
-blocked in a collective is noticed immediately: the step fails with
-``EngineDeadError`` naming the rank, where it ran and why it died. ``restart()``
-tears the workers down and starts fresh ones.
+One actor per rank of the TP x PP layout (placement/). Ray places, starts, watches and
+stops them; the steps themselves travel over one TCP step channel per worker
+(``cluster.step_channel``), not as Ray calls, whose per-call Python cost the driver and,
+in another thread of the worker process, the launching step thread (``workers.step_channel``).
+Every rank of every pipeline stage receives the same plan bytes; one result comes back per
+step, the last stage's first rank's (it sampled the tokens; rank 0 without pipeline
+stages). ``collect`` waits on all ranks at once, so a rank that dies while its peers are
+blocked in a collective is noticed immediately (its connection closes): the step fails
+with ``EngineDeadError`` naming the rank, where it ran and why it died (asked of Ray).
+``restart()`` tears the workers down and starts fresh ones.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -20,9 +24,10 @@ import msgspec
 import ray
 
 from metadata.config import EngineConfig
-from metadata.wire import StepPlan, StepResult, decode_result, encode
+from metadata.wire import StepPlan, StepResult, encode
 from placement.placement_groups import Layout, Placement, place_workers
 from placement.platforms import actor_env_vars
+from workers.step_channel import ChannelClosed
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,7 @@ class RayExecutor:
                 load_arch(model_dir).num_layers, self.layout.pipeline_parallel_size, cfg.parallel.pipeline_layer_split
             )
         self.workers: list = []
+        self.channels: list = []  # cluster.step_channel.StepChannel per rank
         self.info: list[dict] = []
         self.placement: Placement | None = None
         self.dead: str | None = None
@@ -132,6 +138,7 @@ class RayExecutor:
             )
             self._get([w.init_cache.remote(self.num_blocks) for w in self.workers], timeout, "allocate the KV cache")
             logger.info("workers warmed up in %.1f s", time.perf_counter() - t1)
+            self._open_channels(timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -144,6 +151,18 @@ class RayExecutor:
                 for i in self.info
             ),
         )
+
+    def _open_channels(self, timeout: float) -> None:
+        from cluster.step_channel import StepChannel
+
+        addrs = self._get([w.open_step_channel.remote() for w in self.workers], timeout, "open a step channel")
+        try:
+            self.channels = [StepChannel(h, p, token, rank, timeout) for rank, (h, p, token) in enumerate(addrs)]
+        except OSError as exc:
+            raise EngineDeadError(
+                f"cannot connect to a worker's step channel ({exc}): the driver must reach every worker node's "
+                "IP address on any TCP port (as Ray's own workers do)"
+            ) from None
 
     def _stage_note(self, rank: int) -> str:
         if self.stage_layers is None:
@@ -184,6 +203,9 @@ class RayExecutor:
         return None
 
     def shutdown(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.channels = []
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
@@ -229,22 +251,31 @@ class RayExecutor:
 
     # --------------------------------------------------------------- steps
     def submit(self, plan: StepPlan) -> list:
+        """Ship a plan to every rank; returns the step's futures (one per rank) for ``collect``."""
         if self.dead:
             raise EngineDeadError(self.dead)
         data = encode(plan)
-        return [w.execute.remote(data) for w in self.workers]
+        futs = []
+        for rank, ch in enumerate(self.channels):
+            try:
+                futs.append(ch.send(data))
+            except ChannelClosed as exc:
+                self.dead = f"worker {self._where(rank)} died: {self._death_cause(rank, exc)}"
+                raise EngineDeadError(self.dead) from None
+        return futs
 
-    def collect(self, refs: list) -> StepResult:
+    def collect(self, futs: list) -> StepResult:
         """Wait for one step on every rank; the last stage's first rank's result is the step's."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
+        rank_of = {fut: rank for rank, fut in enumerate(futs)}
+        pending = set(futs)
         results: dict[int, StepResult] = {}
         deaths: dict[int, str] = {}
+        wait = concurrent.futures.wait
         while pending and not deaths and not any(r.error for r in results.values()):
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
             self._gather(ready, rank_of, results, deaths)
         if pending and (deaths or any(r.error for r in results.values())):
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S)
+            ready, pending = wait(pending, timeout=_FAILURE_GRACE_S)
             self._gather(ready, rank_of, results, deaths)
         if deaths:
             msg = "; ".join(f"worker {self._where(rank)} died: {cause}" for rank, cause in sorted(deaths.items()))
@@ -258,11 +289,20 @@ class RayExecutor:
         return results[self.result_rank]
 
     def _gather(self, ready, rank_of, results, deaths) -> None:
-        for ref in ready:
-            rank = rank_of[ref]
+        for fut in ready:
+            rank = rank_of[fut]
             try:
-                results[rank] = decode_result(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                deaths[rank] = death_cause(exc)
-            except ray.exceptions.RayTaskError as exc:
-                results[rank] = StepResult(step_id=-1, rank=rank, error=str(getattr(exc, "cause", exc)))
+                results[rank] = fut.result()
+            except ChannelClosed as exc:
+                deaths[rank] = self._death_cause(rank, exc)
+
+    def _death_cause(self, rank: int, exc: ChannelClosed) -> str:
+        """Why rank ``rank``'s step channel closed, asked of Ray: the process's exit, else the
+        channel's own error (a worker that is alive but lost its connection)."""
+        try:
+            ray.get(self.workers[rank].ping.remote(), timeout=10.0)
+        except ray.exceptions.RayActorError as err:
+            return death_cause(err)
+        except ray.exceptions.RayError as err:
+            return f"its step channel closed ({exc}) and it does not answer: {str(err)[:300]}"
+        return f"its step channel closed ({exc}) while the worker still answers"

@@ -5,14 +5,14 @@ let it set device visibility from Ray's assignment, before torch touches the
 device. The sync-check mode arrives with the encoded ``EngineConfig``, in the
 constructor; nothing is read from the environment.
 
-Every rank of every pipeline stage receives the same plan bytes. The result of the last
-stage's first rank (rank 0 without pipeline parallelism) is the step's result; the other
-ranks return only the step id and an error, if any.
+Every rank of every pipeline stage receives the same plan bytes, over its own step channel
+(``workers.step_channel``), not as Ray calls. The result of the last stage's first rank
+(rank 0 without pipeline parallelism) is the step's result; the other ranks return only
+the step id and an error, if any.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import os
@@ -21,7 +21,6 @@ import socket
 import msgspec
 
 from metadata.config import EngineConfig
-from metadata.wire import StepResult, decode_result, encode
 from placement.platforms import select_platform
 from workers.compile_watch import CompileWatch
 
@@ -83,6 +82,7 @@ class WorkerActor:
         self.sync_check = SyncCheck(self.cfg.sync_check, device_type=audited)
         self.runner = None
         self.loop = None
+        self.channel = None  # workers.step_channel.StepChannelServer, once the driver asks
         self.compile_watch = CompileWatch(rank)
 
     # ---------------------------------------------------------------- info
@@ -213,16 +213,23 @@ class WorkerActor:
         gc.freeze()
 
     # ---------------------------------------------------------------- step
-    async def execute(self, plan_bytes: bytes) -> bytes:
-        # Plans enter the step loop in submission order (an async actor starts its
-        # calls in order); the loop may launch the next one before this one's copy ends.
-        data = await asyncio.wrap_future(self.loop.submit(plan_bytes))
-        if self.rank == self.result_rank:
-            return data
-        r = decode_result(data)
-        return encode(StepResult(step_id=r.step_id, rank=self.rank, error=r.error))
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """Listen for the driver's step connection (``workers.step_channel``); returns the
+        address to connect to and the token to open it with (handed over through Ray)."""
+        import ray
+
+        from workers.step_channel import StepChannelServer
+
+        if self.loop is None:
+            raise RuntimeError("open_step_channel before init_cache: the step loop is not running")
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = StepChannelServer(self.loop, ray.util.get_node_ip_address(), self.rank, self.result_rank)
+        return (*self.channel.address, self.channel.token)
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         if self.loop is not None:
             self.loop.stop()
         from workers.distributed import destroy_distributed

@@ -61,3 +61,36 @@ def test_killed_worker_fails_requests_then_engine_restarts(ray_local, ckpt_dir):
         assert pid not in pids and len(pids) == 2
     finally:
         llm.shutdown()
+
+
+def _drop_step_connection(actor) -> None:
+    """(On the worker.) Break the driver's step connection as a network fault would."""
+    import socket
+
+    actor.channel._conn.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_lost_step_connection_fails_requests_with_its_cause_then_restarts(ray_local, ckpt_dir):
+    """Steps travel over a channel of their own, not Ray calls: when it breaks with the worker
+    alive, the in-flight requests fail with that cause (not a hang), and a new request is
+    served by restarted workers."""
+    llm = LLM(model=str(ckpt_dir("llama")), block_size=8, max_model_len=256, async_scheduling=True)
+    try:
+        eng = llm.engine
+        expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        eng.add_request("long", {"prompt_token_ids": [4] * 20}, SamplingParams(max_tokens=200, ignore_eos=True))
+        got = 0
+        while got < 4:
+            got += sum(len(d.token_ids) for d in eng.step())
+        ray.get(eng.executor.workers[0].__ray_call__.remote(_drop_step_connection), timeout=10)
+        t0 = time.monotonic()
+        errors = []
+        while not errors:
+            assert time.monotonic() - t0 < 20, "the request did not fail within 20 s"
+            errors = [d.error for d in eng.step() if d.finish_reason == "error"]
+        assert "rank 0" in errors[0] and "step channel closed" in errors[0] and "still answers" in errors[0], errors
+        eng.release("long")
+        out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected and eng.executor.num_restarts == 1
+    finally:
+        llm.shutdown()
