@@ -157,7 +157,8 @@ class RayExecutor:
 
         addrs = self._get([w.open_step_channel.remote() for w in self.workers], timeout, "open a step channel")
         try:
-            self.channels = [StepChannel(h, p, token, rank, timeout) for rank, (h, p, token) in enumerate(addrs)]
+            for rank, (host, port, token) in enumerate(addrs):  # (appended one by one: shutdown closes them)
+                self.channels.append(StepChannel(host, port, token, rank, timeout))
         except OSError as exc:
             raise EngineDeadError(
                 f"cannot connect to a worker's step channel ({exc}): the driver must reach every worker node's "

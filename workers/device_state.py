@@ -48,6 +48,39 @@ def has_penalties(o: SamplingOptions) -> bool:
     return o.repetition_penalty != 1.0 or bool(o.presence_penalty) or bool(o.frequency_penalty)
 
 
+OPTION_FLOATS = 7  # temperature, top_p, min_p, repetition, presence, frequency, sampling divisor
+OPTION_WORDS = OPTION_FLOATS + 3  # then top_k, seed, min_tokens
+
+
+def option_floats(opts: list[SamplingOptions]) -> np.ndarray:
+    """float32 ``[OPTION_FLOATS, len(opts)]``: the float options, then the divisor sampling
+    takes (the temperature, 1 for greedy rows, whose distributions are taken at 1)."""
+    f = np.empty((OPTION_FLOATS, len(opts)), dtype=np.float32)
+    rows = [
+        (o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty) for o in opts
+    ]
+    f[:6] = np.array(rows, dtype=np.float32).T.reshape(6, len(opts))
+    f[6] = np.where(f[0] > 0, f[0], 1.0)
+    return f
+
+
+def option_ints(opts: list[SamplingOptions]) -> np.ndarray:
+    """int64 ``[3, len(opts)]``: top_k, seed, min_tokens."""
+    return np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T.reshape(3, len(opts))
+
+
+def option_flags(opts: list[SamplingOptions]) -> dict:
+    """The host facts sampling branches on (none of them reads the device)."""
+    return dict(
+        all_greedy=all(o.temperature == 0 for o in opts),
+        any_top_k_top_p=any(o.top_k > 0 or o.top_p < 1.0 for o in opts),
+        any_min_p=any(o.min_p > 0 for o in opts),
+        max_num_logprobs=max(o.num_logprobs for o in opts),
+        any_penalties=any(has_penalties(o) for o in opts),
+        any_min_tokens=any(o.min_tokens > 0 and o.min_tokens_stop_ids for o in opts),
+    )
+
+
 class OptionTensors:
     """The device copy of the last step's per-row sampling options, with the host flags
     derived from them. Consecutive decode steps mostly sample the same requests in the
@@ -61,38 +94,38 @@ class OptionTensors:
         self.ints: tuple[torch.Tensor, ...] | None = None  # rows of [3, R]
         self.flags: dict = {}
 
-    def get(self, opts: list[SamplingOptions], dev: torch.device) -> "OptionTensors":
-        if self.floats is None or len(opts) != len(self.opts) or any(a is not b for a, b in zip(opts, self.opts)):
-            # one packed copy: seven float32 rows, then three int64 rows, each padded to a multiple of
-            # four entries so that every row starts on 16 bytes whatever the batch size (Triton
+    def get(
+        self,
+        opts: list[SamplingOptions],
+        dev: torch.device,
+        table: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> "OptionTensors":
+        """The options' device rows. ``table`` (``DeviceState.option_table``) and ``rows`` (the
+        requests' device rows, padded to a multiple of 4 entries): gathered from the table the
+        placement wrote, with no host packing and no copy; else packed and copied."""
+        if self.floats is not None and len(opts) == len(self.opts) and all(a is b for a, b in zip(opts, self.opts)):
+            return self
+        r = len(opts)
+        if table is not None and rows is not None:
+            g = torch.index_select(table, 1, rows)  # [OPTION_WORDS, w], contiguous
+            self.floats = g[:OPTION_FLOATS].to(torch.int32).view(torch.float32)[:, :r].unbind()
+            self.ints = g[OPTION_FLOATS:, :r].unbind()
+        else:
+            # one packed copy: the float rows, then the int64 rows, each padded to a multiple of four
+            # entries so that every row starts on 16 bytes whatever the batch size (Triton
             # specialises a kernel on a pointer's 16-byte alignment)
-            r = len(opts)
             w = -(-r // 4) * 4
-            floats = np.zeros((7, w), dtype=np.float32)
-            floats[:6, :r] = np.array(
-                [
-                    [o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty]
-                    for o in opts
-                ],
-                dtype=np.float32,
-            ).T
-            # the temperature sampling divides by: greedy rows' distributions are taken at 1
-            floats[6, :r] = np.where(floats[0, :r] > 0, floats[0, :r], 1.0)
+            floats = np.zeros((OPTION_FLOATS, w), dtype=np.float32)
+            floats[:, :r] = option_floats(opts)
             ints = np.zeros((3, w), dtype=np.int64)
-            ints[:, :r] = np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T
+            ints[:, :r] = option_ints(opts)
             raw = np.concatenate([floats.view(np.uint8).ravel(), ints.view(np.uint8).ravel()])
             packed = to_device(torch.from_numpy(raw), dev)
-            self.floats = packed[: 28 * w].view(torch.float32).view(7, w)[:, :r].unbind()
-            self.ints = packed[28 * w :].view(torch.int64).view(3, w)[:, :r].unbind()
-            self.opts = list(opts)
-            self.flags = dict(
-                all_greedy=all(o.temperature == 0 for o in opts),
-                any_top_k_top_p=any(o.top_k > 0 or o.top_p < 1.0 for o in opts),
-                any_min_p=any(o.min_p > 0 for o in opts),
-                max_num_logprobs=max(o.num_logprobs for o in opts),
-                any_penalties=any(has_penalties(o) for o in opts),
-                any_min_tokens=any(o.min_tokens > 0 and o.min_tokens_stop_ids for o in opts),
-            )
+            self.floats = packed[: 4 * OPTION_FLOATS * w].view(torch.float32).view(OPTION_FLOATS, w)[:, :r].unbind()
+            self.ints = packed[4 * OPTION_FLOATS * w :].view(torch.int64).view(3, w)[:, :r].unbind()
+        self.opts = list(opts)
+        self.flags = option_flags(opts)
         return self
 
 
@@ -115,6 +148,9 @@ class DeviceState:
         self.prompt_mask = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
         self.draft_probs: torch.Tensor | None = None  # [max_rows, K, V], allocated on first use
         self.option_tensors = OptionTensors()  # the sampling options' device tensors, reused
+        # each row's sampling options as int64 words (the floats' float32 bits), written when a
+        # request is placed: a step gathers its rows' instead of packing and copying them
+        self.option_table = torch.zeros(OPTION_WORDS, max_rows, dtype=torch.int64, device=device)
         self.true_value = torch.ones((), dtype=torch.bool, device=device)  # an index_put_ value (device: no copy)
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:
@@ -192,9 +228,12 @@ class DeviceState:
 
         p_row, p_col = rows_cols(plen, np.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
-        packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen]))
+        opts = [req.sampling for req in reqs]
+        words = np.concatenate([option_floats(opts).view(np.int32).astype(np.int64), option_ints(opts)]).ravel()
+        packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]))
         dev = to_device(packed, self.device)
-        tok, trow, tcol, rr, cached_d, plen_d = dev.split([t, t, t, n, n, n])
+        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split([t, t, t, n, n, n, OPTION_WORDS * n])
+        self.option_table.index_copy_(1, rr, words_d.view(OPTION_WORDS, n))
         # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
         # outputs to recompute after preemption are counted, repeated tokens accumulating)
         self.output_counts.index_fill_(0, rr, 0)

@@ -406,7 +406,7 @@ class ModelRunner:
             self._record_phases(key is None, marks)
             return PendingStep(plan.step_id, self.tp.rank, t0)
         s_rows, s_pos = sampling_rows(inp, seq_lens)
-        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos)
+        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows)
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
             so, tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows)
         else:

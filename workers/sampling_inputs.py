@@ -10,10 +10,16 @@ from workers.sampler import PenaltyBatch, SamplingBatch
 
 
 def build_sampling_batch(
-    opts: list[SamplingOptions], st: DeviceState, s_rows: torch.Tensor, s_pos: torch.Tensor
+    opts: list[SamplingOptions],
+    st: DeviceState,
+    s_rows: torch.Tensor,
+    s_pos: torch.Tensor,
+    padded_rows: torch.Tensor | None = None,
 ) -> SamplingBatch:
+    """``padded_rows``: ``s_rows`` padded to a multiple of 4 entries (``StepInputs.
+    sample_device_rows``): new options are gathered from ``st.option_table``, else copied."""
     dev = st.device
-    cached = st.option_tensors.get(opts, dev)
+    cached = st.option_tensors.get(opts, dev, st.option_table if padded_rows is not None else None, padded_rows)
     flags = cached.flags
     temperature, top_p, min_p, rep, pres, freq, sample_temperature = cached.floats
     top_k, seeds, min_tokens = cached.ints

@@ -158,6 +158,7 @@ class StepInputs:
     bonus_idx: torch.Tensor  # per sampling row: its last entry in logits_idx
     sample_rows: torch.Tensor  # request index (in batch) of each sampling row
     sample_rows_cpu: list[int]
+    sample_device_rows: torch.Tensor  # device row of each sampling row, padded to a multiple of 4 (with row 0)
     handles: list[int]  # handles of the sampling rows
     opts: list[SamplingOptions]
     is_uniform_decode: bool  # every row: one token, sampled
@@ -251,7 +252,11 @@ def build_step_inputs(
         if k_max:
             spec_idx.append([base + min(j, k) for j in range(k_max)])
             draft_tok.append([end - k + 1 + min(j, k - 1) if k else end for j in range(k_max)])
-    extra = [logits_idx, bonus_idx, sample_idx]
+    # the sampling rows' device rows, padded to a multiple of 4 entries (a gather of their
+    # options then yields rows that start on 16 bytes: workers.device_state.OptionTensors)
+    s_rows = [rows_cpu[i] for i in sample_idx]
+    s_rows += [0] * (-len(s_rows) % 4)
+    extra = [logits_idx, bonus_idx, sample_idx, s_rows]
     if k_max:
         extra += [[v for r in spec_idx for v in r], [v for r in draft_tok for v in r], drafts]
     if pads is not None:
@@ -272,7 +277,7 @@ def build_step_inputs(
     win, back, rows = build_window(
         st, None, rows_cpu, q_win, ubs_win, None, block_size, bounds_are_exact, packed_extra=extra, out=out
     )
-    logits_i, bonus_i, sample_rows = back[:3]
+    logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
     inp = StepInputs(
         step_id=plan.step_id,
         input_ids=win.input_ids,
@@ -286,6 +291,7 @@ def build_step_inputs(
         bonus_idx=bonus_i,
         sample_rows=sample_rows,
         sample_rows_cpu=sample_idx,
+        sample_device_rows=s_rows_d,
         handles=[plan.rows[i].handle for i in sample_idx],
         opts=[st.sampling[rows_cpu[i]] for i in sample_idx],
         is_uniform_decode=len(q_lens) == win.meta.num_actual_tokens and len(sample_idx) == len(q_lens),
@@ -298,9 +304,9 @@ def build_step_inputs(
     )
     if k_max:
         s = len(sample_idx)
-        inp.spec_idx, inp.draft_token_idx, inp.num_drafts_d = back[3].view(s, k_max), back[4].view(s, k_max), back[5]
+        inp.spec_idx, inp.draft_token_idx, inp.num_drafts_d = back[4].view(s, k_max), back[5].view(s, k_max), back[6]
     if pads is not None:
-        inp.real_seq_lens = win.meta.seq_lens - back[6].to(win.meta.seq_lens.dtype)
+        inp.real_seq_lens = win.meta.seq_lens - back[-1].to(win.meta.seq_lens.dtype)
     return inp
 
 
@@ -309,4 +315,4 @@ def sampling_rows(inp: StepInputs, seq_lens: torch.Tensor) -> tuple[torch.Tensor
     takes (``seq_lens``: the step's device lengths)."""
     if inp.sample_rows_cpu == list(range(len(inp.rows_cpu))):  # every row samples (decode)
         return inp.rows, seq_lens.long()
-    return inp.rows[inp.sample_rows], seq_lens.long()[inp.sample_rows]
+    return inp.sample_device_rows[: len(inp.sample_rows_cpu)], seq_lens.long()[inp.sample_rows]

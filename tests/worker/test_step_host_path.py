@@ -258,3 +258,55 @@ def test_sampling_option_rows_start_on_16_bytes(n):
     assert got.floats[0].tolist() == pytest.approx([0.1 * i for i in range(n)])
     # the divisor sampling takes: the temperature, 1 for greedy rows (temperature 0)
     assert got.floats[6].tolist() == pytest.approx([1.0] + [0.1 * i for i in range(1, n)])
+
+
+def test_placed_options_are_gathered_not_copied(monkeypatch):
+    """Options written at placement are gathered by the step's rows: the same values as the
+    packed copy (negative penalties, large seeds included), rows on 16 bytes, no copy; a
+    request re-placed on another row (preemption) carries its options along."""
+    import workers.device_state as ds
+
+    st = DeviceState(8, 64, 4, 50, torch.device("cpu"))
+    opts = [
+        _opts(temperature=0.7, top_k=5, seed=2**40 + 3, presence_penalty=-0.5),
+        _opts(top_p=0.9, min_p=0.05, seed=-7, frequency_penalty=0.25, repetition_penalty=1.2),
+        _opts(temperature=1.3, min_tokens=4, seed=11),
+    ]
+    st.add_many([NewRequest(h, [1, 2, 3], [], o, [h]) for h, o in enumerate(opts)])
+    rows = [st.row_of[h] for h in (2, 0, 1)]
+    padded = torch.tensor(rows + [0], dtype=torch.int64)
+    copies = []
+    real = ds.to_device
+    monkeypatch.setattr(ds, "to_device", lambda *x, **k: copies.append(1) or real(*x, **k))
+    order = [opts[2], opts[0], opts[1]]
+    got = ds.OptionTensors().get(order, st.device, st.option_table, padded)
+    assert not copies, "gathered from the table: no host packing, no copy"
+    want = ds.OptionTensors().get(order, st.device)
+    assert len(copies) == 1
+    for g, w in zip((*got.floats, *got.ints), (*want.floats, *want.ints)):
+        assert torch.equal(g, w) and g.data_ptr() % 16 == 0 and g.shape == (3,)
+    assert got.flags == want.flags
+    st.release(0)  # preempted, then placed again: another row
+    st.add_many([NewRequest(9, [1], [], _opts(temperature=0.2, seed=5), [7])])
+    st.add_many([NewRequest(0, [1, 2, 3], [], opts[0], [6])])
+    assert st.row_of[0] != rows[1]
+    again = ds.OptionTensors().get([opts[0]], st.device, st.option_table, torch.tensor([st.row_of[0], 0, 0, 0]))
+    assert again.ints[1].tolist() == [2**40 + 3] and again.floats[4].tolist() == [-0.5]
+    assert again.floats[0].tolist() == pytest.approx([0.7]) and again.ints[0].tolist() == [5]
+
+
+def test_a_mixed_steps_sampling_rows_come_with_its_inputs():
+    """The sampling rows' device rows ride in the step's one copy (no index launch), padded
+    to four entries with row 0; ``sampling_rows`` hands back the real ones."""
+    st = DeviceState(8, 64, 8, 50, torch.device("cpu"))
+    st.add_many([NewRequest(h, list(range(1, 8)), [], GREEDY, [h]) for h in range(3)])
+    rows = [
+        ScheduledRow(0, 7, 7, [], True),
+        ScheduledRow(1, 4, 4, [], False),  # a prefill chunk: no sample
+        ScheduledRow(2, 7, 7, [], True),
+    ]
+    inp = build_step_inputs(StepPlan(1, rows=rows), st, BS, True)
+    want = [st.row_of[0], st.row_of[2]]
+    assert inp.sample_device_rows.tolist() == want + [0, 0]
+    s_rows, _ = step_inputs.sampling_rows(inp, inp.meta.seq_lens)
+    assert s_rows.tolist() == want
