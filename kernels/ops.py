@@ -462,6 +462,15 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
+def sample_logits(logits, divisor, temperature, seeds, positions, greedy):
+    """Temperature sampling from the logits, greedy rows kept (``kernels.sample_logits``)."""
+    if _use_triton(logits):
+        from kernels.sample_logits import sample_logits_triton
+
+        return sample_logits_triton(logits, divisor, temperature, seeds, positions, greedy)
+    return reference.sample_logits_reference(logits, divisor, temperature, seeds, positions, greedy)
+
+
 def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:
     """``kernels.tile_gemm.precompile`` of the installed tuning table (worker warm-up)."""
     from kernels.tile_gemm import precompile

@@ -317,6 +317,20 @@ def exponential_race_reference(probs: torch.Tensor, seeds: torch.Tensor, positio
     return (probs / exponential_noise(seeds, positions, probs.shape[-1])).argmax(dim=-1)
 
 
+def sample_logits_reference(
+    logits: torch.Tensor,
+    divisor: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+) -> torch.Tensor:
+    """``greedy`` where ``temperature`` is 0, else the seeded draw from ``softmax(logits /
+    divisor)`` (``kernels.sample_logits``)."""
+    drawn = exponential_race_reference((logits / divisor[:, None]).softmax(dim=-1), seeds, positions)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
 def prepare_inputs_reference(
     starts, rows, qsl, n_tokens: int, q_lens, capacity, token_ids, block_table, block_size: int
 ):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import argmax, exponential_race
+from kernels.ops import argmax, exponential_race, sample_logits
 
 
 @dataclass
@@ -123,6 +123,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
         greedy_ids = argmax(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
+    elif not (batch.any_top_k_top_p or batch.any_min_p):  # temperature only: straight from the logits
+        temp = batch.sample_temperature
+        if temp is None:
+            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        token_ids = sample_logits(logits, temp, batch.temperature, batch.seeds, batch.positions, greedy_ids)
     else:
         probs = sampling_probs(
             logits,

@@ -1,0 +1,151 @@
+"""Temperature sampling straight from the logits: two Triton launches per step.
+
+A step whose sampled rows use no top-k / top-p / min-p draws ``argmax_j softmax(x / t)_j / E_j``
+(``kernels.sampling``: E = -log U, U a hash of (seed, position, token id)), and greedy rows
+(t = 0) take the argmax they already have. The torch composition (``kernels.reference.
+sample_logits_reference``: divide, softmax, the race's two launches, compare, select, and
+their allocations) cost a launch some ten host operations. Here the softmax's normaliser is
+not needed at all (it scales every score of a row alike): each program takes a fixed slice
+of a row's vocabulary, finds its largest ``z = x / t`` and its best ``exp(z - m) / E``; the
+second launch rescales each slice's best by ``exp(m - M)`` (M the row's largest ``z``), picks
+the winner (ties to the lowest token id) and writes the greedy argmax for greedy rows.
+
+The slice size is fixed, not derived from the batch, so a row's draw is the same whatever
+else is in the batch. Against the reference, ranks can differ only where two tokens' scores
+agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.fast_launch import fast_launch
+from kernels.pdl import wait_and_release
+from kernels.sampling import _exp_noise, _row_key
+
+SLICE = 16384  # vocabulary entries a program takes (a multiple of BLOCK)
+BLOCK = 2048
+MAX_SLICES = 64  # vocabularies up to 1M entries
+
+
+@fast_launch
+@triton.jit(
+    do_not_specialize=["vocab", "stride", "num_slices"],
+    do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "div_ptr"],
+)
+def _slice_race_kernel(
+    logits_ptr,
+    div_ptr,
+    seed_ptr,
+    pos_ptr,
+    max_ptr,
+    best_ptr,
+    idx_ptr,
+    vocab,
+    stride,
+    num_slices,
+    SLICE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    row = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    wait_and_release(USE_PDL)
+    t = tl.load(div_ptr + row)
+    lo = sl * SLICE
+    hi = tl.minimum(lo + SLICE, vocab)
+    base = logits_ptr + row * stride
+    m = tl.full((), float("-inf"), tl.float32)
+    for start in range(lo, hi, BLOCK):  # the slice's largest z
+        ids = start + tl.arange(0, BLOCK)
+        x = tl.load(base + ids, mask=ids < hi, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, tl.max(tl.math.div_rn(x, t), axis=0))
+    key = _row_key(seed_ptr, pos_ptr, row)
+    key7 = key >> 7
+    best = tl.full((), -1.0, tl.float32)
+    best_i = tl.full((), 0, tl.int32)
+    if m > float("-inf"):  # (a slice of masked tokens only keeps -1: never the winner)
+        for start in range(lo, hi, BLOCK):
+            ids = start + tl.arange(0, BLOCK)
+            ok = ids < hi
+            x = tl.load(base + ids, mask=ok, other=float("-inf")).to(tl.float32)
+            p = tl.exp(tl.math.div_rn(x, t) - m)
+            score = tl.where(ok, tl.math.div_rn(p, _exp_noise(key, key7, ids)), -1.0)
+            s = tl.max(score, axis=0)
+            i = tl.min(tl.where(score == s, ids, 2147483647), axis=0)
+            better = s > best
+            best_i = tl.where(better, i, best_i)
+            best = tl.where(better, s, best)
+    tl.store(max_ptr + row * num_slices + sl, m)
+    tl.store(best_ptr + row * num_slices + sl, best)
+    tl.store(idx_ptr + row * num_slices + sl, best_i)
+
+
+@fast_launch
+@triton.jit(
+    do_not_specialize=["num_slices"],
+    do_not_specialize_on_alignment=["temp_ptr", "greedy_ptr"],
+)
+def _pick_kernel(
+    max_ptr,
+    best_ptr,
+    idx_ptr,
+    temp_ptr,
+    greedy_ptr,
+    out_ptr,
+    num_slices,
+    SLICES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    row = tl.program_id(0).to(tl.int64)
+    wait_and_release(USE_PDL)
+    s = tl.arange(0, SLICES)
+    ok = s < num_slices
+    m = tl.load(max_ptr + row * num_slices + s, mask=ok, other=float("-inf"))
+    b = tl.load(best_ptr + row * num_slices + s, mask=ok, other=-1.0)
+    i = tl.load(idx_ptr + row * num_slices + s, mask=ok, other=2147483647)
+    top = tl.max(m, axis=0)
+    score = tl.where(m > float("-inf"), b * tl.exp(m - top), -1.0)
+    win = tl.max(score, axis=0)
+    pick = tl.min(tl.where(score == win, i, 2147483647), axis=0).to(tl.int64)
+    greedy = tl.load(greedy_ptr + row)
+    tl.store(out_ptr + row, tl.where(tl.load(temp_ptr + row) > 0, pick, greedy))
+
+
+def sample_logits_triton(
+    logits: torch.Tensor,
+    divisor: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    slice_size: int = SLICE,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Per row of ``logits [R, V]``: ``greedy`` where ``temperature`` is 0, else the seeded draw
+    from ``softmax(logits / divisor)``; int64 ``[R]``. (``slice_size`` and ``block``: smaller
+    for the interpreter's tests; serving keeps the defaults, fixed whatever the batch.)"""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n = triton.cdiv(vocab, slice_size)
+    if n > MAX_SLICES:
+        raise ValueError(f"a vocabulary of {vocab} exceeds the sampler's {MAX_SLICES * slice_size}")
+    # each slice's max, best score and its index (int32 bits); rows of a multiple of 4
+    # entries, so that each starts on 16 bytes whatever the batch (no new variant mid-serving)
+    work = torch.empty(3, -(-rows * n // 4) * 4, dtype=torch.float32, device=logits.device)
+    launch = pdl.launch_kwargs(logits)
+    _slice_race_kernel[(rows, n)](
+        logits, divisor, seeds, positions, work[0], work[1], work[2].view(torch.int32),
+        vocab, logits.stride(0), n, SLICE=slice_size, BLOCK=block, num_warps=8, **launch,
+    )  # fmt: skip
+    _pick_kernel[(rows,)](
+        work[0], work[1], work[2].view(torch.int32), temperature, greedy, out, n, SLICES=MAX_SLICES, **launch
+    )
+    return out
