@@ -4,8 +4,9 @@
 one packed copy; this writes them: each token into ``token_ids[row, col]``, a prompt token's
 bit into ``prompt_mask[row, token]``, an output token (a resumed request's, after
 preemption) counted in ``output_counts[row, token]`` (atomically: a token may repeat), and
-each request's ``num_computed`` (its cached tokens) and ``prompt_len``. Through torch that
-was five indexed writes and a cast, each a launch with tens of microseconds of host time.
+each request's ``num_computed`` (its cached tokens), ``prompt_len`` and its column of sampling
+option words (``DeviceState.option_table``). Through torch that was six indexed writes and a
+cast, each a launch with tens of microseconds of host time.
 The rows' clears (``output_counts``, ``prompt_mask``) stay before it in the stream.
 """
 
@@ -19,10 +20,25 @@ from kernels.fast_launch import fast_launch
 
 
 def place_requests_reference(
-    token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen
+    token_ids,
+    num_computed,
+    prompt_len,
+    prompt_mask,
+    output_counts,
+    option_table,
+    tok,
+    trow,
+    tcol,
+    tp,
+    rows,
+    cached,
+    plen,
+    words,
 ):
-    """What the kernel writes (torch); ``tp``: how many of the tokens are prompt tokens (they come first)."""
+    """What the kernel writes (torch); ``tp``: how many of the tokens are prompt tokens (they
+    come first); ``words``: ``[option_table.shape[0] * len(rows)]``, option-major."""
     token_ids.index_put_((trow, tcol), tok)
+    option_table.index_copy_(1, rows, words.view(option_table.shape[0], rows.shape[0]))
     num_computed.index_put_((rows,), cached.to(num_computed.dtype))
     prompt_len.index_put_((rows,), plen.to(prompt_len.dtype))
     prompt_mask.index_put_((trow[:tp], tok[:tp]), torch.ones((), dtype=torch.bool, device=tok.device))
@@ -37,8 +53,25 @@ def place_requests_reference(
 # the input segments follow the placement's token count: their 16-byte alignment varies, and
 # specialising on it would compile variants mid-serving
 @triton.jit(
-    do_not_specialize=["n_tok", "n_prompt", "n_req", "vocab", "stride_tok", "stride_mask", "stride_counts"],
-    do_not_specialize_on_alignment=["tok_ptr", "trow_ptr", "tcol_ptr", "rows_ptr", "cached_ptr", "plen_ptr"],
+    do_not_specialize=[
+        "n_tok",
+        "n_prompt",
+        "n_req",
+        "vocab",
+        "stride_tok",
+        "stride_mask",
+        "stride_counts",
+        "stride_opt",
+    ],
+    do_not_specialize_on_alignment=[
+        "tok_ptr",
+        "trow_ptr",
+        "tcol_ptr",
+        "rows_ptr",
+        "cached_ptr",
+        "plen_ptr",
+        "words_ptr",
+    ],
 )
 def _place_kernel(
     tok_ptr,
@@ -47,11 +80,13 @@ def _place_kernel(
     rows_ptr,
     cached_ptr,
     plen_ptr,
+    words_ptr,
     token_ids_ptr,
     num_computed_ptr,
     prompt_len_ptr,
     mask_ptr,
     counts_ptr,
+    opt_ptr,
     n_tok,
     n_prompt,
     n_req,
@@ -59,6 +94,8 @@ def _place_kernel(
     stride_tok,
     stride_mask,
     stride_counts,
+    stride_opt,
+    WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -69,6 +106,9 @@ def _place_kernel(
             row = tl.load(rows_ptr + r, mask=m, other=0)
             tl.store(num_computed_ptr + row, tl.load(cached_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
             tl.store(prompt_len_ptr + row, tl.load(plen_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
+            for j in tl.static_range(WORDS):  # the sampling options, one word of each request at a time
+                w = tl.load(words_ptr + j * n_req + r, mask=m, other=0)
+                tl.store(opt_ptr + j * stride_opt + row, w, mask=m)
     else:
         i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)
         m = i < n_tok
@@ -89,6 +129,7 @@ def place_requests_triton(
     prompt_len,
     prompt_mask,
     output_counts,
+    option_table,
     tok,
     trow,
     tcol,
@@ -96,23 +137,42 @@ def place_requests_triton(
     rows,
     cached,
     plen,
+    words,
     block: int = 256,
 ):
     """``place_requests_reference`` in one launch. ``tp``: a host int."""
-    for t in (token_ids, prompt_mask, output_counts):
+    for t in (token_ids, prompt_mask, output_counts, option_table):
         assert t.stride(-1) == 1
     n_tok, n_req = tok.shape[0], rows.shape[0]
     _place_kernel[(1 + triton.cdiv(n_tok, block),)](
-        tok, trow, tcol, rows, cached, plen, token_ids, num_computed, prompt_len, prompt_mask, output_counts,
+        tok, trow, tcol, rows, cached, plen, words,
+        token_ids, num_computed, prompt_len, prompt_mask, output_counts, option_table,
         n_tok, tp, n_req, prompt_mask.shape[1],
-        token_ids.stride(0), prompt_mask.stride(0), output_counts.stride(0), BLOCK=block,
+        token_ids.stride(0), prompt_mask.stride(0), output_counts.stride(0), option_table.stride(0),
+        WORDS=option_table.shape[0], BLOCK=block,
     )  # fmt: skip
 
 
 def place_requests(
-    token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp: int, rows, cached, plen
+    token_ids,
+    num_computed,
+    prompt_len,
+    prompt_mask,
+    output_counts,
+    option_table,
+    tok,
+    trow,
+    tcol,
+    tp: int,
+    rows,
+    cached,
+    plen,
+    words,
 ) -> None:
-    """Writes new requests' tokens and lengths (see the module docstring): one launch on
-    CUDA, the torch reference elsewhere. ``tp``: a host int."""
+    """Writes new requests' tokens, lengths and sampling options (see the module docstring):
+    one launch on CUDA, the torch reference elsewhere. ``tp``: a host int."""
     fn = place_requests_triton if tok.is_cuda else place_requests_reference
-    fn(token_ids, num_computed, prompt_len, prompt_mask, output_counts, tok, trow, tcol, tp, rows, cached, plen)
+    fn(
+        token_ids, num_computed, prompt_len, prompt_mask, output_counts, option_table,
+        tok, trow, tcol, tp, rows, cached, plen, words,
+    )  # fmt: skip

@@ -233,14 +233,13 @@ class DeviceState:
         packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]))
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split([t, t, t, n, n, n, OPTION_WORDS * n])
-        self.option_table.index_copy_(1, rr, words_d.view(OPTION_WORDS, n))
         # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
         # outputs to recompute after preemption are counted, repeated tokens accumulating)
         self.output_counts.index_fill_(0, rr, 0)
         self.prompt_mask.index_fill_(0, rr, False)
         place_requests(
-            self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts,
-            tok, trow, tcol, tp, rr, cached_d, plen_d,
+            self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
+            tok, trow, tcol, tp, rr, cached_d, plen_d, words_d,
         )  # fmt: skip
 
     def release(self, handle: int) -> None:

@@ -23,6 +23,7 @@ def _state(rows=6, cols=40, vocab=30):
         torch.randint(0, 9, (rows,), generator=g, dtype=torch.int32),  # prompt_len
         torch.rand(rows, vocab, generator=g) < 0.3,  # prompt_mask (stale bits: a stray write shows)
         torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32),  # output_counts
+        torch.randint(-(2**40), 2**40, (10, rows), generator=g),  # option_table (stale words)
     )
 
 
@@ -43,8 +44,9 @@ def _placement(seed, n_req, vocab=30, block=None):
         trow += [r] * o
         tcol += list(range(p, p + o))
     cached = [rng.randrange(0, p + 1) for p in plens]
+    words = [rng.randrange(-(2**62), 2**62) for _ in range(10 * n_req)]  # float bits, seeds...
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return t(tok), t(trow), t(tcol), sum(plens), t(rows), t(cached), t(plens)
+    return t(tok), t(trow), t(tcol), sum(plens), t(rows), t(cached), t(plens), t(words)
 
 
 def _check(args, block):
@@ -52,7 +54,8 @@ def _check(args, block):
     before = got[4].sum()
     place_requests_reference(*want, *args)
     place.place_requests_triton(*got, *args, block=block)
-    for name, a, b in zip(("token_ids", "num_computed", "prompt_len", "prompt_mask", "output_counts"), want, got):
+    names = ("token_ids", "num_computed", "prompt_len", "prompt_mask", "output_counts", "option_table")
+    for name, a, b in zip(names, want, got):
         assert torch.equal(a, b), name
     assert got[4].sum() - before == args[0].shape[0] - args[3]  # every output token counted once
 
@@ -65,11 +68,11 @@ def test_place_kernel_matches_reference(seed, n_req, block):
 
 
 def test_place_kernel_without_prompt_tokens_or_any_token():
-    tok, trow, tcol, tp, rows, cached, plen = _placement(4, 3)
+    tok, trow, tcol, tp, rows, cached, plen, words = _placement(4, 3)
     outs = slice(tp, None)
-    _check((tok[outs], trow[outs], tcol[outs], 0, rows, cached, plen), 4)  # only resumed outputs
+    _check((tok[outs], trow[outs], tcol[outs], 0, rows, cached, plen, words), 4)  # only resumed outputs
     empty = torch.empty(0, dtype=torch.int64)
-    _check((empty, empty, empty, 0, rows, cached, plen), 4)  # lengths only
+    _check((empty, empty, empty, 0, rows, cached, plen, words), 4)  # lengths and options only
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run
