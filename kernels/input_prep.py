@@ -25,7 +25,19 @@ from kernels.fast_launch import fast_launch
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_iter", "n_blk", "stride_tok", "stride_bt", "max_pos"])
+@triton.jit(
+    do_not_specialize=[
+        "n_tokens",
+        "n_reqs",
+        "n_iter",
+        "n_blk",
+        "stride_tok",
+        "stride_bt",
+        "max_pos",
+        "pad_tokens",
+        "pad_reqs",
+    ]
+)
 def _prepare_inputs_kernel(
     starts_ptr,
     rows_ptr,
@@ -46,6 +58,8 @@ def _prepare_inputs_kernel(
     stride_tok,
     stride_bt,
     max_pos,
+    pad_tokens,
+    pad_reqs,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -83,6 +97,13 @@ def _prepare_inputs_kernel(
     tl.store(seq_lens_ptr + r, (pos + 1).to(tl.int32), mask=ok & (off == q_len - 1))
     tl.store(qsl_ptr + r, t.to(tl.int32), mask=ok & (off == 0))
     tl.store(qsl_ptr + n_reqs + t * 0, (t + 1).to(tl.int32), mask=ok & (t == n_tokens - 1))
+    # a CUDA graph's padding: tokens up to pad_tokens write no KV, requests up to pad_reqs are
+    # empty (their query range starts and ends at n_tokens)
+    tl.store(slots_ptr + t, tl.full([BLOCK], -1, tl.int64), mask=(t >= n_tokens) & (t < pad_tokens))
+    if tl.program_id(0) == 0:
+        for start in range(n_reqs + 1, pad_reqs + 1, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            tl.store(qsl_ptr + j, tl.full([BLOCK], 0, tl.int32) + n_tokens, mask=j <= pad_reqs)
 
 
 def prepare_inputs_triton(
@@ -98,12 +119,17 @@ def prepare_inputs_triton(
     block: int = 256,
     out=None,
     num_computed=None,
+    pad=None,
 ):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
     gives the first four (contiguous, those shapes and dtypes) to write into. ``starts``
     None: request ``r`` starts at ``num_computed[rows[r]]``. ``qsl`` (the requests' query
-    starts, [R + 1]) must be strictly increasing: every request has a token."""
+    starts, [R + 1]) must be strictly increasing: every request has a token. ``pad``:
+    ``(qsl_out, pad_tokens, pad_reqs)`` (with ``out``: a graph's static inputs): the query
+    starts are written into ``qsl_out`` (int32, at least ``pad_reqs + 1``), and the same
+    launch pads the step to the graph's bucket: slots ``T .. pad_tokens - 1`` of ``out``'s
+    slot buffer (which must hold them) get -1, query starts ``R + 1 .. pad_reqs`` get T."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
@@ -131,12 +157,19 @@ def prepare_inputs_triton(
         input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
-    qsl_out = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
+    pad_tokens = pad_reqs = 0
+    if pad is not None:
+        qsl_full, pad_tokens, pad_reqs = pad
+        if out is None or qsl_full.dtype != torch.int32 or qsl_full.shape[0] < pad_reqs + 1 or pad_reqs < n_reqs:
+            raise ValueError("prepare_inputs pad: needs out, an int32 qsl_out of pad_reqs + 1 and pad_reqs >= R")
+        qsl_out = qsl_full[: n_reqs + 1]
+    else:
+        qsl_out = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
     if n_tokens == 0:
         qsl_out.zero_()
         return positions, input_ids, seq_lens, slots, qsl_out
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
-    _prepare_inputs_kernel[(triton.cdiv(n_tokens, block),)](
+    _prepare_inputs_kernel[(triton.cdiv(max(n_tokens, pad_tokens), block),)](
         starts,
         rows,
         qsl,
@@ -156,6 +189,8 @@ def prepare_inputs_triton(
         token_ids.stride(0),
         block_table.stride(0),
         token_ids.shape[1] - 1,
+        pad_tokens,
+        pad_reqs,
         KV_BLOCK_SIZE=block_size,
         BLOCK=block,
         STARTS_BY_ROW=by_row,
@@ -178,6 +213,7 @@ def prepare_inputs(
     every_request_has_tokens: bool = True,
     out=None,
     num_computed=None,
+    pad=None,
 ):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. ``qsl``: the requests'
@@ -188,7 +224,8 @@ def prepare_inputs(
     ``out``: (positions, input_ids, seq_lens, slot_mapping) to write into (a CUDA graph's
     static inputs, so a replay needs no copies); the results are those tensors.
     ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
-    no gather launch)."""
+    no gather launch). ``pad``: see ``prepare_inputs_triton`` (the query starts land in the
+    graph's buffer and the step is padded to its bucket: no separate copy or fills)."""
     if qsl.is_cuda and every_request_has_tokens:
         return prepare_inputs_triton(
             starts,
@@ -202,6 +239,7 @@ def prepare_inputs(
             block_size,
             out=out,
             num_computed=num_computed,
+            pad=pad,
         )
     if starts is None:
         starts = num_computed[rows]
@@ -212,4 +250,11 @@ def prepare_inputs(
         return res
     for dst, src in zip(out, res):
         dst.copy_(src)
-    return (*out, res[4])
+    if pad is None:
+        return (*out, res[4])
+    qsl_full, pad_tokens, pad_reqs = pad
+    n_reqs = rows.shape[0]
+    qsl_full[: n_reqs + 1].copy_(res[4])
+    qsl_full[n_reqs + 1 : pad_reqs + 1].fill_(n_tokens)
+    out[3].as_strided((pad_tokens,), (1,))[n_tokens:].fill_(-1)  # (the slot buffer holds the padding)
+    return (*out, qsl_full[: n_reqs + 1])

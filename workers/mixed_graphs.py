@@ -169,17 +169,30 @@ class MixedGraphs(StaticStepInputs):
     def fits(self, num_tokens: int) -> bool:
         return bool(self.graphs) and num_tokens <= self.buckets[-1]
 
+    def bucket(self, num_tokens: int) -> int:
+        """The token bucket a step of ``num_tokens`` replays."""
+        return next(b for b in self.buckets if b >= num_tokens)
+
+    def padding(self, num_tokens: int) -> tuple[torch.Tensor, int, int]:
+        """``(query-start buffer, tokens, requests)`` of the bucket a step of ``num_tokens``
+        replays: where the input kernel writes the step's query starts and what it pads the
+        step to (``kernels.input_prep.prepare_inputs``'s ``pad``), so ``load`` copies none."""
+        t = self.bucket(num_tokens)
+        return self.qsl, t, self.rows(t)
+
     def load(self, input_ids, positions, meta: AttentionMetadata) -> int:
-        """Copies a step's inputs into the static buffers, padded; returns its bucket."""
+        """Copies a step's inputs into the static buffers, padded (what its input kernel did
+        not already build there: ``padding``); returns its bucket."""
         t_real, n = input_ids.shape[0], meta.num_reqs
-        t = next(b for b in self.buckets if b >= t_real)
+        t = self.bucket(t_real)
         r = self.rows(t)
         if n > r:
             raise ValueError(f"a step of {n} requests exceeds max_num_seqs={self.max_num_seqs}")
         self._copy_in(input_ids, positions, meta.seq_lens, meta.slot_mapping[:t_real])
-        self.slots[t_real:t].fill_(-1)
-        self.qsl[: n + 1].copy_(meta.query_start_loc)
-        self.qsl[n + 1 : r + 1].fill_(t_real)  # padded requests: empty, at the real token count
+        if meta.query_start_loc.data_ptr() != self.qsl.data_ptr():  # else padded by the input kernel
+            self.slots[t_real:t].fill_(-1)
+            self.qsl[: n + 1].copy_(meta.query_start_loc)
+            self.qsl[n + 1 : r + 1].fill_(t_real)  # padded requests: empty, at the real token count
         if not self.qsl.is_cuda:  # only the torch reference (CPU) reads the CPU copies; a replay never does
             self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
             self.qsl_cpu[n + 1 : r + 1] = t_real

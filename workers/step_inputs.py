@@ -51,6 +51,7 @@ def build_window(
     packed_extra: list[list[int]] | None = None,
     out: tuple | None = None,
     table_blocks: int | None = None,
+    graph_pad: tuple | None = None,
 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -62,7 +63,9 @@ def build_window(
     words, so no cast kernel), and the device ``rows`` when given as None. ``starts`` None:
     the rows' ``num_computed``, read by the input kernel itself.
     ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
-    CUDA graph's static inputs). ``table_blocks``: the packed block table's width (default:
+    CUDA graph's static inputs); ``graph_pad``: ``(qsl buffer, tokens, requests)`` of a mixed-step
+    graph's bucket, which the input kernel pads the step to (``kernels.input_prep``).
+    ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
     ``block_table`` on the device), the extras and the device rows."""
     dev, bs = st.device, block_size
@@ -125,6 +128,7 @@ def build_window(
         every_request_has_tokens=min(q_lens) >= 1,
         out=out,
         num_computed=st.num_computed if starts is None else None,
+        pad=graph_pad,
     )
     meta = AttentionMetadata(
         query_start_loc=qsl_d,
@@ -267,15 +271,26 @@ def build_step_inputs(
             key = graphs.pick_shape(len(q_win), q_win, max(ubs_win))
         else:
             key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs))
-    out = None
+    out = graph_pad = None
     mixed_graph = key is None and mixed is not None and mixed.fits(ends[-1])
     if key is not None:
         out = graphs.static_inputs(len(rows_cpu), ends[-1])
-    elif mixed_graph:  # the mixed-step graph this step replays
+    elif mixed_graph:  # the mixed-step graph this step replays, padded to its bucket by the input kernel
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
+        graph_pad = mixed.padding(ends[-1])
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(
-        st, None, rows_cpu, q_win, ubs_win, None, block_size, bounds_are_exact, packed_extra=extra, out=out
+        st,
+        None,
+        rows_cpu,
+        q_win,
+        ubs_win,
+        None,
+        block_size,
+        bounds_are_exact,
+        packed_extra=extra,
+        out=out,
+        graph_pad=graph_pad,
     )
     logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
     inp = StepInputs(
