@@ -227,7 +227,8 @@ def build_step_inputs(
     rows_cpu, q_lens, ubs, sample_idx, drafts, host_drafts = [], [], [], [], [], []
     for i, r in enumerate(plan.rows):
         row = st.row_of[r.handle]
-        st.append_blocks(row, r.new_block_ids)
+        if r.new_block_ids:  # (most decode rows: no call)
+            st.append_blocks(row, r.new_block_ids)
         if r.draft_token_ids:
             host_drafts.append((row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids))
         rows_cpu.append(row)
@@ -248,7 +249,10 @@ def build_step_inputs(
         ubs_win = [u + p for u, p in zip(ubs, pads)]
     ends = list(accumulate(q_win))  # one past each request's last token (host ints: no tensor)
     logits_idx, bonus_idx, spec_idx, draft_tok = [], [], [], []
-    for i, k in zip(sample_idx, drafts):
+    if not k_max:  # one logits row a sampling row, its last token (pads come only with drafts)
+        logits_idx = [ends[i] - 1 for i in sample_idx]
+        bonus_idx = list(range(len(sample_idx)))
+    for i, k in zip(sample_idx, drafts) if k_max else ():
         end = ends[i] - 1 - (pads[i] if pads is not None else 0)  # the row's last real token
         base = len(logits_idx)
         logits_idx.extend(range(end - k, end + 1))
