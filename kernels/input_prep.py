@@ -166,6 +166,8 @@ def prepare_inputs_triton(
     else:
         qsl_out = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
     if n_tokens == 0:
+        if pad is not None:  # a graph replay would write KV through the previous step's slots
+            raise ValueError("prepare_inputs pad: a step padded to a graph bucket needs tokens")
         qsl_out.zero_()
         return positions, input_ids, seq_lens, slots, qsl_out
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1

@@ -463,11 +463,13 @@ def exponential_race(probs, seeds, positions):
 
 
 def sample_logits(logits, divisor, temperature, seeds, positions, greedy):
-    """Temperature sampling from the logits, greedy rows kept (``kernels.sample_logits``)."""
+    """Temperature sampling from the logits, greedy rows kept (``kernels.sample_logits``; the
+    torch composition on the CPU and for vocabularies past the kernel's ``MAX_VOCAB``)."""
     if _use_triton(logits):
-        from kernels.sample_logits import sample_logits_triton
+        from kernels.sample_logits import MAX_VOCAB, sample_logits_triton
 
-        return sample_logits_triton(logits, divisor, temperature, seeds, positions, greedy)
+        if logits.shape[-1] <= MAX_VOCAB:
+            return sample_logits_triton(logits, divisor, temperature, seeds, positions, greedy)
     return reference.sample_logits_reference(logits, divisor, temperature, seeds, positions, greedy)
 
 

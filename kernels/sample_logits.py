@@ -28,7 +28,8 @@ from kernels.sampling import _exp_noise, _row_key
 
 SLICE = 16384  # vocabulary entries a program takes (a multiple of BLOCK)
 BLOCK = 2048
-MAX_SLICES = 64  # vocabularies up to 1M entries
+MAX_SLICES = 64
+MAX_VOCAB = MAX_SLICES * SLICE  # 1M entries (kernels.ops takes the torch path above)
 
 
 @fast_launch
