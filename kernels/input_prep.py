@@ -15,6 +15,8 @@ oracle); both require every request to have at least one query token.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,21 @@ import triton.language as tl
 from kernels import pdl, reference
 from kernels.pdl import wait_and_release
 from kernels.fast_launch import fast_launch
+
+
+class GraphPad(NamedTuple):
+    """What a step replaying a whole-forward graph has the input kernel write into the
+    graph's static buffers besides its inputs (``prepare_inputs``' ``pad``): its query starts
+    into ``qsl`` (int32, at least ``reqs + 1``), padding up to the bucket (``tokens`` slots,
+    ``reqs`` requests), and copies of its block table (into ``block_table``, int32, its row
+    stride the graph's) and sampled-token indices (``logits_src`` into ``logits_dst``)."""
+
+    qsl: torch.Tensor
+    tokens: int
+    reqs: int
+    block_table: torch.Tensor | None = None
+    logits_src: torch.Tensor | None = None
+    logits_dst: torch.Tensor | None = None
 
 
 @fast_launch
@@ -36,6 +53,8 @@ from kernels.fast_launch import fast_launch
         "max_pos",
         "pad_tokens",
         "pad_reqs",
+        "stride_bt_dst",
+        "n_logits",
     ]
 )
 def _prepare_inputs_kernel(
@@ -60,10 +79,17 @@ def _prepare_inputs_kernel(
     max_pos,
     pad_tokens,
     pad_reqs,
+    bt_dst_ptr,
+    stride_bt_dst,
+    logits_src_ptr,
+    logits_dst_ptr,
+    n_logits,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     STARTS_BY_ROW: tl.constexpr = False,
+    COPY_TABLE: tl.constexpr = False,
+    COPY_LOGITS: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_tokens
@@ -104,6 +130,19 @@ def _prepare_inputs_kernel(
         for start in range(n_reqs + 1, pad_reqs + 1, BLOCK):
             j = start + tl.arange(0, BLOCK)
             tl.store(qsl_ptr + j, tl.full([BLOCK], 0, tl.int32) + n_tokens, mask=j <= pad_reqs)
+    # and the graph's block table and sampled-token indices, copied from the step's (every
+    # program a share: request rows, then index blocks, strided by the program count)
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    if COPY_TABLE:
+        for r2 in range(pid, n_reqs, nprog):
+            for c0 in range(0, n_blk, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                v = tl.load(block_table_ptr + r2 * stride_bt + c, mask=c < n_blk, other=0)
+                tl.store(bt_dst_ptr + r2 * stride_bt_dst + c, v, mask=c < n_blk)
+    if COPY_LOGITS:
+        for i0 in range(pid * BLOCK, n_logits, nprog * BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            tl.store(logits_dst_ptr + i, tl.load(logits_src_ptr + i, mask=i < n_logits, other=0), mask=i < n_logits)
 
 
 def prepare_inputs_triton(
@@ -125,11 +164,11 @@ def prepare_inputs_triton(
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
     gives the first four (contiguous, those shapes and dtypes) to write into. ``starts``
     None: request ``r`` starts at ``num_computed[rows[r]]``. ``qsl`` (the requests' query
-    starts, [R + 1]) must be strictly increasing: every request has a token. ``pad``:
-    ``(qsl_out, pad_tokens, pad_reqs)`` (with ``out``: a graph's static inputs): the query
-    starts are written into ``qsl_out`` (int32, at least ``pad_reqs + 1``), and the same
-    launch pads the step to the graph's bucket: slots ``T .. pad_tokens - 1`` of ``out``'s
-    slot buffer (which must hold them) get -1, query starts ``R + 1 .. pad_reqs`` get T."""
+    starts, [R + 1]) must be strictly increasing: every request has a token. ``pad`` (a
+    ``GraphPad``, with ``out`` a graph's static inputs): the query starts are written into
+    ``pad.qsl`` and the same launch pads the step to the graph's bucket (slots ``T ..
+    pad.tokens - 1`` of ``out``'s slot buffer, which must hold them, get -1, query starts
+    ``R + 1 .. pad.reqs`` get T) and makes ``pad``'s copies."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
@@ -157,12 +196,22 @@ def prepare_inputs_triton(
         input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
-    pad_tokens = pad_reqs = 0
+    pad_tokens = pad_reqs = n_logits = 0
+    bt_dst = li_src = li_dst = None
     if pad is not None:
-        qsl_full, pad_tokens, pad_reqs = pad
-        if out is None or qsl_full.dtype != torch.int32 or qsl_full.shape[0] < pad_reqs + 1 or pad_reqs < n_reqs:
-            raise ValueError("prepare_inputs pad: needs out, an int32 qsl_out of pad_reqs + 1 and pad_reqs >= R")
-        qsl_out = qsl_full[: n_reqs + 1]
+        pad_tokens, pad_reqs, bt_dst = pad.tokens, pad.reqs, pad.block_table
+        li_src, li_dst = pad.logits_src, pad.logits_dst
+        if out is None or pad.qsl.dtype != torch.int32 or pad.qsl.shape[0] < pad_reqs + 1 or pad_reqs < n_reqs:
+            raise ValueError("prepare_inputs pad: needs out, an int32 qsl of reqs + 1 and reqs >= R")
+        if bt_dst is not None and (
+            bt_dst.dtype != torch.int32 or bt_dst.shape[0] < n_reqs or bt_dst.shape[1] < block_table.shape[1]
+        ):
+            raise ValueError("prepare_inputs pad: the graph's block table is too small for the step's")
+        if li_src is not None:
+            n_logits = li_src.shape[0]
+            if li_dst.shape[0] < n_logits or li_dst.dtype != li_src.dtype:
+                raise ValueError("prepare_inputs pad: the graph's sampled-token indices are too few")
+        qsl_out = pad.qsl[: n_reqs + 1]
     else:
         qsl_out = torch.empty(n_reqs + 1, dtype=torch.int32, device=dev)
     if n_tokens == 0:
@@ -193,9 +242,16 @@ def prepare_inputs_triton(
         token_ids.shape[1] - 1,
         pad_tokens,
         pad_reqs,
+        bt_dst if bt_dst is not None else block_table,
+        bt_dst.stride(0) if bt_dst is not None else 0,
+        li_src if li_src is not None else slots,
+        li_dst if li_dst is not None else slots,
+        n_logits,
         KV_BLOCK_SIZE=block_size,
         BLOCK=block,
         STARTS_BY_ROW=by_row,
+        COPY_TABLE=bt_dst is not None,
+        COPY_LOGITS=n_logits > 0,
         num_warps=4,
         **pdl.launch_kwargs(qsl),
     )
@@ -254,9 +310,12 @@ def prepare_inputs(
         dst.copy_(src)
     if pad is None:
         return (*out, res[4])
-    qsl_full, pad_tokens, pad_reqs = pad
     n_reqs = rows.shape[0]
-    qsl_full[: n_reqs + 1].copy_(res[4])
-    qsl_full[n_reqs + 1 : pad_reqs + 1].fill_(n_tokens)
-    out[3].as_strided((pad_tokens,), (1,))[n_tokens:].fill_(-1)  # (the slot buffer holds the padding)
-    return (*out, qsl_full[: n_reqs + 1])
+    pad.qsl[: n_reqs + 1].copy_(res[4])
+    pad.qsl[n_reqs + 1 : pad.reqs + 1].fill_(n_tokens)
+    out[3].as_strided((pad.tokens,), (1,))[n_tokens:].fill_(-1)  # (the slot buffer holds the padding)
+    if pad.block_table is not None:
+        pad.block_table[:n_reqs, : block_table.shape[1]].copy_(block_table)
+    if pad.logits_src is not None:
+        pad.logits_dst[: pad.logits_src.shape[0]].copy_(pad.logits_src)
+    return (*out, pad.qsl[: n_reqs + 1])

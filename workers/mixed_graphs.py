@@ -34,6 +34,7 @@ import time
 import torch
 
 from kernels.attention_splits import DECODE_MAX_Q
+from kernels.input_prep import GraphPad
 from metadata.attention_metadata import AttentionMetadata
 from workers.cuda_graphs import StaticStepInputs, alloc_bytes, capture_graph
 
@@ -173,12 +174,14 @@ class MixedGraphs(StaticStepInputs):
         """The token bucket a step of ``num_tokens`` replays."""
         return next(b for b in self.buckets if b >= num_tokens)
 
-    def padding(self, num_tokens: int) -> tuple[torch.Tensor, int, int]:
-        """``(query-start buffer, tokens, requests)`` of the bucket a step of ``num_tokens``
-        replays: where the input kernel writes the step's query starts and what it pads the
-        step to (``kernels.input_prep.prepare_inputs``'s ``pad``), so ``load`` copies none."""
+    def padding(self, num_tokens: int, num_logits: int) -> GraphPad:
+        """What the input kernel of a step of ``num_tokens`` tokens and ``num_logits`` sampled
+        tokens writes into these graphs' buffers (``kernels.input_prep.GraphPad``): its query
+        starts, the padding to its bucket, its block table and (with ``logits_rows``, when they
+        fit) its sampled-token indices; ``load`` and ``logits`` then copy none of them."""
         t = self.bucket(num_tokens)
-        return self.qsl, t, self.rows(t)
+        fits = 0 < num_logits <= self.logits_rows
+        return GraphPad(self.qsl, t, self.rows(t), self.block_table, logits_dst=self.logits_idx if fits else None)
 
     def load(self, input_ids, positions, meta: AttentionMetadata) -> int:
         """Copies a step's inputs into the static buffers, padded (what its input kernel did
@@ -193,13 +196,13 @@ class MixedGraphs(StaticStepInputs):
             self.slots[t_real:t].fill_(-1)
             self.qsl[: n + 1].copy_(meta.query_start_loc)
             self.qsl[n + 1 : r + 1].fill_(t_real)  # padded requests: empty, at the real token count
+            if meta.block_table.data_ptr() != self.block_table.data_ptr():
+                self.block_table[:n, : meta.block_table.shape[1]].copy_(meta.block_table)
         if not self.qsl.is_cuda:  # only the torch reference (CPU) reads the CPU copies; a replay never does
             self.qsl_cpu[: n + 1] = meta.query_start_loc_cpu
             self.qsl_cpu[n + 1 : r + 1] = t_real
             self.ub_cpu[:n] = meta.seq_lens_upper_bound
             self.ub_cpu[n:r] = 0
-        if meta.block_table.data_ptr() != self.block_table.data_ptr():
-            self.block_table[:n, : meta.block_table.shape[1]].copy_(meta.block_table)
         return t
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
@@ -222,7 +225,8 @@ class MixedGraphs(StaticStepInputs):
         n = logits_idx.shape[0]
         if n > self.logits_rows_of(t):
             raise ValueError(f"{n} logits rows exceed the {self.logits_rows_of(t)} of token bucket {t}")
-        self.logits_idx[:n].copy_(logits_idx)
+        if logits_idx.data_ptr() != self.logits_idx.data_ptr():  # (else the input kernel copied them)
+            self.logits_idx[:n].copy_(logits_idx)
         g, logits, greedy = self.graphs[t]
         g.replay()
         self.replays += 1

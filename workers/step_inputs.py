@@ -63,8 +63,9 @@ def build_window(
     words, so no cast kernel), and the device ``rows`` when given as None. ``starts`` None:
     the rows' ``num_computed``, read by the input kernel itself.
     ``out``: where to write positions, input ids, ``seq_lens`` and the slot mapping (a
-    CUDA graph's static inputs); ``graph_pad``: ``(qsl buffer, tokens, requests)`` of a mixed-step
-    graph's bucket, which the input kernel pads the step to (``kernels.input_prep``).
+    CUDA graph's static inputs); ``graph_pad``: a ``kernels.input_prep.GraphPad`` of a mixed-step
+    graph's bucket, which the input kernel pads the step to; with its ``logits_dst``, the
+    first extra (the sampled-token indices) is copied there by the kernel too.
     ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
     ``block_table`` on the device), the extras and the device rows."""
@@ -115,6 +116,8 @@ def build_window(
         rows = split[n_own + n_extra]
     if block_table is None:
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
+    if graph_pad is not None and graph_pad.logits_dst is not None:
+        graph_pad = graph_pad._replace(logits_src=back[0])
     positions, input_ids, seq_lens, slot_mapping, qsl_d = prepare_inputs(
         starts,
         rows,
@@ -281,7 +284,7 @@ def build_step_inputs(
         out = graphs.static_inputs(len(rows_cpu), ends[-1])
     elif mixed_graph:  # the mixed-step graph this step replays, padded to its bucket by the input kernel
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
-        graph_pad = mixed.padding(ends[-1])
+        graph_pad = mixed.padding(ends[-1], len(logits_idx))
     # the rows, the block table and the extras ride in the window's one copy
     win, back, rows = build_window(
         st,
@@ -297,6 +300,8 @@ def build_step_inputs(
         graph_pad=graph_pad,
     )
     logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
+    if graph_pad is not None and graph_pad.logits_dst is not None:  # (copied there by the input kernel)
+        logits_i = graph_pad.logits_dst[: len(logits_idx)]
     inp = StepInputs(
         step_id=plan.step_id,
         input_ids=win.input_ids,

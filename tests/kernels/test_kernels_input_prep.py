@@ -152,29 +152,37 @@ def test_prepare_inputs_writes_into_given_buffers():
 )
 def test_prepare_inputs_pads_a_graph_bucket(q_lens, pad_tokens, pad_reqs, block):
     """``pad`` (a mixed-step graph's bucket): the query starts land in the graph's buffer and
-    the same launch pads the step: slots up to ``pad_tokens`` -1, query starts up to
-    ``pad_reqs`` the token count; nothing past them is touched. The torch path does the same."""
-    from kernels.input_prep import prepare_inputs
+    the same launch pads the step (slots up to ``pad_tokens`` -1, query starts up to
+    ``pad_reqs`` the token count) and copies its block table (into a wider table) and its
+    sampled-token indices; nothing past them is touched. The torch path does the same."""
+    from kernels.input_prep import GraphPad, prepare_inputs
 
     case = make_case(q_lens, seed=len(q_lens))
     n, t = len(q_lens), sum(q_lens)
+    bt = case[7]
     want = ref.prepare_inputs_reference(*case)
+    logits = torch.tensor([t - 1, 0, t // 2], dtype=torch.int64)
     for fn in (lambda *a, **k: ip.prepare_inputs_triton(*a, block=block, **k), prepare_inputs):
         bufs = [torch.full((pad_tokens + 3,), -7, dtype=torch.int64) for _ in range(2)]
-        bufs += [
-            torch.full((pad_reqs + 3,), -7, dtype=torch.int32),
-            torch.full((pad_tokens + 3,), -7, dtype=torch.int64),
-        ]
+        bufs += [torch.full((pad_reqs + 3,), -7, dtype=torch.int32)]
+        bufs += [torch.full((pad_tokens + 3,), -7, dtype=torch.int64)]
         qsl_buf = torch.full((pad_reqs + 4,), -7, dtype=torch.int32)
+        table = torch.full((pad_reqs, bt.shape[1] + 5), -7, dtype=torch.int32)
+        li = torch.full((8,), -7, dtype=torch.int64)
         out = (bufs[0][:t], bufs[1][:t], bufs[2][:n], bufs[3][:t])
-        got = fn(*case, out=out, pad=(qsl_buf, pad_tokens, pad_reqs))
+        got = fn(*case, out=out, pad=GraphPad(qsl_buf, pad_tokens, pad_reqs, table, logits, li))
         for g_, w in zip(got, want):
             assert torch.equal(g_, w)
         assert got[4].data_ptr() == qsl_buf.data_ptr()
         assert (bufs[3][t:pad_tokens] == -1).all() and (bufs[3][pad_tokens:] == -7).all()
         assert (qsl_buf[n + 1 : pad_reqs + 1] == t).all() and (qsl_buf[pad_reqs + 1 :] == -7).all()
+        assert torch.equal(table[:n, : bt.shape[1]], bt)
+        assert (table[:n, bt.shape[1] :] == -7).all() and (table[n:] == -7).all()
+        assert torch.equal(li[:3], logits) and (li[3:] == -7).all()
     with pytest.raises(ValueError, match="pad"):
-        ip.prepare_inputs_triton(*case, pad=(qsl_buf, pad_tokens, pad_reqs))  # no out
+        ip.prepare_inputs_triton(*case, pad=GraphPad(qsl_buf, pad_tokens, pad_reqs))  # no out
+    with pytest.raises(ValueError, match="block table"):
+        ip.prepare_inputs_triton(*case, out=out, pad=GraphPad(qsl_buf, pad_tokens, pad_reqs, table[:, :1]))
 
 
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -100,14 +100,15 @@ def test_logits_graphs_record_the_sampled_rows_logits(ckpt_dir):
     r = _runner(str(ckpt_dir("qwen3")))
     mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True, logits_rows=6)
     mg.graphs = {t: None for t in mg.buckets}
+    mg.logits_idx.fill_(10**6)  # stale indices from a larger step
     inp = _mixed_step(r, mg)
     n = inp.logits_idx.shape[0]
     assert 0 < n < 6
+    # the step's input preparation wrote its sampled-token indices into the graph's buffer
+    assert inp.logits_idx.data_ptr() == mg.logits_idx.data_ptr() and (mg.logits_idx[n:] == 10**6).all()
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     with torch.inference_mode():
         t = mg.load(inp.input_ids, inp.positions, inp.meta)
-        mg.logits_idx.fill_(10**6)  # stale indices from a larger step
-        mg.logits_idx[:n].copy_(inp.logits_idx)
         got = mg.static_forward(t)
         assert got.shape == (mg.logits_rows_of(t), r.arch.vocab_size) and got.dtype == torch.float32
         for (k, v), (k0, v0) in zip(r.kv_caches, before):
