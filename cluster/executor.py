@@ -8,7 +8,9 @@ Every rank of every pipeline stage receives the same plan bytes; one result come
 step, the last stage's first rank's (it sampled the tokens; rank 0 without pipeline
 stages). ``collect`` waits on all ranks at once, so a rank that dies while its peers are
 blocked in a collective is noticed immediately (its connection closes): the step fails
-with ``EngineDeadError`` naming the rank, where it ran and why it died (asked of Ray).
+with ``EngineDeadError`` naming the rank, where it ran and why it died (asked of Ray, all
+such ranks at once). A rank whose host vanished closes no connection; ``collect`` waits in
+slices and, while a slice ends with ranks still busy, asks Ray whether they live.
 ``restart()`` tears the workers down and starts fresh ones.
 """
 
@@ -34,6 +36,15 @@ logger = logging.getLogger(__name__)
 # After one rank fails, how long to wait for the others before reporting: a peer
 # that died is the root cause of the survivors' collective errors, so prefer it.
 _FAILURE_GRACE_S = 2.0
+# A step's results are awaited in slices of this long; a slice that ends with ranks still
+# busy pings them through Ray (a vanished host closes no connection: TCP may take long to tell).
+_LIVENESS_SLICE_S = 5.0
+# How long such a liveness check waits for the pings (a worker slow to answer is not dead).
+_LIVENESS_PING_S = 2.0
+# How long to wait, in all, for the answers of the ranks whose step channel closed.
+_CAUSE_PING_S = 10.0
+# Ray's "temporarily unavailable" is no death it vouches for (a subclass of RayActorError).
+_UNAVAILABLE = getattr(ray.exceptions, "ActorUnavailableError", ())
 
 
 class EngineDeadError(RuntimeError):
@@ -259,29 +270,37 @@ class RayExecutor:
         futs = []
         for rank, ch in enumerate(self.channels):
             try:
-                futs.append(ch.send(data))
+                futs.append(ch.send(data, plan.step_id))
             except ChannelClosed as exc:
-                self.dead = f"worker {self._where(rank)} died: {self._death_cause(rank, exc)}"
+                self.dead = self._channel_losses({rank: exc})[rank]
                 raise EngineDeadError(self.dead) from None
         return futs
 
     def collect(self, futs: list) -> StepResult:
-        """Wait for one step on every rank; the last stage's first rank's result is the step's."""
+        """Wait for one step on every rank; the last stage's first rank's result is the step's.
+        The wait goes in slices of ``_LIVENESS_SLICE_S``; each that ends with ranks still busy
+        pings those through Ray (no Ray call while results come in time)."""
         rank_of = {fut: rank for rank, fut in enumerate(futs)}
         pending = set(futs)
         results: dict[int, StepResult] = {}
-        deaths: dict[int, str] = {}
+        closed: dict[int, ChannelClosed] = {}  # ranks whose step channel ended
+        deaths: dict[int, str] = {}  # ranks Ray reports dead while their channel looked open
+        pings: dict = {}  # rank -> its liveness ping, not answered yet
         wait = concurrent.futures.wait
-        while pending and not deaths and not any(r.error for r in results.values()):
-            ready, pending = wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            self._gather(ready, rank_of, results, deaths)
-        if pending and (deaths or any(r.error for r in results.values())):
+        while pending and not closed and not deaths and not any(r.error for r in results.values()):
+            ready, pending = wait(pending, timeout=_LIVENESS_SLICE_S, return_when=concurrent.futures.FIRST_COMPLETED)
+            if ready:
+                self._gather(ready, rank_of, results, closed)
+            else:
+                self._check_alive(sorted(rank_of[fut] for fut in pending), pings, deaths)
+        if pending and (closed or deaths or any(r.error for r in results.values())):
             ready, pending = wait(pending, timeout=_FAILURE_GRACE_S)
-            self._gather(ready, rank_of, results, deaths)
-        if deaths:
-            msg = "; ".join(f"worker {self._where(rank)} died: {cause}" for rank, cause in sorted(deaths.items()))
-            self.dead = msg
-            raise EngineDeadError(msg)
+            self._gather(ready, rank_of, results, closed)
+        if closed or deaths:
+            losses = self._channel_losses({rank: exc for rank, exc in closed.items() if rank not in deaths})
+            losses.update(deaths)
+            self.dead = "; ".join(losses[rank] for rank in sorted(losses))
+            raise EngineDeadError(self.dead)
         failed = [r for r in results.values() if r.error]
         if failed:
             r = min(failed, key=lambda r: r.rank)
@@ -289,21 +308,59 @@ class RayExecutor:
             raise EngineDeadError(self.dead)
         return results[self.result_rank]
 
-    def _gather(self, ready, rank_of, results, deaths) -> None:
+    def _gather(self, ready, rank_of, results, closed) -> None:
         for fut in ready:
             rank = rank_of[fut]
             try:
                 results[rank] = fut.result()
             except ChannelClosed as exc:
-                deaths[rank] = self._death_cause(rank, exc)
+                closed[rank] = exc
 
-    def _death_cause(self, rank: int, exc: ChannelClosed) -> str:
-        """Why rank ``rank``'s step channel closed, asked of Ray: the process's exit, else the
-        channel's own error (a worker that is alive but lost its connection)."""
-        try:
-            ray.get(self.workers[rank].ping.remote(), timeout=10.0)
-        except ray.exceptions.RayActorError as err:
-            return death_cause(err)
-        except ray.exceptions.RayError as err:
-            return f"its step channel closed ({exc}) and it does not answer: {str(err)[:300]}"
-        return f"its step channel closed ({exc}) while the worker still answers"
+    def _check_alive(self, ranks: list[int], pings: dict, deaths: dict[int, str]) -> None:
+        """Ping ``ranks`` through Ray, all at once, and wait ``_LIVENESS_PING_S`` for the
+        answers (a ping still unanswered from an earlier slice is waited on, not repeated).
+        A rank that Ray reports dead goes into ``deaths``; a slow answer is no death."""
+        for rank in ranks:
+            if rank not in pings:
+                pings[rank] = self.workers[rank].ping.remote()
+        rank_of = {ref: rank for rank, ref in pings.items()}
+        ready, _ = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=_LIVENESS_PING_S)
+        for ref in ready:
+            rank = rank_of[ref]
+            del pings[rank]
+            try:
+                ray.get(ref)
+            except _UNAVAILABLE:
+                pass  # asked again after the next slice
+            except ray.exceptions.RayActorError as err:
+                deaths[rank] = f"worker {self._where(rank)} died: {death_cause(err)}"
+            except ray.exceptions.RayError:
+                pass
+
+    def _channel_losses(self, closed: dict[int, ChannelClosed]) -> dict[int, str]:
+        """Why each rank's step channel closed, asked of Ray: the ranks are pinged all at once
+        and their answers awaited together (``_CAUSE_PING_S`` in all). A rank that Ray reports
+        dead "died" (the process's exit); one that still answers, or does not answer at all,
+        "lost its step channel" (with the channel's own error)."""
+        if not closed:
+            return {}
+        refs = {rank: self.workers[rank].ping.remote() for rank in closed}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=_CAUSE_PING_S)
+        ready = set(ready)
+        losses = {}
+        for rank, exc in closed.items():
+            lost = f"worker {self._where(rank)} lost its step channel: {exc}"
+            if refs[rank] not in ready:
+                losses[rank] = f"{lost}, and the worker does not answer either (no reply within {_CAUSE_PING_S:.0f} s)"
+                continue
+            try:
+                ray.get(refs[rank])
+            except _UNAVAILABLE as err:
+                losses[rank] = f"{lost}, and the worker does not answer either: {str(err)[:300]}"
+            except ray.exceptions.RayActorError as err:
+                losses[rank] = f"worker {self._where(rank)} died: {death_cause(err)}"
+            except ray.exceptions.RayError as err:
+                losses[rank] = f"{lost}, and the worker does not answer either: {str(err)[:300]}"
+            else:
+                losses[rank] = f"{lost}, and the worker still answers"
+        return losses

@@ -5,6 +5,10 @@ as it is available, even while the previous step's sampled-token copy is still
 in flight; it polls that copy's event (``query()`` never blocks) and reports a
 step only once its copy is complete. So with the driver one step ahead, the
 device starts step N+1 before step N's result has even left the worker.
+
+Results may complete out of turn: a launch that fails sets its step's error at
+once, while the step before it may still wait for its copy. The step channel
+(``workers.step_channel``) sends them back in the plans' order regardless.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ engine serves new requests after restarting its workers."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -88,9 +89,53 @@ def test_a_lost_step_connection_fails_requests_with_its_cause_then_restarts(ray_
         while not errors:
             assert time.monotonic() - t0 < 20, "the request did not fail within 20 s"
             errors = [d.error for d in eng.step() if d.finish_reason == "error"]
-        assert "rank 0" in errors[0] and "step channel closed" in errors[0] and "still answers" in errors[0], errors
+        # the worker is alive, so the message says what broke, and does not call it dead
+        msg = errors[0]
+        assert "rank 0" in msg and "lost its step channel" in msg and "still answers" in msg, msg
+        assert "died" not in msg, msg
         eng.release("long")
         out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == expected and eng.executor.num_restarts == 1
+    finally:
+        llm.shutdown()
+
+
+class _SilentChannel:
+    """A step channel whose network went silent: plans leave, nothing ever comes back and no
+    connection closes (a vanished host), so only Ray can tell that the worker is gone."""
+
+    closed = None
+
+    def send(self, data, step_id):
+        import concurrent.futures
+
+        return concurrent.futures.Future()
+
+    def close(self):
+        pass
+
+
+def test_a_worker_lost_without_its_connection_closing_is_noticed_through_ray(ray_local, ckpt_dir):
+    llm = LLM(model=str(ckpt_dir("llama")), block_size=8, max_model_len=256, async_scheduling=True)
+    try:
+        eng = llm.engine
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+        real = eng.executor.channels[0]
+        eng.executor.channels[0] = _SilentChannel()
+        real.close()
+        pid = ray.get(eng.executor.workers[0].ping.remote(), timeout=10)["pid"]
+        eng.add_request("r", PROMPT, GREEDY)
+        os.kill(pid, signal.SIGKILL)
+        errors = []
+
+        def pump():  # (a thread: a step that waits forever must fail the test, not hang it)
+            while not errors:
+                errors.extend(d.error for d in eng.step() if d.finish_reason == "error")
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert errors, "a worker Ray knows is dead was waited on for 30 s"
+        assert "rank 0" in errors[0] and "died" in errors[0] and f"pid {pid}" in errors[0], errors
     finally:
         llm.shutdown()
