@@ -178,10 +178,13 @@ class ModelRunner:
 
     @staticmethod
     def draw_once(logits: torch.Tensor) -> torch.Tensor:
-        """One seeded draw per row (compiles the sampling kernels before serving starts)."""
-        from kernels.ops import exponential_race
+        """One seeded draw per row, through the race over probabilities and through the fused
+        temperature sampler (compiles both before serving starts)."""
+        from kernels.ops import exponential_race, sample_logits
 
         rows = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+        sample_logits(logits.float(), ones, ones, rows, rows, rows)
         return exponential_race(logits.float().softmax(dim=-1), rows, rows)
 
     @torch.inference_mode()
