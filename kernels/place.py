@@ -36,9 +36,9 @@ def place_requests_reference(
     words,
 ):
     """What the kernel writes (torch); ``tp``: how many of the tokens are prompt tokens (they
-    come first); ``words``: ``[option_table.shape[0] * len(rows)]``, option-major."""
+    come first); ``words``: ``[len(rows) * option_table.shape[0]]``, request-major."""
     token_ids.index_put_((trow, tcol), tok)
-    option_table.index_copy_(1, rows, words.view(option_table.shape[0], rows.shape[0]))
+    option_table.index_copy_(1, rows, words.view(rows.shape[0], option_table.shape[0]).t())
     num_computed.index_put_((rows,), cached.to(num_computed.dtype))
     prompt_len.index_put_((rows,), plen.to(prompt_len.dtype))
     prompt_mask.index_put_((trow[:tp], tok[:tp]), torch.ones((), dtype=torch.bool, device=tok.device))
@@ -107,7 +107,7 @@ def _place_kernel(
             tl.store(num_computed_ptr + row, tl.load(cached_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
             tl.store(prompt_len_ptr + row, tl.load(plen_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
             for j in tl.static_range(WORDS):  # the sampling options, one word of each request at a time
-                w = tl.load(words_ptr + j * n_req + r, mask=m, other=0)
+                w = tl.load(words_ptr + r * WORDS + j, mask=m, other=0)
                 tl.store(opt_ptr + j * stride_opt + row, w, mask=m)
     else:
         i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)

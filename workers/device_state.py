@@ -10,6 +10,7 @@ parameters.
 from __future__ import annotations
 
 import array
+import struct
 
 import numpy as np
 import torch
@@ -67,6 +68,18 @@ def option_floats(opts: list[SamplingOptions]) -> np.ndarray:
 def option_ints(opts: list[SamplingOptions]) -> np.ndarray:
     """int64 ``[3, len(opts)]``: top_k, seed, min_tokens."""
     return np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T.reshape(3, len(opts))
+
+
+_FLOATS_AS_F32 = struct.Struct(f"<{OPTION_FLOATS}f")
+_FLOATS_AS_I32 = struct.Struct(f"<{OPTION_FLOATS}i")
+
+
+def option_words(o: SamplingOptions) -> tuple[int, ...]:
+    """One request's ``OPTION_WORDS`` int64 words (``DeviceState.option_table``'s column): the
+    float options as their float32 bits, then the ints (``struct``: no numpy for a few requests)."""
+    div = o.temperature if o.temperature > 0 else 1.0
+    floats = (o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty, div)
+    return (*_FLOATS_AS_I32.unpack(_FLOATS_AS_F32.pack(*floats)), o.top_k, o.seed, o.min_tokens)
 
 
 def option_flags(opts: list[SamplingOptions]) -> dict:
@@ -228,8 +241,7 @@ class DeviceState:
 
         p_row, p_col = rows_cols(plen, np.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
-        opts = [req.sampling for req in reqs]
-        words = np.concatenate([option_floats(opts).view(np.int32).astype(np.int64), option_ints(opts)]).ravel()
+        words = np.array([w for req in reqs for w in option_words(req.sampling)], dtype=np.int64)  # request-major
         packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]))
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split([t, t, t, n, n, n, OPTION_WORDS * n])
