@@ -244,7 +244,7 @@ class DeviceState:
         words = np.array([w for req in reqs for w in option_words(req.sampling)], dtype=np.int64)  # request-major
         packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]))
         dev = to_device(packed, self.device)
-        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split([t, t, t, n, n, n, OPTION_WORDS * n])
+        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes([t, t, t, n, n, n, OPTION_WORDS * n])
         # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
         # outputs to recompute after preemption are counted, repeated tokens accumulating)
         self.output_counts.index_fill_(0, rr, 0)

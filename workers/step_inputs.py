@@ -106,7 +106,7 @@ def build_window(
         keep.append(len(sizes))
         sizes.append(words.size)
     packed = to_device(packed, dev)
-    views = torch.split(packed, sizes)
+    views = packed.split_with_sizes(sizes)  # (the method: torch.split's Python wrapper costs more)
     split = [views[i] for i in keep]  # the segments, without their pads
     q_lens_d, qsl_in = split[:2]
     if capacity is None:
@@ -227,19 +227,22 @@ def build_step_inputs(
     no decode graph fits builds its inputs into the mixed-step graph's static buffers."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
-    rows_cpu, q_lens, ubs, sample_idx, drafts, host_drafts = [], [], [], [], [], []
-    for i, r in enumerate(plan.rows):
-        row = st.row_of[r.handle]
-        if r.new_block_ids:  # (most decode rows: no call)
+    # (comprehensions, not one loop of appends: this runs on every launch's critical path)
+    prows = plan.rows
+    row_of = st.row_of
+    rows_cpu = [row_of[r.handle] for r in prows]
+    q_lens = [r.num_scheduled_tokens for r in prows]
+    ubs = [r.seq_len_upper_bound for r in prows]
+    sample_idx = [i for i, r in enumerate(prows) if r.sample]
+    drafts = [prows[i].num_draft_tokens for i in sample_idx]
+    for row, r in zip(rows_cpu, prows):
+        if r.new_block_ids:  # (most decode rows have none)
             st.append_blocks(row, r.new_block_ids)
-        if r.draft_token_ids:
-            host_drafts.append((row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids))
-        rows_cpu.append(row)
-        q_lens.append(r.num_scheduled_tokens)
-        ubs.append(r.seq_len_upper_bound)
-        if r.sample:
-            sample_idx.append(i)
-            drafts.append(r.num_draft_tokens)
+    host_drafts = [
+        (row, r.seq_len_upper_bound - r.num_draft_tokens, r.draft_token_ids)
+        for row, r in zip(rows_cpu, prows)
+        if r.draft_token_ids
+    ]
     st.write_host_drafts(host_drafts)
     k_max = max(drafts, default=0)
     pads = None
