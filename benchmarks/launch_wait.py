@@ -39,16 +39,27 @@ def mode_options(mode: str, model: str) -> dict:
     return {}
 
 
-def workload(num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000, seed: int = 0) -> tuple[list, list]:
+ARRIVALS = ("batched", "staggered")
+
+
+def workload(
+    num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000, seed: int = 0, arrivals: str = "batched"
+) -> tuple[list, list]:
     """Random prompts (token ids) and their sampling parameters: greedy and sampled rows
-    alternating, ``max_tokens`` 16-48 (rows finish at different steps)."""
+    alternating. ``arrivals``: ``batched``, ``max_tokens`` 16-48 in five groups (rows finish,
+    and waiting prompts are placed, a few groups at a time: few mixed steps); ``staggered``,
+    ``max_tokens`` spread over 16-79 so that about one row finishes a step and the next
+    prompt is placed beside the running decode rows (a mixed step nearly every step)."""
     from cluster import SamplingParams
 
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
     rnd = random.Random(seed)
     prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    lengths = [16 + (i % 5) * 8 if arrivals == "batched" else 16 + (i * 37) % 64 for i in range(num_prompts)]
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=16 + (i % 5) * 8, seed=i, ignore_eos=True)
-        for i in range(num_prompts)
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=n, seed=i, ignore_eos=True)
+        for i, n in enumerate(lengths)
     ]
     return prompts, params
 
@@ -64,6 +75,7 @@ def run_mode(
     vocab: int = 1000,
     sync_check: str = "error",
     passes: int = 1,
+    arrivals: str = "batched",
 ) -> dict:
     """Launch times (ms) of one mode: after a warm-up request, the workload (its prompts, then
     prompts that hit the prefix cache) ``passes`` times with new prompts each pass, of which
@@ -84,12 +96,12 @@ def run_mode(
         **mode_options(mode, model),
     )
     try:
-        prompts, params = workload(num_prompts, prompt_len, vocab)
+        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
         for n in range(passes):
             if n:
-                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n)
+                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals)
             ray.get([w.clear_launch_times.remote() for w in workers])  # only the last pass counts
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             hits = [{"prompt_token_ids": p[:160] + [5, 6, 7]} for p in prompts[: num_prompts // 2]]
@@ -165,10 +177,21 @@ def main(argv=None) -> list[dict]:
         help="run the workload this many times (new prompts each) and time the last (default: 1, "
         "which includes every step shape's first use; 2 times the steady state)",
     )
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="batched",
+        help="batched (default): prompts placed a few groups at a time, few mixed steps; staggered: "
+        "about one prompt placed beside the decode rows every step (use with --num-prompts 128 to "
+        "time a hundred mixed steps)",
+    )
+    p.add_argument("--num-prompts", type=int, default=48, help="prompts a pass (default: 48)")
     p.add_argument("--output", default=None, help="write the raw launch times as JSON here")
     args = p.parse_args(argv)
     if args.passes < 1:
         p.error(f"--passes must be at least 1, got {args.passes}")
+    if args.num_prompts < 2:
+        p.error(f"--num-prompts must be at least 2, got {args.num_prompts}")
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -184,7 +207,18 @@ def main(argv=None) -> list[dict]:
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     runs, rows = [], []
     for mode in modes:  # a row as each mode ends: a long run shows its progress
-        runs.append(run_mode(mode, model, fmt, args.wait_ms, sync_check=args.sync_check, passes=args.passes))
+        runs.append(
+            run_mode(
+                mode,
+                model,
+                fmt,
+                args.wait_ms,
+                num_prompts=args.num_prompts,
+                sync_check=args.sync_check,
+                passes=args.passes,
+                arrivals=args.arrivals,
+            )
+        )
         r = summarize(runs[-1])
         rows.append(r)
         print(

@@ -20,3 +20,23 @@ def test_each_pass_has_new_prompts_of_the_same_shape():
     (a, pa), (b, pb) = workload(4, 30, 100, seed=0), workload(4, 30, 100, seed=1)
     assert a != b and [len(p) for p in a] == [len(p) for p in b]
     assert [p.max_tokens for p in pa] == [p.max_tokens for p in pb]
+
+
+def test_staggered_arrivals_place_prompts_beside_running_rows(ray_local, ckpt_dir):
+    """``arrivals="staggered"``: rows finish about one a step, so waiting prompts are placed
+    beside running decode rows in many more steps than the batched workload's few."""
+    ck = str(ckpt_dir("llama", max_pos=4096))
+    kw = dict(num_prompts=16, prompt_len=40, max_num_seqs=4, vocab=200, sync_check="off")
+    batched = run_mode("async", ck, "safetensors", 5.0, **kw)
+    staggered = run_mode("async", ck, "safetensors", 5.0, arrivals="staggered", **kw)
+    nb, ns = len(batched["mixed_launch_ms"]), len(staggered["mixed_launch_ms"])
+    assert ns >= nb + 4, (nb, ns)
+
+
+def test_arrivals_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="arrivals"):
+        workload(4, 30, 100, arrivals="poisson")
+    _, params = workload(48, 30, 100, arrivals="staggered")
+    assert len({p.max_tokens for p in params}) > 40  # rows finish at (nearly) distinct steps
