@@ -23,9 +23,13 @@ from benchmarks.shapes import resolve_model
 
 SECTIONS = [
     ("workers.model_runner:ModelRunner", "launch", "launch"),
+    ("workers.device_state:DeviceState", "release", "release"),
     ("workers.device_state:DeviceState", "add_many", "add_many"),
+    ("workers.device_state:DeviceState", "_validate", "add_many: validate"),
     ("workers.device_state", "to_device", "to_device (placement, options)"),
     ("workers.device_state", "place_requests", "place_requests"),
+    ("workers.host_staging:PinnedStaging", "copy", "staging copy (every to_device)"),
+    ("workers.host_staging:PinnedStaging", "_slot", "staging: find a free pinned buffer"),
     ("workers.model_runner", "build_step_inputs", "build_step_inputs"),
     ("workers.step_inputs", "build_window", "build_window"),
     ("workers.step_inputs", "to_device", "to_device (step inputs)"),
@@ -35,6 +39,7 @@ SECTIONS = [
     ("torch.cuda:CUDAGraph", "replay", "graph replay"),
     ("workers.model_runner", "sampling_rows", "sampling_rows"),
     ("workers.model_runner", "build_sampling_batch", "build_sampling_batch"),
+    ("workers.device_state:OptionTensors", "get", "sampling options"),
     ("workers.model_runner", "sample", "sample"),
     ("workers.model_runner:ModelRunner", "_commit_tokens", "commit tokens"),
     ("workers.pending_step:PendingStep", "start_copy", "start_copy"),
