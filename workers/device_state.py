@@ -53,23 +53,6 @@ OPTION_FLOATS = 7  # temperature, top_p, min_p, repetition, presence, frequency,
 OPTION_WORDS = OPTION_FLOATS + 3  # then top_k, seed, min_tokens
 
 
-def option_floats(opts: list[SamplingOptions]) -> np.ndarray:
-    """float32 ``[OPTION_FLOATS, len(opts)]``: the float options, then the divisor sampling
-    takes (the temperature, 1 for greedy rows, whose distributions are taken at 1)."""
-    f = np.empty((OPTION_FLOATS, len(opts)), dtype=np.float32)
-    rows = [
-        (o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty) for o in opts
-    ]
-    f[:6] = np.array(rows, dtype=np.float32).T.reshape(6, len(opts))
-    f[6] = np.where(f[0] > 0, f[0], 1.0)
-    return f
-
-
-def option_ints(opts: list[SamplingOptions]) -> np.ndarray:
-    """int64 ``[3, len(opts)]``: top_k, seed, min_tokens."""
-    return np.array([[o.top_k, o.seed, o.min_tokens] for o in opts], dtype=np.int64).T.reshape(3, len(opts))
-
-
 _FLOATS_AS_F32 = struct.Struct(f"<{OPTION_FLOATS}f")
 _FLOATS_AS_I32 = struct.Struct(f"<{OPTION_FLOATS}i")
 
@@ -129,10 +112,11 @@ class OptionTensors:
             # entries so that every row starts on 16 bytes whatever the batch size (Triton
             # specialises a kernel on a pointer's 16-byte alignment)
             w = -(-r // 4) * 4
+            words = np.array([option_words(o) for o in opts], dtype=np.int64).reshape(r, OPTION_WORDS).T
             floats = np.zeros((OPTION_FLOATS, w), dtype=np.float32)
-            floats[:, :r] = option_floats(opts)
+            floats[:, :r] = words[:OPTION_FLOATS].astype(np.int32).view(np.float32)  # (the words' float32 bits)
             ints = np.zeros((3, w), dtype=np.int64)
-            ints[:, :r] = option_ints(opts)
+            ints[:, :r] = words[OPTION_FLOATS:]
             raw = np.concatenate([floats.view(np.uint8).ravel(), ints.view(np.uint8).ravel()])
             packed = to_device(torch.from_numpy(raw), dev)
             self.floats = packed[: 4 * OPTION_FLOATS * w].view(torch.float32).view(OPTION_FLOATS, w)[:, :r].unbind()

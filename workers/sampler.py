@@ -78,6 +78,14 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def sampling_divisor(temperature: torch.Tensor, sample_temperature: torch.Tensor | None) -> torch.Tensor:
+    """What a row's logits are divided by: its temperature, 1 where greedy (``sample_temperature``:
+    that, precomputed with the options; else derived, one launch)."""
+    if sample_temperature is not None:
+        return sample_temperature
+    return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+
+
 def sampling_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -95,10 +103,7 @@ def sampling_probs(
     min-p zeroes tokens without renormalising: every consumer (the exponential race,
     the rejection sampler's ratios) is invariant to a per-row scale.
     """
-    temp = sample_temperature
-    if temp is None:
-        temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scaled = logits / temp[:, None]
+    scaled = logits / sampling_divisor(temperature, sample_temperature)[:, None]
     if any_top_k_top_p:
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
@@ -124,10 +129,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
     if batch.all_greedy:
         token_ids = greedy_ids
     elif not (batch.any_top_k_top_p or batch.any_min_p):  # temperature only: straight from the logits
-        temp = batch.sample_temperature
-        if temp is None:
-            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        token_ids = sample_logits(logits, temp, batch.temperature, batch.seeds, batch.positions, greedy_ids)
+        divisor = sampling_divisor(batch.temperature, batch.sample_temperature)
+        token_ids = sample_logits(logits, divisor, batch.temperature, batch.seeds, batch.positions, greedy_ids)
     else:
         probs = sampling_probs(
             logits,
