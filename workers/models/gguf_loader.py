@@ -66,7 +66,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = path
-        self.reader = open_gguf(path)  # parsing the metadata takes seconds: once per process
+        self.reader = open_gguf(path)  # parsed once per process (tens of ms)
         self.arch: ModelArch = load_gguf_arch(path, self.reader)
         self.llama = field(self.reader, "general.architecture") == "llama"
 
