@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.launch_wait import ARRIVALS, MODES, mode_options, workload
+from benchmarks.launch_wait import ARRIVALS, MODES, make_llm, workload
 from benchmarks.shapes import resolve_model
 
 SECTIONS = [
@@ -97,16 +97,7 @@ def run_mode(
     launch}}}`` of worker 0 over the last pass."""
     import ray
 
-    from cluster import LLM
-
-    llm = LLM(
-        model=model,
-        load_format=fmt,
-        async_scheduling=True,
-        max_num_seqs=max_num_seqs,
-        max_model_len=2048,
-        **mode_options(mode, model),
-    )
+    llm = make_llm(mode, model, fmt, max_num_seqs)
     try:
         prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up

@@ -64,6 +64,21 @@ def workload(
     return prompts, params
 
 
+def make_llm(mode: str, model: str, fmt: str, max_num_seqs: int, **options):
+    """The engine a mode's workload runs on (async scheduling, 2,048 positions), with ``options``."""
+    from cluster import LLM
+
+    return LLM(
+        model=model,
+        load_format=fmt,
+        async_scheduling=True,
+        max_num_seqs=max_num_seqs,
+        max_model_len=2048,
+        **mode_options(mode, model),
+        **options,
+    )
+
+
 def run_mode(
     mode: str,
     model: str,
@@ -83,18 +98,7 @@ def run_mode(
     first replay, a GEMM's first shape); later passes time the steady state."""
     import ray
 
-    from cluster import LLM
-
-    llm = LLM(
-        model=model,
-        load_format=fmt,
-        async_scheduling=True,
-        max_num_seqs=max_num_seqs,
-        max_model_len=2048,
-        sync_check=sync_check,
-        launch_wait_probe_ms=wait_ms,
-        **mode_options(mode, model),
-    )
+    llm = make_llm(mode, model, fmt, max_num_seqs, sync_check=sync_check, launch_wait_probe_ms=wait_ms)
     try:
         prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
