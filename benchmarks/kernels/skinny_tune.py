@@ -78,11 +78,13 @@ def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None
     from kernels import ops
     from kernels.fp8_reference import quantize_weight_fp8
     from kernels.settings import current, overridden
-    from kernels.skinny_gemm import m_class, skinny_linear_triton
+    from kernels.skinny_gemm import load_table, m_class, skinny_linear_triton
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: smoke tests
     dt = torch.bfloat16
     candidates = TUNE_CANDIDATES_FP8 if fp8 else TUNE_CANDIDATES
+    served = current().skinny_table  # (None outside an engine: the packaged table, as select_config reads it)
+    served = load_table() if served is None else served
     rows = []
     for name, (n, k, variant) in GEMM_SHAPES.items():
         if shapes is not None and name not in shapes:
@@ -104,7 +106,7 @@ def bench_gemm(ms: list[int], fp8: bool = False, shapes: list[str] | None = None
             saved = ops.SKINNY_MAX_M
             ops.SKINNY_MAX_M = saved if fp8 else 0  # 16-bit: the unfused path, norm + cuBLAS + act
             try:
-                with overridden(skinny_table=without_fp8_entries(current().skinny_table)):
+                with overridden(skinny_table=without_fp8_entries(served)):
                     base = graph_time_us(
                         [lambda w=w, s=s: ops.linear(x, w, weight_scale=s, **kw) for w, s in zip(ws, scales)]
                     )
