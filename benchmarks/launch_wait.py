@@ -126,6 +126,9 @@ def run_mode(
             "launch_allocs": allocs,
             "preemptions": llm.engine.scheduler.num_preemptions,
             "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
+            # Triton variants compiled or loaded after start-up (a first use's host time)
+            "kernel_variants_after_start": sum(s["kernel_variants_after_start"] for s in stats),
+            "kernel_variants_first": [v for s in stats for v in s["kernel_variants_first"]][:4],
         }
     finally:
         llm.shutdown()
@@ -146,6 +149,7 @@ def summarize(run: dict) -> dict:
         "max_ms": max(ls) if ls else 0.0,
         "preemptions": run["preemptions"],
         "mixed_graph_replays": run["mixed_graph_replays"],
+        "kernel_variants_after_start": run.get("kernel_variants_after_start", 0),
         **allocations(run.get("launch_allocs", [])),
     }
 
@@ -232,6 +236,12 @@ def main(argv=None) -> list[dict]:
             f"{r['mixed_pinned_allocs']} / {r['mixed_device_allocs']} |",
             flush=True,
         )
+        if r["kernel_variants_after_start"]:  # (outside the table: it would shift the columns)
+            print(
+                f"  {r['mode']}: {r['kernel_variants_after_start']} Triton variant(s) compiled or loaded after "
+                f"start-up, first: {[v[:200] for v in runs[-1]['kernel_variants_first']]}",
+                flush=True,
+            )
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"runs": runs, "summary": rows}, f)
