@@ -191,9 +191,9 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile what the first steps would otherwise compile mid-serving (Triton JIT): the
         sampling kernels (one row suffices: they are not specialised on sizes), then a
-        scratch request's prefill and decode step through ``execute`` (the input variants a
-        fresh machine compiled inside the first request, docs/decisions.md; with graphs on,
-        both replay captured graphs, whose capture compiled their kernels). Shapes no graph
+        scratch requests' steps through ``execute`` (``_scratch_request_steps``: the input
+        variants a fresh machine compiled inside the first request, docs/decisions.md, and the
+        first uses of the sampled-row paths; with graphs on, they replay captured graphs). Shapes no graph
         covers (eager workers' mixed and spec-verify steps) are not run here: if they need a
         new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
         which nothing reads: every position's KV is written before attention reads it.
@@ -270,24 +270,45 @@ class ModelRunner:
             )
 
     def _scratch_request_steps(self) -> None:
+        """Two scratch requests through the step shapes serving starts with: A (greedy) and B
+        (sampled, temperature 1) placed together, B's whole prompt sampled beside A's prompt
+        chunk short of its end (a mixed step sampling some rows: the fused sampler, the option
+        gather, the sampled-row selection), then A's last prompt token beside B's decode (two
+        rows, greedy and sampled, in one step). One greedy request where the cache or the
+        rows cannot hold two."""
         from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
 
         bs, n = self.block_size, min(2 * self.block_size + 1, self.max_model_len - 2)
         blocks = -(-(n + 1) // bs)
-        if n < 1 or blocks > self.num_blocks:
+        if n < 2 or blocks > self.num_blocks:
             return  # a cache too small to hold it: the first request compiles instead
         greedy = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
-        handle = -1  # the driver's handles are >= 0
+        sampled = SamplingOptions(1.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+        a, b = -1, -2  # the driver's handles are >= 0
         prompt = [i % self.arch.vocab_size for i in range(n)]
-        plans = [
-            StepPlan(
-                step_id=-3,
-                new_requests=[NewRequest(handle, prompt, [], greedy, list(range(blocks)))],
-                rows=[ScheduledRow(handle, n, n, [], True)],
-            ),
-            StepPlan(step_id=-2, rows=[ScheduledRow(handle, 1, n + 1, [], True)]),
-            StepPlan(step_id=-1, finished_handles=[handle]),
-        ]
+        if 2 * blocks > self.num_blocks or self.state.max_rows < 2:
+            plans = [
+                StepPlan(
+                    step_id=-3,
+                    new_requests=[NewRequest(a, prompt, [], greedy, list(range(blocks)))],
+                    rows=[ScheduledRow(a, n, n, [], True)],
+                ),
+                StepPlan(step_id=-2, rows=[ScheduledRow(a, 1, n + 1, [], True)]),
+                StepPlan(step_id=-1, finished_handles=[a]),
+            ]
+        else:
+            plans = [
+                StepPlan(
+                    step_id=-3,
+                    new_requests=[
+                        NewRequest(a, prompt, [], greedy, list(range(blocks))),
+                        NewRequest(b, prompt, [], sampled, list(range(blocks, 2 * blocks))),
+                    ],
+                    rows=[ScheduledRow(b, n, n, [], True), ScheduledRow(a, n - 1, n - 1, [], False)],
+                ),
+                StepPlan(step_id=-2, rows=[ScheduledRow(b, 1, n + 1, [], True), ScheduledRow(a, 1, n, [], True)]),
+                StepPlan(step_id=-1, finished_handles=[a, b]),
+            ]
         for plan in plans:
             self.execute(plan)
         self._last_end_ev = None  # the first real step's device-idle gap starts with it

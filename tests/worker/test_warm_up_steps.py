@@ -1,7 +1,7 @@
-"""The warm-up's scratch request (prefill + decode through ``execute``, run on GPUs before
-serving) leaves nothing behind: its row is released and later requests get exactly the
-tokens and logits of a runner that never ran it. Run here on the CPU, where ``warm_up``
-itself skips it (nothing to compile)."""
+"""The warm-up's scratch requests (a mixed step, then a two-row decode step, through ``execute``,
+run on GPUs before serving) leave nothing behind: their rows are released and later requests get exactly the
+tokens and logits of a runner that never ran them. Run here on the CPU, where ``warm_up``
+itself skips them (nothing to compile)."""
 
 import torch
 
@@ -44,12 +44,22 @@ def test_scratch_request_leaves_no_trace(ckpt_dir):
     model = ckpt_dir("llama")
     warmed, fresh = _runner(model), _runner(model)
     warmed._scratch_request_steps()
-    assert len(warmed.logits) == 2  # its prefill and its decode step really ran
-    assert -1 not in warmed.state.row_of  # the scratch row is released
+    # a mixed step sampling one of its two rows, then a step sampling both (greedy and sampled)
+    assert [len(x) for x in warmed.logits] == [1, 2]
+    assert not warmed.state.row_of  # the scratch rows are released
     warmed.logits.clear()
     assert _serve(warmed) == _serve(fresh)
     for a, b in zip(warmed.logits, fresh.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_one_scratch_request_where_two_do_not_fit(ckpt_dir):
+    """A cache of 4 blocks holds one scratch request (3 blocks), not two: its prefill and decode."""
+    r = _runner(ckpt_dir("llama"))
+    r.init_kv_cache(4)
+    r._scratch_request_steps()
+    assert [len(x) for x in r.logits] == [1, 1]
+    assert not r.state.row_of
 
 
 def test_scratch_request_skipped_when_the_cache_is_too_small(ckpt_dir):
