@@ -230,9 +230,13 @@ class DeviceState:
         dev = to_device(packed, self.device)
         tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes([t, t, t, n, n, n, OPTION_WORDS * n])
         # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
-        # outputs to recompute after preemption are counted, repeated tokens accumulating)
-        self.output_counts.index_fill_(0, rr, 0)
-        self.prompt_mask.index_fill_(0, rr, False)
+        # outputs to recompute after preemption are counted, repeated tokens accumulating).
+        # Only penalties read the counts and the prompt mask, and a row without penalties is
+        # unchanged by any stale ones (repetition 1, presence and frequency 0): a placement
+        # with no penalty request skips the two clears
+        if any(has_penalties(req.sampling) for req in reqs):
+            self.output_counts.index_fill_(0, rr, 0)
+            self.prompt_mask.index_fill_(0, rr, False)
         place_requests(
             self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
             tok, trow, tcol, tp, rr, cached_d, plen_d, words_d,

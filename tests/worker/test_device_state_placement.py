@@ -147,6 +147,44 @@ def test_add_many_op_count_is_independent_of_request_count():
     assert _count(batched, []) == []
 
 
+def test_placement_without_penalties_skips_the_clears_and_stale_counts_change_nothing():
+    """A placement with no penalty request leaves a reused row's counts and prompt mask stale
+    (two clears fewer); the sampler's penalties leave such a row's logits exactly as they are;
+    a penalty request placed in the row later finds it clean."""
+    from workers.sampler import PenaltyBatch, apply_penalties
+
+    plain = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+    st = _state()
+    st.add_many([_req(1, 6, outputs=[4, 4, 9])])  # (penalties: counts and prompt bits written)
+    row = st.row_of[1]
+    st.release(1)
+    with _OpCounter(st.device) as counter:
+        st.add_many([NewRequest(2, [3, 5], [], plain, [])])
+    assert st.row_of[2] == row and not any("index_fill" in op for op in counter.ops)
+    assert st.output_counts[row].sum() > 0  # stale, unread
+    # row 0 penalised, row 1 (no penalties) holding the stale counts and mask: untouched
+    logits = torch.randn(2, VOCAB)
+    rows = torch.tensor([st.free_rows[-1], row])
+    out = apply_penalties(
+        logits.clone(),
+        PenaltyBatch(
+            repetition=torch.tensor([1.3, 1.0]),
+            presence=torch.tensor([0.5, 0.0]),
+            frequency=torch.tensor([0.2, 0.0]),
+            output_counts=st.output_counts[rows],
+            prompt_mask=st.prompt_mask[rows],
+        ),
+    )
+    assert torch.equal(out[1], logits[1])
+    st.release(2)
+    ref, again = _state(), _req(3, 4, outputs=[7])  # penalties again: a clean row
+    _reference_add(ref, again)
+    st.add_many([again])
+    assert st.row_of[3] == row
+    assert torch.equal(st.output_counts[row], ref.output_counts[ref.row_of[3]])
+    assert torch.equal(st.prompt_mask[row], ref.prompt_mask[ref.row_of[3]])
+
+
 def test_invalid_input_places_nothing():
     st = _state()
     st.add_many([_req(1, 4, blocks=1), _req(2, 6, outputs=[3])])
