@@ -7,10 +7,10 @@ placed beside the running decode rows nearly every step) in a real engine, with 
 timers (``benchmarks.host_sections.SectionTimers``) around the step's host-side functions
 inside worker 0, and attributes each launch's section time to its kind: *mixed* when a
 prompt's tokens are placed in it (no decode graph fits), else *decode*. Sections are
-inclusive (``add_many`` contains its ``to_device``); the table gives the mean microseconds a
-launch and the calls a launch of each. ``launch`` is the whole of ``ModelRunner.launch``;
-what its sections leave is the launch's own Python. Time the second pass (``--passes 2``,
-the default): the first includes every step shape's first use.
+inclusive (``build_window`` contains ``place new requests``, which rides in its copy); the
+table gives the mean microseconds a launch and the calls a launch of each. ``launch`` is the
+whole of ``ModelRunner.launch``; what its sections leave is the launch's own Python. Time the
+second pass (``--passes 2``, the default): the first includes every step shape's first use.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from benchmarks.shapes import resolve_model
 SECTIONS = [
     ("workers.model_runner:ModelRunner", "launch", "launch"),
     ("workers.device_state:DeviceState", "release", "release"),
-    ("workers.device_state:DeviceState", "add_many", "add_many"),
-    ("workers.device_state:DeviceState", "_validate", "add_many: validate"),
-    ("workers.device_state", "to_device", "to_device (placement, options)"),
+    ("workers.device_state:DeviceState", "stage", "stage new requests (host)"),
+    ("workers.device_state:DeviceState", "_validate", "stage: validate"),
+    ("workers.device_state:DeviceState", "place", "place new requests (device)"),
     ("workers.device_state", "place_requests", "place_requests"),
+    ("workers.device_state", "to_device", "to_device (sampling options)"),
     ("workers.host_staging:PinnedStaging", "copy", "staging copy (every to_device)"),
     ("workers.host_staging:PinnedStaging", "_slot", "staging: find a free pinned buffer"),
     ("workers.model_runner", "build_step_inputs", "build_step_inputs"),

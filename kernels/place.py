@@ -1,13 +1,15 @@
 """Placing new requests in the device state in one Triton launch.
 
-``DeviceState.add_many`` ships every new request's tokens with their rows and columns in
-one packed copy; this writes them: each token into ``token_ids[row, col]``, a prompt token's
-bit into ``prompt_mask[row, token]``, an output token (a resumed request's, after
-preemption) counted in ``output_counts[row, token]`` (atomically: a token may repeat), and
-each request's ``num_computed`` (its cached tokens), ``prompt_len`` and its column of sampling
-option words (``DeviceState.option_table``). Through torch that was six indexed writes and a
-cast, each a launch with tens of microseconds of host time.
-The rows' clears (``output_counts``, ``prompt_mask``) stay before it in the stream.
+``DeviceState.stage`` packs every new request's tokens with their rows and columns (they
+reach the device in the step inputs' copy); this writes them: each token into
+``token_ids[row, col]``, a prompt token's bit into ``prompt_mask[row, token]``, an output
+token (a resumed request's, after preemption) counted in ``output_counts[row, token]``
+(atomically: a token may repeat), and each request's ``num_computed`` (its cached tokens),
+``prompt_len`` and its column of sampling option words (``DeviceState.option_table``).
+Through torch that was six indexed writes and a cast, each a launch with tens of
+microseconds of host time.
+The rows' clears (``output_counts``, ``prompt_mask``; penalty requests only) stay before it
+in the stream.
 """
 
 from __future__ import annotations

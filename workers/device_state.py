@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import struct
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -126,6 +127,15 @@ class OptionTensors:
         return self
 
 
+class StagedPlacement(NamedTuple):
+    """New requests' device writes, packed on the host (``DeviceState.stage``)."""
+
+    words: np.ndarray  # int64: tokens, their rows, their columns, then rows, cached, prompt lengths, options
+    sizes: tuple[int, ...]  # the segments of ``words``
+    num_prompt_tokens: int  # the first this-many tokens are prompt tokens
+    clear: bool  # whether the rows' output counts and prompt masks are cleared first (penalties)
+
+
 class DeviceState:
     def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, vocab: int, device: torch.device):
         self.device = device
@@ -194,8 +204,17 @@ class DeviceState:
         """Place new requests with a fixed number of device operations, whatever their number:
         one packed host->device copy and a few indexed writes. All are validated first, so
         an invalid one places none; rows are taken as ``add`` one by one would take them."""
+        staged = self.stage(reqs)
+        if staged is not None:
+            self.place(staged, to_device(torch.from_numpy(staged.words), self.device))
+
+    def stage(self, reqs: list[NewRequest]) -> "StagedPlacement | None":
+        """``add_many``'s host half: validates ``reqs``, takes their rows and writes the host
+        state (rows, options, block tables); returns their device writes packed in one int64
+        array, for ``place`` once it is on the device (a step's inputs carry it in their own
+        copy: ``workers.step_inputs.build_window``). None for no request."""
         if not reqs:
-            return
+            return None
         self._validate(reqs)
         rows = [self.free_rows.pop() for _ in reqs]
         b_ids, b_row, b_col = [], [], []
@@ -226,20 +245,26 @@ class DeviceState:
         p_row, p_col = rows_cols(plen, np.zeros_like(plen))
         o_row, o_col = rows_cols(olen, plen)
         words = np.array([w for req in reqs for w in option_words(req.sampling)], dtype=np.int64)  # request-major
-        packed = torch.from_numpy(np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]))
-        dev = to_device(packed, self.device)
-        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes([t, t, t, n, n, n, OPTION_WORDS * n])
-        # stale rows: whole-row clears, then this placement's writes (one launch on CUDA;
-        # outputs to recompute after preemption are counted, repeated tokens accumulating).
-        # Only penalties read the counts and the prompt mask, and a row without penalties is
-        # unchanged by any stale ones (repetition 1, presence and frequency 0): a placement
-        # with no penalty request skips the two clears
-        if any(has_penalties(req.sampling) for req in reqs):
+        return StagedPlacement(
+            words=np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]),
+            sizes=(t, t, t, n, n, n, OPTION_WORDS * n),
+            num_prompt_tokens=tp,
+            # only penalties read the counts and the prompt mask, and a row without penalties
+            # is unchanged by any stale ones (repetition 1, presence and frequency 0)
+            clear=any(has_penalties(req.sampling) for req in reqs),
+        )
+
+    def place(self, staged: "StagedPlacement", dev: torch.Tensor) -> None:
+        """``add_many``'s device half: ``staged.words`` on the device (``dev``) written into the
+        state. A placement with no penalty request skips the two whole-row clears."""
+        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes(staged.sizes)
+        if staged.clear:  # stale rows cleared, then this placement's writes (one launch on CUDA;
+            # outputs to recompute after preemption are counted, repeated tokens accumulating)
             self.output_counts.index_fill_(0, rr, 0)
             self.prompt_mask.index_fill_(0, rr, False)
         place_requests(
             self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
-            tok, trow, tcol, tp, rr, cached_d, plen_d, words_d,
+            tok, trow, tcol, staged.num_prompt_tokens, rr, cached_d, plen_d, words_d,
         )  # fmt: skip
 
     def release(self, handle: int) -> None:

@@ -383,9 +383,12 @@ class ModelRunner:
             st.release(h)
         for h in plan.preempted_handles:
             st.release(h)
-        st.add_many(plan.new_requests)  # a fixed number of device operations, however many
+        # new requests: a fixed number of device operations, however many, their data riding
+        # in the step inputs' copy (one host->device copy a step)
         if not plan.rows:
+            st.add_many(plan.new_requests)
             return PendingStep(plan.step_id, self.tp.rank, t0)
+        staged = st.stage(plan.new_requests)
         marks = [t0, time.perf_counter()]  # LAUNCH_PHASES' boundaries
         start_ev = self._record_event()
         inp = build_step_inputs(
@@ -397,6 +400,7 @@ class ModelRunner:
             self.pad_query_lens,
             self.max_model_len,
             self.mixed_graphs,
+            staged,
         )
         key = inp.graph_key
         self._decode_graph_step = key is not None

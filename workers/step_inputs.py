@@ -21,7 +21,7 @@ import torch
 from kernels.input_prep import prepare_inputs
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
-from workers.device_state import DeviceState, int64_tensor, to_device
+from workers.device_state import DeviceState, StagedPlacement, int64_tensor, to_device
 
 _PAD = [0]  # one int64 word: rounds an odd-length segment up to 16 bytes
 
@@ -52,6 +52,7 @@ def build_window(
     out: tuple | None = None,
     table_blocks: int | None = None,
     graph_pad: tuple | None = None,
+    placement: StagedPlacement | None = None,
 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -66,6 +67,8 @@ def build_window(
     CUDA graph's static inputs); ``graph_pad``: a ``kernels.input_prep.GraphPad`` of a mixed-step
     graph's bucket, which the input kernel pads the step to; with its ``logits_dst``, the
     first extra (the sampled-token indices) is copied there by the kernel too.
+    ``placement``: new requests staged by ``DeviceState.stage``, carried in the same copy and
+    placed (``DeviceState.place``) before the input kernel reads the rows.
     ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
     ``block_table`` on the device), the extras and the device rows."""
@@ -97,16 +100,24 @@ def build_window(
     packed = int64_tensor(*chunks)
     n_blk = table_blocks if table_blocks is not None else (max_ub + bs - 1) // bs
     width = n_blk + (n_blk & 1)  # an even int32 count fills whole int64 words
+    arrays = [packed.numpy()]
     if block_table is None:  # (numpy: torch's CPU indexing and cat cost more here)
         table = st.block_table_cpu.numpy()[rows_cpu, :width]
         if table.shape[1] < width:  # the table's last column: pad the word
             table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
         words = table.view(np.int64).ravel()
-        packed = torch.from_numpy(np.concatenate([packed.numpy(), words]))
+        arrays.append(words)
         keep.append(len(sizes))
         sizes.append(words.size)
+    if placement is not None:  # last: the segments above keep their 16-byte offsets
+        arrays.append(placement.words)
+        sizes.append(placement.words.size)
+    if len(arrays) > 1:
+        packed = torch.from_numpy(np.concatenate(arrays))
     packed = to_device(packed, dev)
     views = packed.split_with_sizes(sizes)  # (the method: torch.split's Python wrapper costs more)
+    if placement is not None:  # the new requests' writes, before the input kernel reads their rows
+        st.place(placement, views[-1])
     split = [views[i] for i in keep]  # the segments, without their pads
     q_lens_d, qsl_in = split[:2]
     if capacity is None:
@@ -218,13 +229,15 @@ def build_step_inputs(
     pad_query_lens: tuple[int, ...] | None = None,
     max_len: int | None = None,
     mixed=None,
+    placement: StagedPlacement | None = None,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``).
     ``pad_query_lens``: query lengths a verify step with uneven draft counts may be padded to
     (``uniform_pads``; the graphs' own when None and ``graphs`` is given); ``max_len``: the
     longest position + 1 the model's rotary table holds. ``mixed`` (a ``MixedGraphs``): a step
-    no decode graph fits builds its inputs into the mixed-step graph's static buffers."""
+    no decode graph fits builds its inputs into the mixed-step graph's static buffers.
+    ``placement``: the plan's new requests (``DeviceState.stage``), placed from the same copy."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     # (comprehensions, not one loop of appends: this runs on every launch's critical path)
@@ -301,6 +314,7 @@ def build_step_inputs(
         packed_extra=extra,
         out=out,
         graph_pad=graph_pad,
+        placement=placement,
     )
     logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
     if graph_pad is not None and graph_pad.logits_dst is not None:  # (copied there by the input kernel)

@@ -12,5 +12,6 @@ def test_sections_by_launch_kind(ray_local, ckpt_dir):
     us, calls = mixed["us"], mixed["calls"]
     assert calls["launch"] == 1.0 and calls["build_step_inputs"] == 1.0
     assert 0 < us["build_window"] <= us["build_step_inputs"] <= us["launch"]
-    assert calls["add_many"] == 1.0 and 0 < calls["place_requests"] < 1  # only some launches place prompts
-    assert us["place_requests"] <= us["add_many"]
+    assert calls["stage new requests (host)"] == 1.0  # (every launch: most stage none)
+    assert 0 < calls["place new requests (device)"] < 1  # only some launches place prompts
+    assert us["place_requests"] <= us["place new requests (device)"] <= us["build_window"]

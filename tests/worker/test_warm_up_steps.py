@@ -190,13 +190,13 @@ def test_launch_thread_time_leaves_out_time_the_thread_did_not_run(ckpt_dir):
         assert mixed is True and wall == total and 0 < cpu <= wall + 0.05
 
     stalled = _runner(model)
-    add_many = stalled.state.add_many
+    stage = stalled.state.stage
 
-    def add_many_after_a_sleep(reqs):
+    def stage_after_a_sleep(reqs):
         time.sleep(0.03)
-        return add_many(reqs)
+        return stage(reqs)
 
-    stalled.state.add_many = add_many_after_a_sleep
+    stalled.state.stage = stage_after_a_sleep
     _serve(stalled)
     assert len(stalled.launch_cpu) == 4
     for _, wall, cpu in stalled.launch_cpu:
