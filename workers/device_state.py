@@ -159,6 +159,7 @@ class DeviceState:
         # request is placed: a step gathers its rows' instead of packing and copying them
         self.option_table = torch.zeros(OPTION_WORDS, max_rows, dtype=torch.int64, device=device)
         self.true_value = torch.ones((), dtype=torch.bool, device=device)  # an index_put_ value (device: no copy)
+        self._columns = array.array("q", range(max_model_len + 1))  # (``stage``'s token columns)
 
     def ensure_draft_probs(self, k: int) -> torch.Tensor:
         """Draft-model distributions of the drafts in flight (sampled rows need them to verify)."""
@@ -228,25 +229,38 @@ class DeviceState:
             self.num_blocks_cpu[row] = nb
         if b_ids:  # host block tables: one indexed write (numpy: torch's CPU ops cost more here)
             self.block_table_cpu.numpy()[b_row, b_col] = b_ids
-        # every prompt token, then every output token (one array, no per-token Python); their
-        # rows and columns from numpy (torch CPU ops start intra-op threads: ~0.1 ms each)
-        tok_a = int64_tensor(*[req.prompt_token_ids for req in reqs], *[req.output_token_ids for req in reqs]).numpy()
-        plen = np.array([len(req.prompt_token_ids) for req in reqs], dtype=np.int64)
-        olen = np.array([len(req.output_token_ids) for req in reqs], dtype=np.int64)
-        rows_a = np.array(rows, dtype=np.int64)
-        cached = np.array([req.num_cached_tokens for req in reqs], dtype=np.int64)
-        n, t, tp = len(reqs), tok_a.size, int(plen.sum())
-
-        def rows_cols(lens: np.ndarray, first_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """Each token's row and column: request i's run of ``lens[i]`` from ``first_col[i]``."""
-            shift = np.repeat(np.cumsum(lens) - lens - first_col, lens)
-            return np.repeat(rows_a, lens), np.arange(int(lens.sum()), dtype=np.int64) - shift
-
-        p_row, p_col = rows_cols(plen, np.zeros_like(plen))
-        o_row, o_col = rows_cols(olen, plen)
-        words = np.array([w for req in reqs for w in option_words(req.sampling)], dtype=np.int64)  # request-major
+        # every prompt token, then every output token, then their rows, then their columns,
+        # then per request: row, cached tokens, prompt length, option words. Built in one
+        # ``array`` by C-level extends (numpy's small-array calls cost 5-10 us each on a GPU
+        # host, and torch CPU ops more)
+        prompts = [req.prompt_token_ids for req in reqs]
+        outputs = [req.output_token_ids for req in reqs]
+        plen = [len(p) for p in prompts]
+        olen = [len(o) for o in outputs]
+        a = array.array("q")
+        for part in (*prompts, *outputs):
+            a.fromlist(part)
+        t, tp = len(a), sum(plen)
+        one = array.array("q", [0])
+        for row, n_p in zip(rows, plen):
+            one[0] = row
+            a.extend(one * n_p)
+        for row, n_o in zip(rows, olen):
+            one[0] = row
+            a.extend(one * n_o)
+        cols = self._columns  # 0, 1, ...: a request's columns are a slice (a memcpy)
+        for n_p in plen:
+            a.extend(cols[:n_p])
+        for n_p, n_o in zip(plen, olen):
+            a.extend(cols[n_p : n_p + n_o])
+        a.fromlist(rows)
+        a.fromlist([req.num_cached_tokens for req in reqs])
+        a.fromlist(plen)
+        for req in reqs:  # request-major
+            a.extend(option_words(req.sampling))
+        n = len(reqs)
         return StagedPlacement(
-            words=np.concatenate([tok_a, p_row, o_row, p_col, o_col, rows_a, cached, plen, words]),
+            words=np.frombuffer(a, dtype=np.int64),
             sizes=(t, t, t, n, n, n, OPTION_WORDS * n),
             num_prompt_tokens=tp,
             # only penalties read the counts and the prompt mask, and a row without penalties
