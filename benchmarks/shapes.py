@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from cluster.cache_dir import syncless_cache_dir
+
 SHAPES_VERSION = "v1"
 
 _LLAMA3_ROPE_1B = {
@@ -211,10 +213,7 @@ def write_shape(out: str | Path, shape: str) -> Path:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
-    )
-    return Path(base) / "shapes"
+    return syncless_cache_dir() / "shapes"
 
 
 def shape_dir(shape: str) -> Path:

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from cluster.cache_dir import syncless_cache_dir
+
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -36,10 +38,7 @@ CHAT_TEMPLATE = (
 
 
 def demo_model_dir() -> Path:
-    base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
-    )
-    return Path(base) / f"demo-llama-{DEMO_VERSION}"
+    return syncless_cache_dir() / f"demo-llama-{DEMO_VERSION}"
 
 
 def _write_tokenizer(out: Path) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.cache_dir import syncless_cache_dir
 from metadata.config import EngineConfig
 from workers.models.arch import ModelArch, ModelLoadError, load_arch
 from workers.models.gguf_arch import is_gguf
@@ -86,10 +87,7 @@ def tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     header = open_gguf(gguf_path).header_digest()
     parts = (TOKENIZER_CACHE_FORMAT, header, transformers.__version__, tokenizers.__version__)
     key = hashlib.sha256(b"\0".join(str(x).encode() for x in parts)).hexdigest()
-    base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
-    )
-    return Path(base) / "tokenizers" / key
+    return syncless_cache_dir() / "tokenizers" / key
 
 
 def _load_gguf_tokenizer(p: Path):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
+
+from cluster.cache_dir import syncless_cache_dir
 
 _HERE = Path(__file__).resolve().parent
 _PROTO = _HERE / "syncless.proto"
@@ -21,10 +22,7 @@ def _regenerate():
     from grpc_tools import protoc
 
     digest = hashlib.sha256(_PROTO.read_bytes()).hexdigest()[:16]
-    base = os.environ.get("SYNCLESS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncless"
-    )
-    out = Path(base) / f"proto-{digest}"
+    out = syncless_cache_dir() / f"proto-{digest}"
     target = out / "cluster" / "proto"
     if not (target / "syncless_pb2_grpc.py").exists():
         target.mkdir(parents=True, exist_ok=True)
