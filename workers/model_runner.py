@@ -193,17 +193,24 @@ class ModelRunner:
         sampling kernels (one row suffices: they are not specialised on sizes), then a
         scratch requests' steps through ``execute`` (``_scratch_request_steps``: the input
         variants a fresh machine compiled inside the first request, docs/decisions.md, and the
-        first uses of the sampled-row paths; with graphs on, they replay captured graphs). Shapes no graph
-        covers (eager workers' mixed and spec-verify steps) are not run here: if they need a
-        new variant, ``workers.compile_watch`` says so. The scratch KV blocks keep garbage,
-        which nothing reads: every position's KV is written before attention reads it.
-        Every TP rank runs the same plans, so their collectives pair up."""
+        first uses of the sampled-row paths; with graphs on, they replay captured graphs), then
+        the sampling stage at each row-count class (``workers.sampling_warm_up``: a kernel's
+        first launch loads it, and the load can wait for the device). Shapes no graph covers
+        (eager workers' mixed and spec-verify steps) are not run here: if they need a new variant,
+        ``workers.compile_watch`` says so. The scratch KV blocks keep garbage, which nothing reads:
+        every position's KV is written before attention reads it. Every TP rank runs the
+        same plans, so their collectives pair up."""
         if self.device.type != "cuda":
             return
         self.draw_once(torch.zeros(1, self.arch.vocab_size, device=self.device))
         if self.spec is not None:
             self.spec.warm_up(self.state, self.model.lm_head.padded_vocab)
         self._scratch_request_steps()
+        if self.model.lm_head is not None:  # (a pipeline stage before the last samples nothing)
+            from workers.sampling_warm_up import warm_sampling_rows
+
+            head = self.model.lm_head
+            warm_sampling_rows(self.state, self.arch.vocab_size, head.padded_vocab, self.cfg.scheduler.max_num_seqs)
         self.reset_launch_stats()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage
@@ -271,20 +278,19 @@ class ModelRunner:
 
     def _scratch_request_steps(self) -> None:
         """Two scratch requests through the step shapes serving starts with: A (greedy) and B
-        (sampled, temperature 1) placed together, B's whole prompt sampled beside A's prompt
+        (sampled, temperature 0.8) placed together, B's whole prompt sampled beside A's prompt
         chunk short of its end (a mixed step sampling some rows: the fused sampler, the option
         gather, the sampled-row selection), then A's last prompt token beside B's decode (two
         rows, greedy and sampled, in one step). One greedy request where the cache, the rows
         or a step's token budget cannot hold two."""
-        from metadata.wire import NewRequest, SamplingOptions, ScheduledRow
+        from metadata.wire import NewRequest, ScheduledRow
         from workers.mixed_graphs import max_step_tokens
+        from workers.sampling_warm_up import GREEDY as greedy, TEMPERATURE as sampled
 
         bs, n = self.block_size, min(2 * self.block_size + 1, self.max_model_len - 2)
         blocks = -(-(n + 1) // bs)
         if n < 2 or blocks > self.num_blocks:
             return  # a cache too small to hold it: the first request compiles instead
-        greedy = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
-        sampled = SamplingOptions(1.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
         a, b = -1, -2  # the driver's handles are >= 0
         prompt = [i % self.arch.vocab_size for i in range(n)]
         sched = self.cfg.scheduler

@@ -1,0 +1,82 @@
+"""``warm_sampling_rows``: the sampling stage at every row-count class, each option family,
+leaving the device state as it found it. (That it removes the mid-serving kernel loads is
+the GPU busy-wait test's to show: tests/worker/test_gpu_launch_never_waits.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from workers.device_state import DeviceState
+from workers.sampler import SamplingBatch
+from workers.sampling_inputs import build_sampling_batch
+from workers.sampling_warm_up import option_families, row_classes, warm_sampling_rows
+
+ROWS, MAX_LEN, MAX_BLOCKS, VOCAB = 40, 32, 8, 50
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten operator run, with the index length of each ``index_select``."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.gathers = set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.names.add(name)
+        if name == "index_select":
+            self.gathers.append(args[2].numel())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("limit", [1, 16, 17, 32, 40])
+def test_row_classes_bracket_every_row_count(limit):
+    classes = row_classes(limit)
+    assert classes[0] == 1 and classes[-1] == limit and classes == sorted(set(classes))
+    for n in range(1, limit + 1):  # n shares a power-of-two class with a warmed size
+        assert any(c <= n <= 2 * c - 1 or n == c for c in classes), (n, classes)
+
+
+def test_option_families_route_sampling_differently():
+    st = DeviceState(ROWS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"))
+    rows = torch.zeros(4, dtype=torch.int64)
+    batches = [
+        build_sampling_batch(opts, st, rows, torch.ones(4, dtype=torch.int64), rows) for opts in option_families(4)
+    ]
+    routes = {
+        (b.all_greedy, b.any_top_k_top_p, b.any_min_p, b.penalties is not None, b.min_tokens_mask is not None)
+        for b in batches
+    }
+    assert len(routes) == 3
+    assert all(isinstance(b, SamplingBatch) for b in batches)
+    assert batches[0].all_greedy and not batches[1].all_greedy
+    assert batches[2].any_top_k_top_p and batches[2].penalties is not None and batches[2].max_num_logprobs > 0
+
+
+def test_warm_sampling_rows_runs_each_class_and_leaves_the_state():
+    st = DeviceState(ROWS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"))
+    st.option_table.random_(0, 100)
+    before = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
+    with _Ops() as ops:
+        runs = warm_sampling_rows(st, VOCAB, 64, 33)
+    classes = row_classes(33)
+    assert classes == [1, 2, 4, 8, 16, 32, 33]
+    assert runs == len(classes) * 2 * 3  # (two logits widths: dense and padded)
+    # the option gather ran at every padded size, a few indices and many
+    assert sorted(set(ops.gathers)) == sorted({-(-r // 4) * 4 for r in classes})
+    # the probability path (top-k/top-p sort), the penalties' gathers, the logprobs' top-k
+    assert {"sort", "softmax", "index", "log_softmax", "topk", "argmax"} <= ops.names
+    after = {k: v for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), f"warm_sampling_rows changed DeviceState.{k}"
+    assert st.option_tensors.floats is None  # the cache holds no scratch options
+
+
+def test_warm_sampling_rows_is_capped_by_the_state_rows():
+    st = DeviceState(8, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"))
+    with _Ops() as ops:
+        runs = warm_sampling_rows(st, VOCAB, VOCAB, 256)
+    assert runs == len(row_classes(8)) * 3
+    assert max(ops.gathers) == 8

@@ -1,0 +1,75 @@
+"""Start-up launches of the sampling stage at every row-count class (CUDA's lazy kernel loading).
+
+CUDA loads a kernel the first time it is launched (lazy loading, the default since CUDA
+12.2), and loading one can synchronize the context: that first launch waits for everything
+already queued on the device. A launch path that runs a kernel no start-up step ran
+therefore waits for the GPU once, however asynchronous it is otherwise. Some torch
+operators pick their kernel by size: ``index_select`` (``OptionTensors.get``'s option
+gather) has one kernel for a few indices and another for many, so the first serving step
+that sampled more rows than the scratch requests' two waited behind a 150 ms GPU busy-wait
+for 60-160 ms, in every scheduling mode (``benchmarks.launch_wait``, one H100; the
+launching thread's CPU time matched the wall time: CUDA spins while it synchronizes).
+
+``warm_sampling_rows`` runs the sampling stage once per power-of-two row count up to the
+step's sampling-row limit (and at the limit), for each family of options that selects a
+different set of operators, on scratch logits; it writes nothing the serving steps read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metadata.wire import SamplingOptions
+from workers.device_state import OptionTensors
+from workers.sampler import sample
+from workers.sampling_inputs import build_sampling_batch
+
+GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+TEMPERATURE = SamplingOptions(0.8, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
+# every option at once: top-k and top-p, min-p, the three penalties, min_tokens, logprobs
+EVERYTHING = SamplingOptions(0.8, 0.9, 20, 0.05, 2, 1.1, 0.5, 0.5, 2, [0], 5)
+
+
+def row_classes(max_rows: int) -> list[int]:
+    """1, 2, 4, ... below ``max_rows``, then ``max_rows``: a size threshold inside an operator
+    lies between two of them."""
+    return sorted({min(1 << i, max_rows) for i in range(max(1, max_rows).bit_length() + 1)})
+
+
+def option_families(rows: int) -> list[list[SamplingOptions]]:
+    """The option lists whose flags route sampling differently: all greedy (argmax only),
+    greedy and temperature rows (the fused temperature sampler), every option (penalties,
+    the min_tokens mask, the probability path with top-k/top-p/min-p, logprobs)."""
+    return [
+        [GREEDY] * rows,
+        [GREEDY if i % 2 else TEMPERATURE for i in range(rows)],
+        [EVERYTHING] * rows,
+    ]
+
+
+@torch.inference_mode()
+def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int) -> int:
+    """Sample scratch logits [R, ``vocab``] (dense, and as a view of rows ``logits_width``
+    wide where the LM head pads its vocabulary) for each ``row_classes(max_rows)`` size and
+    each ``option_families`` list, the options gathered from ``st.option_table`` as serving
+    steps gather them; returns how many batches ran. The gather reads row 0's options and
+    sampling writes nothing to ``st``; the option cache is reset afterwards."""
+    dev = st.device
+    widths = sorted({vocab, logits_width})
+    runs = 0
+    for rows in row_classes(min(max_rows, st.max_rows)):
+        padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=dev)  # the sampled rows' device rows
+        positions = torch.ones(rows, dtype=torch.int64, device=dev)
+        for width in widths:
+            logits = torch.zeros(rows, width, dtype=torch.float32, device=dev)[:, :vocab]
+            argmax = torch.zeros(rows, dtype=torch.int64, device=dev)
+            for opts in option_families(rows):
+                st.option_tensors = OptionTensors()  # (cached by the options' identity)
+                batch = build_sampling_batch(opts, st, padded[:rows], positions, padded)
+                sample(logits, batch, argmax)
+                sample(logits, batch)
+                runs += 1
+    st.option_tensors = OptionTensors()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return runs
