@@ -209,8 +209,9 @@ class ModelRunner:
         if self.model.lm_head is not None:  # (a pipeline stage before the last samples nothing)
             from workers.sampling_warm_up import warm_sampling_rows
 
-            head = self.model.lm_head
-            warm_sampling_rows(self.state, self.arch.vocab_size, head.padded_vocab, self.cfg.scheduler.max_num_seqs)
+            head, k = self.model.lm_head, self.cfg.speculative.num_speculative_tokens if self.spec else 0
+            n = self.cfg.scheduler.max_num_seqs
+            warm_sampling_rows(self.state, self.arch.vocab_size, head.padded_vocab, n, k + 1 if k else 0)
         self.reset_launch_stats()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage

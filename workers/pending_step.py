@@ -31,6 +31,23 @@ class PinnedPool:
             free.append((buf, event))
 
 
+def pack_outputs(tokens: torch.Tensor, n_acc: torch.Tensor | None, so) -> tuple[torch.Tensor, list[int]]:
+    """What a step returns to the host, in one tensor for one copy, and its parts' sizes: the
+    tokens [S, W] as they are; with accepted-draft counts or logprobs, every part as float64
+    (exact for ids below 2^53) concatenated (``so``: the ``SamplerOutput``)."""
+    if n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
+        packed = tokens.flatten()
+        return packed, [packed.numel()]
+    parts = [tokens.double().flatten()]
+    if n_acc is not None:
+        parts.append(n_acc.double())
+    if so.sampled_logprob is not None:
+        parts += [so.sampled_logprob.double(), so.sampled_rank.double()]
+        if so.top_ids is not None:
+            parts += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
+    return torch.cat(parts), [t.numel() for t in parts]
+
+
 class PendingStep:
     """A launched step whose sampled tokens are being copied to pinned host memory."""
 
@@ -44,14 +61,7 @@ class PendingStep:
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device, pool: PinnedPool) -> None:
-        so = self.so
-        if self.n_acc is None and so.sampled_logprob is None:  # tokens only: copied as they are
-            tensors = [self.tokens.flatten()]
-            packed = tensors[0]
-        else:
-            tensors = self._packed_parts()
-            packed = torch.cat(tensors)
-        self.sizes = [t.numel() for t in tensors]
+        packed, self.sizes = pack_outputs(self.tokens, self.n_acc, self.so)
         if device.type == "cpu":
             self.host_packed = packed
             return
@@ -59,18 +69,6 @@ class PendingStep:
         self.pool = pool
         self.host_packed.copy_(packed, non_blocking=True)
         self.event.record()
-
-    def _packed_parts(self) -> list[torch.Tensor]:
-        """Tokens, accepted counts and logprobs as float64 (exact for ids below 2^53), one copy."""
-        so = self.so
-        tensors = [self.tokens.double().flatten()]
-        if self.n_acc is not None:
-            tensors.append(self.n_acc.double())
-        if so.sampled_logprob is not None:
-            tensors += [so.sampled_logprob.double(), so.sampled_rank.double()]
-            if so.top_ids is not None:
-                tensors += [so.top_ids.double().flatten(), so.top_logprobs.double().flatten()]
-        return tensors
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

@@ -8,11 +8,15 @@ operators pick their kernel by size: ``index_select`` (``OptionTensors.get``'s o
 gather) has one kernel for a few indices and another for many, so the first serving step
 that sampled more rows than the scratch requests' two waited behind a 150 ms GPU busy-wait
 for 60-160 ms, in every scheduling mode (``benchmarks.launch_wait``, one H100; the
-launching thread's CPU time matched the wall time: CUDA spins while it synchronizes).
+launching thread's CPU time matched the wall time: CUDA spins while it synchronizes). The
+same held for ``torch.cat`` packing a speculative step's outputs for their copy
+(``workers.pending_step.pack_outputs``): about 290 ms in the first request's first
+verify step.
 
 ``warm_sampling_rows`` runs the sampling stage once per power-of-two row count up to the
 step's sampling-row limit (and at the limit), for each family of options that selects a
-different set of operators, on scratch logits; it writes nothing the serving steps read.
+different set of operators, on scratch logits, and packs its outputs as a step's copy does
+(with ``spec_width``, also as a speculative step's); it writes nothing serving steps read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from metadata.wire import SamplingOptions
 from workers.device_state import OptionTensors
+from workers.pending_step import pack_outputs
 from workers.sampler import sample
 from workers.sampling_inputs import build_sampling_batch
 
@@ -48,11 +53,13 @@ def option_families(rows: int) -> list[list[SamplingOptions]]:
 
 
 @torch.inference_mode()
-def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int) -> int:
+def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_width: int = 0) -> int:
     """Sample scratch logits [R, ``vocab``] (dense, and as a view of rows ``logits_width``
     wide where the LM head pads its vocabulary) for each ``row_classes(max_rows)`` size and
     each ``option_families`` list, the options gathered from ``st.option_table`` as serving
-    steps gather them; returns how many batches ran. The gather reads row 0's options and
+    steps gather them, then packs each batch's outputs for the host copy (``spec_width``: a
+    speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts);
+    returns how many batches ran. The gather reads row 0's options and
     sampling writes nothing to ``st``; the option cache is reset afterwards."""
     dev = st.device
     widths = sorted({vocab, logits_width})
@@ -67,7 +74,11 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int) -> int:
                 st.option_tensors = OptionTensors()  # (cached by the options' identity)
                 batch = build_sampling_batch(opts, st, padded[:rows], positions, padded)
                 sample(logits, batch, argmax)
-                sample(logits, batch)
+                so = sample(logits, batch)
+                pack_outputs(so.token_ids[:, None], None, so)
+                if spec_width:
+                    tokens = torch.zeros(rows, spec_width, dtype=torch.int64, device=dev)
+                    pack_outputs(tokens, torch.zeros(rows, dtype=torch.int64, device=dev), so)
                 runs += 1
     st.option_tensors = OptionTensors()
     if dev.type == "cuda":

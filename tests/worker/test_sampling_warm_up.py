@@ -21,13 +21,15 @@ class _Ops(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.names, self.gathers = set(), []
+        self.names, self.gathers, self.cats = set(), [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.names.add(name)
         if name == "index_select":
             self.gathers.append(args[2].numel())
+        if name == "cat":  # (a step's outputs packed for their copy)
+            self.cats.append(len(args[0]))
         return func(*args, **(kwargs or {}))
 
 
@@ -80,3 +82,16 @@ def test_warm_sampling_rows_is_capped_by_the_state_rows():
         runs = warm_sampling_rows(st, VOCAB, VOCAB, 256)
     assert runs == len(row_classes(8)) * 3
     assert max(ops.gathers) == 8
+
+
+@pytest.mark.parametrize("spec_width", [0, 4])
+def test_warm_sampling_rows_packs_outputs_as_steps_do(spec_width):
+    """Logprobs rows (every family but plain) pack tokens, logprob and rank, top ids and
+    logprobs (5 parts); a speculative step also packs every family's tokens with their
+    accepted counts (2 parts, 6 with logprobs)."""
+    st = DeviceState(ROWS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"))
+    with _Ops() as ops:
+        runs = warm_sampling_rows(st, VOCAB, VOCAB, 8, spec_width)
+    per_class = runs // 3
+    expected = [5] * per_class + ([2] * 2 * per_class + [6] * per_class if spec_width else [])
+    assert sorted(ops.cats) == sorted(expected)
