@@ -462,15 +462,18 @@ def exponential_race(probs, seeds, positions):
     return reference.exponential_race_reference(probs, seeds, positions)
 
 
-def sample_logits(logits, divisor, temperature, seeds, positions, greedy):
+def sample_logits(logits, divisor, temperature, seeds, positions, greedy, option_rows=None, commit=None):
     """Temperature sampling from the logits, greedy rows kept (``kernels.sample_logits``; the
-    torch composition on the CPU and for vocabularies past the kernel's ``MAX_VOCAB``)."""
+    torch composition on the CPU and for vocabularies past the kernel's ``MAX_VOCAB``).
+    ``option_rows``: the options are option-table word rows read at these device rows;
+    ``commit``: the token table each row's token is also written into."""
+    kw = dict(option_rows=option_rows, commit=commit)
     if _use_triton(logits):
         from kernels.sample_logits import MAX_VOCAB, sample_logits_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
-            return sample_logits_triton(logits, divisor, temperature, seeds, positions, greedy)
-    return reference.sample_logits_reference(logits, divisor, temperature, seeds, positions, greedy)
+            return sample_logits_triton(logits, divisor, temperature, seeds, positions, greedy, **kw)
+    return reference.sample_logits_reference(logits, divisor, temperature, seeds, positions, greedy, **kw)
 
 
 def precompile_tile_gemm(uses, max_rows: int, max_logit_rows: int) -> int:

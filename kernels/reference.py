@@ -324,11 +324,21 @@ def sample_logits_reference(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     greedy: torch.Tensor,
+    option_rows: torch.Tensor | None = None,
+    commit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``greedy`` where ``temperature`` is 0, else the seeded draw from ``softmax(logits /
-    divisor)`` (``kernels.sample_logits``)."""
+    divisor)`` (``kernels.sample_logits``; ``option_rows`` and ``commit``: as there, the
+    options read from option-table word rows and the tokens written into the token table)."""
+    if option_rows is not None:
+        rows = option_rows[: logits.shape[0]]
+        divisor, temperature = (w[rows].to(torch.int32).view(torch.float32) for w in (divisor, temperature))
+        seeds = seeds[rows]
     drawn = exponential_race_reference((logits / divisor[:, None]).softmax(dim=-1), seeds, positions)
-    return torch.where(temperature > 0, drawn, greedy)
+    out = torch.where(temperature > 0, drawn, greedy)
+    if commit is not None:
+        commit[option_rows[: logits.shape[0]], positions] = out
+    return out
 
 
 def prepare_inputs_reference(

@@ -10,6 +10,11 @@ of a row's vocabulary, finds its largest ``z = x / t`` and its best ``exp(z - m)
 second launch rescales each slice's best by ``exp(m - M)`` (M the row's largest ``z``), picks
 the winner (ties to the lowest token id) and writes the greedy argmax for greedy rows.
 
+Where a step samples by temperature only, the options need not be gathered first: with
+``option_rows`` the kernels read each row's divisor, temperature and seed from the option
+table at its device row, and with ``commit`` the second launch also writes each token into
+the token table the next step reads (the commit that was one more operator a step).
+
 The slice size is fixed, not derived from the batch, so a row's draw is the same whatever
 else is in the batch. Against the reference, ranks can differ only where two tokens' scores
 agree to float32 rounding.
@@ -24,7 +29,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.fast_launch import fast_launch
 from kernels.pdl import wait_and_release
-from kernels.sampling import _exp_noise, _row_key
+from kernels.sampling import _exp_noise, _hash_key, _row_key
 
 SLICE = 16384  # vocabulary entries a program takes (a multiple of BLOCK)
 BLOCK = 2048
@@ -32,16 +37,26 @@ MAX_SLICES = 64
 MAX_VOCAB = MAX_SLICES * SLICE  # 1M entries (kernels.ops takes the torch path above)
 
 
+@triton.jit
+def _option_float(ptr, row, rows_ptr, FROM_TABLE: tl.constexpr):
+    """A row's float option: ``ptr[row]``, or from an option-table word row (float32 bits in
+    int64 words, ``workers.device_state.option_words``) at the row's device row."""
+    if FROM_TABLE:
+        return tl.load(ptr + tl.load(rows_ptr + row)).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.load(ptr + row)
+
+
 @fast_launch
 @triton.jit(
     do_not_specialize=["vocab", "stride", "num_slices"],
-    do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "div_ptr"],
+    do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "div_ptr", "rows_ptr"],
 )
 def _slice_race_kernel(
     logits_ptr,
     div_ptr,
     seed_ptr,
     pos_ptr,
+    rows_ptr,
     max_ptr,
     best_ptr,
     idx_ptr,
@@ -50,12 +65,13 @@ def _slice_race_kernel(
     num_slices,
     SLICE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_TABLE: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     sl = tl.program_id(1)
     wait_and_release(USE_PDL)
-    t = tl.load(div_ptr + row)
+    t = _option_float(div_ptr, row, rows_ptr, FROM_TABLE)
     lo = sl * SLICE
     hi = tl.minimum(lo + SLICE, vocab)
     base = logits_ptr + row * stride
@@ -64,7 +80,10 @@ def _slice_race_kernel(
         ids = start + tl.arange(0, BLOCK)
         x = tl.load(base + ids, mask=ids < hi, other=float("-inf")).to(tl.float32)
         m = tl.maximum(m, tl.max(tl.math.div_rn(x, t), axis=0))
-    key = _row_key(seed_ptr, pos_ptr, row)
+    if FROM_TABLE:
+        key = _hash_key(tl.load(seed_ptr + tl.load(rows_ptr + row)), tl.load(pos_ptr + row).to(tl.int64))
+    else:
+        key = _row_key(seed_ptr, pos_ptr, row)
     key7 = key >> 7
     best = tl.full((), -1.0, tl.float32)
     best_i = tl.full((), 0, tl.int32)
@@ -87,8 +106,8 @@ def _slice_race_kernel(
 
 @fast_launch
 @triton.jit(
-    do_not_specialize=["num_slices"],
-    do_not_specialize_on_alignment=["temp_ptr", "greedy_ptr"],
+    do_not_specialize=["num_slices", "tok_stride"],
+    do_not_specialize_on_alignment=["temp_ptr", "greedy_ptr", "rows_ptr", "pos_ptr", "tok_ptr"],
 )
 def _pick_kernel(
     max_ptr,
@@ -97,8 +116,14 @@ def _pick_kernel(
     temp_ptr,
     greedy_ptr,
     out_ptr,
+    rows_ptr,
+    pos_ptr,
+    tok_ptr,
     num_slices,
+    tok_stride,
     SLICES: tl.constexpr,
+    FROM_TABLE: tl.constexpr = False,
+    COMMIT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -113,7 +138,10 @@ def _pick_kernel(
     win = tl.max(score, axis=0)
     pick = tl.min(tl.where(score == win, i, 2147483647), axis=0).to(tl.int64)
     greedy = tl.load(greedy_ptr + row)
-    tl.store(out_ptr + row, tl.where(tl.load(temp_ptr + row) > 0, pick, greedy))
+    token = tl.where(_option_float(temp_ptr, row, rows_ptr, FROM_TABLE) > 0, pick, greedy)
+    tl.store(out_ptr + row, token)
+    if COMMIT:  # the token into its row's token table at its position (what the next step reads)
+        tl.store(tok_ptr + tl.load(rows_ptr + row) * tok_stride + tl.load(pos_ptr + row), token)
 
 
 def sample_logits_triton(
@@ -125,11 +153,21 @@ def sample_logits_triton(
     greedy: torch.Tensor,
     slice_size: int = SLICE,
     block: int = BLOCK,
+    option_rows: torch.Tensor | None = None,
+    commit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row of ``logits [R, V]``: ``greedy`` where ``temperature`` is 0, else the seeded draw
     from ``softmax(logits / divisor)``; int64 ``[R]``. (``slice_size`` and ``block``: smaller
-    for the interpreter's tests; serving keeps the defaults, fixed whatever the batch.)"""
+    for the interpreter's tests; serving keeps the defaults, fixed whatever the batch.)
+
+    ``option_rows`` (int64 device rows [>= R]): ``divisor``, ``temperature`` and ``seeds`` are
+    word rows of the option table (``DeviceState.option_table``), read at each row's device
+    row, so no gather runs first. ``commit`` (the token table [rows, L], with
+    ``option_rows``): each row's token is also written at ``commit[option_rows[r],
+    positions[r]]``, the commit a step would otherwise launch."""
     rows, vocab = logits.shape
+    if commit is not None and option_rows is None:
+        raise ValueError("commit needs option_rows (the rows of the token table to write)")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -142,11 +180,16 @@ def sample_logits_triton(
     # entries, so that each starts on 16 bytes whatever the batch (no new variant mid-serving)
     work = torch.empty(3, -(-rows * n // 4) * 4, dtype=torch.float32, device=logits.device)
     launch = pdl.launch_kwargs(logits)
+    table = option_rows is not None
+    idx = option_rows if table else positions  # (an unread pointer where no table is given)
+    tok = commit if commit is not None else positions
     _slice_race_kernel[(rows, n)](
-        logits, divisor, seeds, positions, work[0], work[1], work[2].view(torch.int32),
-        vocab, logits.stride(0), n, SLICE=slice_size, BLOCK=block, num_warps=8, **launch,
+        logits, divisor, seeds, positions, idx, work[0], work[1], work[2].view(torch.int32),
+        vocab, logits.stride(0), n, SLICE=slice_size, BLOCK=block, FROM_TABLE=table, num_warps=8, **launch,
     )  # fmt: skip
     _pick_kernel[(rows,)](
-        work[0], work[1], work[2].view(torch.int32), temperature, greedy, out, n, SLICES=MAX_SLICES, **launch
-    )
+        work[0], work[1], work[2].view(torch.int32), temperature, greedy, out, idx, positions, tok, n,
+        tok.stride(0) if commit is not None else 0, SLICES=MAX_SLICES, FROM_TABLE=table,
+        COMMIT=commit is not None, **launch,
+    )  # fmt: skip
     return out

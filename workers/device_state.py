@@ -52,6 +52,7 @@ def has_penalties(o: SamplingOptions) -> bool:
 
 OPTION_FLOATS = 7  # temperature, top_p, min_p, repetition, presence, frequency, sampling divisor
 OPTION_WORDS = OPTION_FLOATS + 3  # then top_k, seed, min_tokens
+TEMPERATURE_WORD, DIVISOR_WORD, SEED_WORD = 0, OPTION_FLOATS - 1, OPTION_FLOATS + 1
 
 
 _FLOATS_AS_F32 = struct.Struct(f"<{OPTION_FLOATS}f")
@@ -64,6 +65,12 @@ def option_words(o: SamplingOptions) -> tuple[int, ...]:
     div = o.temperature if o.temperature > 0 else 1.0
     floats = (o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty, div)
     return (*_FLOATS_AS_I32.unpack(_FLOATS_AS_F32.pack(*floats)), o.top_k, o.seed, o.min_tokens)
+
+
+def plain_temperature(flags: dict) -> bool:
+    """Whether a step's sampling reads no option but the temperature and seed (greedy or
+    temperature rows only: no top-k / top-p / min-p, penalties or min_tokens)."""
+    return not (flags["any_top_k_top_p"] or flags["any_min_p"] or flags["any_penalties"] or flags["any_min_tokens"])
 
 
 def option_flags(opts: list[SamplingOptions]) -> dict:
@@ -97,11 +104,21 @@ class OptionTensors:
         dev: torch.device,
         table: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
+        lazy: bool = False,
     ) -> "OptionTensors":
         """The options' device rows. ``table`` (``DeviceState.option_table``) and ``rows`` (the
         requests' device rows, padded to a multiple of 4 entries): gathered from the table the
-        placement wrote, with no host packing and no copy; else packed and copied."""
-        if self.floats is not None and len(opts) == len(self.opts) and all(a is b for a, b in zip(opts, self.opts)):
+        placement wrote, with no host packing and no copy; else packed and copied. ``lazy``
+        (with ``table`` and ``rows``): where only temperature sampling reads the options
+        (``plain_temperature``), nothing is gathered and ``floats`` / ``ints`` stay None: the
+        sampler reads the table in place."""
+        same = bool(self.flags) and len(opts) == len(self.opts) and all(a is b for a, b in zip(opts, self.opts))
+        if not same:
+            self.opts, self.flags = list(opts), option_flags(opts)
+            self.floats = self.ints = None
+        if self.floats is not None or (
+            lazy and table is not None and rows is not None and plain_temperature(self.flags)
+        ):
             return self
         r = len(opts)
         if table is not None and rows is not None:
@@ -122,8 +139,6 @@ class OptionTensors:
             packed = to_device(torch.from_numpy(raw), dev)
             self.floats = packed[: 4 * OPTION_FLOATS * w].view(torch.float32).view(OPTION_FLOATS, w)[:, :r].unbind()
             self.ints = packed[4 * OPTION_FLOATS * w :].view(torch.int64).view(3, w)[:, :r].unbind()
-        self.opts = list(opts)
-        self.flags = option_flags(opts)
         return self
 
 
@@ -158,6 +173,8 @@ class DeviceState:
         # each row's sampling options as int64 words (the floats' float32 bits), written when a
         # request is placed: a step gathers its rows' instead of packing and copying them
         self.option_table = torch.zeros(OPTION_WORDS, max_rows, dtype=torch.int64, device=device)
+        # the word rows the temperature sampler reads in place (kernels.sample_logits' option_rows)
+        self.sampler_words = tuple(self.option_table[w] for w in (DIVISOR_WORD, TEMPERATURE_WORD, SEED_WORD))
         self.true_value = torch.ones((), dtype=torch.bool, device=device)  # an index_put_ value (device: no copy)
         self._columns = array.array("q", range(max_model_len + 1))  # (``stage``'s token columns)
 

@@ -444,13 +444,16 @@ class ModelRunner:
             self._record_phases(key is None, marks)
             return PendingStep(plan.step_id, self.tp.rank, t0)
         s_rows, s_pos = sampling_rows(inp, seq_lens)
-        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows)
+        # (lazy: options read where they live, unless a proposer or verifier reads them too)
+        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=self.spec is None)
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
             so, tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows)
         else:
-            so = sample(logits, batch, raw_argmax)
-            tokens, n_acc, known = so.token_ids[:, None], None, s_pos + 1
-            self._commit_tokens(st, s_rows, s_pos, so.token_ids, count=batch.penalties is not None)
+            so = sample(logits, batch, raw_argmax, commit=st.token_ids)  # (committed by the sampler where it can)
+            # (the lengths a proposer continues from: one launch, only where one proposes)
+            tokens, n_acc, known = so.token_ids[:, None], None, s_pos + 1 if self.spec is not None else None
+            if not so.committed:
+                self._commit_tokens(st, s_rows, s_pos, so.token_ids, count=batch.penalties is not None)
         if self.pp is not None:  # stage 0 embeds them next step: device to device, no host
             self.pp.send_tokens(tokens[:, 0])
         marks.append(time.perf_counter())

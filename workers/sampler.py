@@ -18,13 +18,15 @@ from kernels.ops import argmax, exponential_race, sample_logits
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling inputs for one step (device tensors unless noted)."""
+    """Per-row sampling inputs for one step (device tensors unless noted). With
+    ``option_rows`` set the per-row options were not gathered (None): the temperature
+    sampler reads them from ``option_words`` at those device rows."""
 
-    temperature: torch.Tensor  # float32 [R]
-    top_p: torch.Tensor  # float32 [R]
-    top_k: torch.Tensor  # int64 [R], 0 = off
-    min_p: torch.Tensor  # float32 [R]
-    seeds: torch.Tensor  # int64 [R]
+    temperature: torch.Tensor | None  # float32 [R]
+    top_p: torch.Tensor | None  # float32 [R]
+    top_k: torch.Tensor | None  # int64 [R], 0 = off
+    min_p: torch.Tensor | None  # float32 [R]
+    seeds: torch.Tensor | None  # int64 [R]
     positions: torch.Tensor  # int64 [R]: position the sampled token will take
     all_greedy: bool  # CPU flags, from the request parameters
     any_top_k_top_p: bool
@@ -33,6 +35,8 @@ class SamplingBatch:
     min_tokens_mask: torch.Tensor | None = None  # bool [R, V]: ids to forbid now
     max_num_logprobs: int = -1  # CPU: -1 none
     sample_temperature: torch.Tensor | None = None  # float32 [R]: temperature, 1 where 0 (None: derived)
+    option_words: tuple | None = None  # the divisor, temperature and seed word rows (DeviceState.sampler_words)
+    option_rows: torch.Tensor | None = None  # int64 [>= R]: each row's device row, where not gathered
 
 
 @dataclass
@@ -51,6 +55,7 @@ class SamplerOutput:
     sampled_rank: torch.Tensor | None = None  # int64 [R]
     top_ids: torch.Tensor | None = None  # int64 [R, k]
     top_logprobs: torch.Tensor | None = None  # float32 [R, k]
+    committed: bool = False  # the tokens are already in the token table (``sample``'s ``commit``)
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> torch.Tensor:
@@ -113,10 +118,17 @@ def sampling_probs(
     return probs
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    raw_argmax: torch.Tensor | None = None,
+    commit: torch.Tensor | None = None,
+) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (float32). ``raw_argmax``: the argmax of
     these very logits, already computed (inside a decode CUDA graph); used only where no
-    penalty or min_tokens mask changes the logits first."""
+    penalty or min_tokens mask changes the logits first. ``commit`` (the token table): where
+    the temperature sampler reads the option table, it also writes each row's token at
+    ``commit[option_rows[r], positions[r]]`` (``SamplerOutput.committed``)."""
     raw = logits
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
@@ -128,6 +140,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
         greedy_ids = argmax(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
+    elif batch.option_rows is not None:  # temperature only, the options read where they live
+        div, temp, seeds = batch.option_words
+        token_ids = sample_logits(
+            logits, div, temp, seeds, batch.positions, greedy_ids, option_rows=batch.option_rows, commit=commit
+        )
     elif not (batch.any_top_k_top_p or batch.any_min_p):  # temperature only: straight from the logits
         divisor = sampling_divisor(batch.temperature, batch.sample_temperature)
         token_ids = sample_logits(logits, divisor, batch.temperature, batch.seeds, batch.positions, greedy_ids)
@@ -144,12 +161,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
         )
         sampled = exponential_race(probs, batch.seeds, batch.positions)
         token_ids = torch.where(batch.temperature > 0, sampled, greedy_ids)
-    out = SamplerOutput(token_ids=token_ids)
-    if batch.max_num_logprobs >= 0:
+    committed = batch.option_rows is not None and commit is not None and not batch.all_greedy
+    return _with_logprobs(SamplerOutput(token_ids=token_ids, committed=committed), raw, batch.max_num_logprobs)
+
+
+def _with_logprobs(out: SamplerOutput, raw: torch.Tensor, max_num_logprobs: int) -> SamplerOutput:
+    """``out`` with the sampled tokens' logprobs and ranks under the unmodified logits ``raw``,
+    and the top ``max_num_logprobs`` (none at -1)."""
+    if max_num_logprobs >= 0:
         logp = raw.log_softmax(dim=-1)
-        chosen = logp.gather(-1, token_ids[:, None])
+        chosen = logp.gather(-1, out.token_ids[:, None])
         out.sampled_logprob = chosen[:, 0]
         out.sampled_rank = (logp > chosen).sum(dim=-1) + 1
-        if batch.max_num_logprobs > 0:
-            out.top_logprobs, out.top_ids = logp.topk(batch.max_num_logprobs, dim=-1)
+        if max_num_logprobs > 0:
+            out.top_logprobs, out.top_ids = logp.topk(max_num_logprobs, dim=-1)
     return out

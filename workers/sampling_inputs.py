@@ -15,12 +15,32 @@ def build_sampling_batch(
     s_rows: torch.Tensor,
     s_pos: torch.Tensor,
     padded_rows: torch.Tensor | None = None,
+    lazy: bool = False,
 ) -> SamplingBatch:
     """``padded_rows``: ``s_rows`` padded to a multiple of 4 entries (``StepInputs.
-    sample_device_rows``): new options are gathered from ``st.option_table``, else copied."""
+    sample_device_rows``): new options are gathered from ``st.option_table``, else copied.
+    ``lazy`` (with ``padded_rows``): a step that samples by temperature only gathers nothing;
+    its batch points the temperature sampler at the table (``SamplingBatch.option_rows``).
+    Only where nothing else reads the batch's options (no speculative decoding)."""
     dev = st.device
-    cached = st.option_tensors.get(opts, dev, st.option_table if padded_rows is not None else None, padded_rows)
+    table = st.option_table if padded_rows is not None else None
+    cached = st.option_tensors.get(opts, dev, table, padded_rows, lazy=lazy)
     flags = cached.flags
+    if cached.floats is None:  # (lazy: temperature only)
+        return SamplingBatch(
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            min_p=None,
+            seeds=None,
+            positions=s_pos,
+            all_greedy=flags["all_greedy"],
+            any_top_k_top_p=False,
+            any_min_p=False,
+            max_num_logprobs=flags["max_num_logprobs"],
+            option_words=st.sampler_words,
+            option_rows=padded_rows,
+        )
     temperature, top_p, min_p, rep, pres, freq, sample_temperature = cached.floats
     top_k, seeds, min_tokens = cached.ints
     penalties = None

@@ -58,12 +58,15 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
     wide where the LM head pads its vocabulary) for each ``row_classes(max_rows)`` size and
     each ``option_families`` list, the options gathered from ``st.option_table`` as serving
     steps gather them, then packs each batch's outputs for the host copy (``spec_width``: a
-    speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts);
+    speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts, whose
+    steps read plain temperature options in place and commit from the sampler);
     returns how many batches ran. The gather reads row 0's options and
     sampling writes nothing to ``st``; the option cache is reset afterwards."""
     dev = st.device
     widths = sorted({vocab, logits_width})
     runs = 0
+    lazy = not spec_width  # as ModelRunner builds its batches: lazy options without drafts
+    scratch = torch.zeros_like(st.token_ids[:1])  # the sampler's commits land here
     for rows in row_classes(min(max_rows, st.max_rows)):
         padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=dev)  # the sampled rows' device rows
         positions = torch.ones(rows, dtype=torch.int64, device=dev)
@@ -72,9 +75,9 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
             argmax = torch.zeros(rows, dtype=torch.int64, device=dev)
             for opts in option_families(rows):
                 st.option_tensors = OptionTensors()  # (cached by the options' identity)
-                batch = build_sampling_batch(opts, st, padded[:rows], positions, padded)
-                sample(logits, batch, argmax)
-                so = sample(logits, batch)
+                batch = build_sampling_batch(opts, st, padded[:rows], positions, padded, lazy=lazy)
+                sample(logits, batch, argmax, commit=scratch)
+                so = sample(logits, batch, commit=scratch)
                 pack_outputs(so.token_ids[:, None], None, so)
                 if spec_width:
                     tokens = torch.zeros(rows, spec_width, dtype=torch.int64, device=dev)

@@ -80,6 +80,60 @@ def test_a_dominant_token_is_drawn_and_seeds_change_draws():
     assert len(draws) == 4  # a uniform row's draw follows its seed
 
 
+def _table_case(rows=6, vocab=1500, seed=0):
+    """``_case``'s options written into an option table of 16 device rows (the words as
+    ``workers.device_state.option_words`` lays them out), the rows placed out of order, and a
+    token table to commit into."""
+    from workers.device_state import DIVISOR_WORD, OPTION_WORDS, SEED_WORD, TEMPERATURE_WORD
+
+    logits, temp, seeds, pos, greedy = _case(rows, vocab, seed)
+    pos = pos % 40  # (positions inside the token table)
+    dev_rows = torch.tensor([9, 2, 15, 0, 4, 11][:rows] + [0] * (-rows % 4), dtype=torch.int64)
+    table = torch.full((OPTION_WORDS, 16), -1, dtype=torch.int64)
+    div = torch.where(temp > 0, temp, torch.ones_like(temp))
+    table[TEMPERATURE_WORD, dev_rows[:rows]] = temp.view(torch.int32).long()
+    table[DIVISOR_WORD, dev_rows[:rows]] = div.view(torch.int32).long()
+    table[SEED_WORD, dev_rows[:rows]] = seeds
+    words = (table[DIVISOR_WORD], table[TEMPERATURE_WORD], table[SEED_WORD])
+    return (logits, temp, seeds, pos, greedy), words, dev_rows, torch.full((16, 40), -3, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["draw", "draw-and-commit"])
+def test_options_read_from_the_table_draw_the_same_tokens(commit):
+    """Read in place at each row's device row, the options give the draws their gathered
+    copies give; with ``commit`` every row's token also lands at its device row and position
+    of the token table, and nothing else in the table changes."""
+    from kernels.sample_logits import sample_logits_triton
+
+    for seed in range(2):
+        case, (div, temp_w, seed_w), dev_rows, tokens = _table_case(seed=seed)
+        want = _draw(*case)
+        got = sample_logits_triton(
+            case[0], div, temp_w, seed_w, case[3], case[4], slice_size=SLICE, block=BLOCK,
+            option_rows=dev_rows, commit=tokens if commit else None,
+        )  # fmt: skip
+        assert torch.equal(got, want), (got, want)
+        ref_tokens = torch.full_like(tokens, -3)
+        ref = sample_logits_reference(
+            case[0], div, temp_w, seed_w, case[3], case[4], option_rows=dev_rows, commit=ref_tokens if commit else None
+        )
+        assert torch.equal(ref, _reference(*case))
+        if commit:
+            expect = torch.full_like(tokens, -3)
+            expect[dev_rows[:6], case[3]] = want
+            assert torch.equal(tokens, expect) and torch.equal(ref_tokens, expect)
+        else:
+            assert (tokens == -3).all()
+
+
+def test_commit_needs_the_rows():
+    from kernels.sample_logits import sample_logits_triton
+
+    case, (div, temp_w, seed_w), _, tokens = _table_case()
+    with pytest.raises(ValueError, match="option_rows"):
+        sample_logits_triton(*case[:1], div, temp_w, seed_w, case[3], case[4], commit=tokens)
+
+
 def test_kernels_are_interpreted():
     assert INTERPRETED
 
