@@ -100,13 +100,15 @@ def run_mode(
 
     llm = make_llm(mode, model, fmt, max_num_seqs)
     try:
-        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals)
+        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals, rich=mode == "async+options")
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         worker = llm.engine.executor.workers[0]
         ray.get(worker.__ray_call__.remote(_arm))
         for n in range(passes):
             if n:
-                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals)
+                prompts, params = workload(
+                    num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals, rich=mode == "async+options"
+                )
             ray.get(worker.__ray_call__.remote(_reset))  # only the last pass counts
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         kinds = ray.get(worker.__ray_call__.remote(_collect))

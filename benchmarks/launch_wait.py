@@ -7,8 +7,10 @@ GPU is doing; one that waits (a host read of device data, a pageable copy, alloc
 growth, or a launch queue filled by thousands of small kernels) takes about the wait.
 
 Modes: plain async scheduling, async with n-gram drafts, async with a draft model,
-and async under KV pressure (preemption). Each runs requests arriving mid-run (more
-prompts than ``max_num_seqs``) and then prompts that hit the prefix cache.
+async under KV pressure (preemption), FP8 weights and KV cache, and every sampling option
+at once (top-k/top-p, min-p, penalties, min_tokens, logprobs beside greedy rows). Each runs
+requests arriving mid-run (more prompts than ``max_num_seqs``) and then prompts that hit
+the prefix cache.
 
     python -m benchmarks.launch_wait --shape qwen3-0.6b --wait-ms 100
 """
@@ -24,7 +26,7 @@ import statistics
 from benchmarks.common import phase_medians, thread_time_medians
 from benchmarks.shapes import resolve_model
 
-MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8")
+MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8", "async+options")
 
 
 def mode_options(mode: str, model: str) -> dict:
@@ -42,14 +44,31 @@ def mode_options(mode: str, model: str) -> dict:
 ARRIVALS = ("batched", "staggered")
 
 
+# per-row extras of the "async+options" mode, in turn (rows without extras: greedy or temperature only)
+RICH_OPTIONS = (
+    dict(top_p=0.9, top_k=20),
+    dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2),
+    dict(min_p=0.05, logprobs=3),
+    dict(min_tokens=8, stop_token_ids=[11, 12]),
+    dict(logprobs=0),
+    {},
+)
+
+
 def workload(
-    num_prompts: int = 48, prompt_len: int = 200, vocab: int = 1000, seed: int = 0, arrivals: str = "batched"
+    num_prompts: int = 48,
+    prompt_len: int = 200,
+    vocab: int = 1000,
+    seed: int = 0,
+    arrivals: str = "batched",
+    rich: bool = False,
 ) -> tuple[list, list]:
     """Random prompts (token ids) and their sampling parameters: greedy and sampled rows
     alternating. ``arrivals``: ``batched``, ``max_tokens`` 16-48 in five groups (rows finish,
     and waiting prompts are placed, a few groups at a time: few mixed steps); ``staggered``,
     ``max_tokens`` spread over 16-79 so that about one row finishes a step and the next
-    prompt is placed beside the running decode rows (a mixed step nearly every step)."""
+    prompt is placed beside the running decode rows (a mixed step nearly every step).
+    ``rich``: the rows also take ``RICH_OPTIONS`` in turn (every sampling path at once)."""
     from cluster import SamplingParams
 
     if arrivals not in ARRIVALS:
@@ -58,7 +77,13 @@ def workload(
     prompts = [[rnd.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
     lengths = [16 + (i % 5) * 8 if arrivals == "batched" else 16 + (i * 37) % 64 for i in range(num_prompts)]
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=n, seed=i, ignore_eos=True)
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            max_tokens=n,
+            seed=i,
+            ignore_eos=True,
+            **(RICH_OPTIONS[i % len(RICH_OPTIONS)] if rich else {}),
+        )
         for i, n in enumerate(lengths)
     ]
     return prompts, params
@@ -100,12 +125,13 @@ def run_mode(
 
     llm = make_llm(mode, model, fmt, max_num_seqs, sync_check=sync_check, launch_wait_probe_ms=wait_ms)
     try:
-        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals)
+        rich = mode == "async+options"
+        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals, rich=rich)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
         for n in range(passes):
             if n:
-                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals)
+                prompts, params = workload(num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals, rich=rich)
             ray.get([w.clear_launch_times.remote() for w in workers])  # only the last pass counts
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             hits = [{"prompt_token_ids": p[:160] + [5, 6, 7]} for p in prompts[: num_prompts // 2]]

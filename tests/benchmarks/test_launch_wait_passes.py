@@ -45,3 +45,17 @@ def test_arrivals_are_checked():
         workload(4, 30, 100, arrivals="poisson")
     _, params = workload(48, 30, 100, arrivals="staggered")
     assert len({p.max_tokens for p in params}) > 40  # rows finish at (nearly) distinct steps
+
+
+def test_the_options_mode_samples_every_path(ray_local, ckpt_dir):
+    """``async+options``: the rows take every sampling option in turn (valid parameters, an
+    engine that serves them) beside plain greedy and temperature rows."""
+    from benchmarks.launch_wait import RICH_OPTIONS
+
+    _, params = workload(12, 30, 100, rich=True)
+    for extra in RICH_OPTIONS:  # each set of extras carried by some row
+        assert any(all(getattr(p, k) == v for k, v in extra.items()) for p in params), extra
+    assert any(p.temperature == 0 for p in params) and any(p.logprobs is None for p in params)
+    ck = str(ckpt_dir("llama", max_pos=4096))
+    run = run_mode("async+options", ck, "safetensors", 5.0, num_prompts=12, prompt_len=30, max_num_seqs=4, vocab=200)
+    assert len(run["launch_ms"]) > 20 and run["mixed_launch_ms"]

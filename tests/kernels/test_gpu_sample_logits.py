@@ -46,3 +46,39 @@ def test_sample_logits_on_cuda(rows):
     for r in range(min(rows, 4)):
         s = slice(r, r + 1)
         assert sample_logits_triton(logits[s], div[s], temp[s], seeds[s], pos[s], greedy[s])[0] == got[r]
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_table_options_and_commit_on_cuda(rows):
+    """The options read in place from an option table at shuffled device rows (``option_rows``)
+    draw exactly what their gathered copies draw, and ``commit`` writes each token at its
+    device row and position of the token table, nothing else."""
+    from kernels.sample_logits import sample_logits_triton
+    from workers.device_state import DIVISOR_WORD, OPTION_WORDS, SEED_WORD, TEMPERATURE_WORD
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    vocab, table_rows = 151936, 64
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 3
+    temp = torch.rand(rows, device="cuda", generator=g) + 0.3
+    temp[::3] = 0.0
+    div = torch.where(temp > 0, temp, torch.ones_like(temp))
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda", generator=g)
+    pos = torch.randint(0, 100, (rows,), device="cuda", generator=g)
+    greedy = torch.full((rows,), 5, dtype=torch.int64, device="cuda")
+    dev_rows = torch.randperm(table_rows, device="cuda", generator=g)[: -(-rows // 4) * 4]
+    table = torch.zeros(OPTION_WORDS, table_rows, dtype=torch.int64, device="cuda")
+    table[TEMPERATURE_WORD, dev_rows[:rows]] = temp.view(torch.int32).long()
+    table[DIVISOR_WORD, dev_rows[:rows]] = div.view(torch.int32).long()
+    table[SEED_WORD, dev_rows[:rows]] = seeds
+    tokens = torch.full((table_rows, 100), -1, dtype=torch.int64, device="cuda")
+    want = sample_logits_triton(logits, div, temp, seeds, pos, greedy)
+    words = (table[DIVISOR_WORD], table[TEMPERATURE_WORD], table[SEED_WORD])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = sample_logits_triton(logits, *words, pos, greedy, option_rows=dev_rows, commit=tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want)
+    expect = torch.full_like(tokens, -1)
+    expect[dev_rows[:rows], pos] = want
+    assert torch.equal(tokens, expect)
