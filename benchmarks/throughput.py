@@ -216,6 +216,9 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
             f"{st.get('driver_process_s', 0):.3f} s, waiting on workers {st['driver_wait_s']:.3f} s; "
             f"worker launch (host) {st.get('worker_launch_s', 0):.3f} s over {st.get('steps', 0)} steps"
         )
+    host = host_against_device(res)
+    if host:
+        print(f"{label}{host}")
     wl = res.get("worker_launch_ms")
     if wl and wl["steps"]:
         print(
@@ -236,6 +239,29 @@ def print_summary(res: dict[str, Any], label: str = "") -> None:
             f"({100 * tl['busy_fraction_of_elapsed']:.1f} % of elapsed busy)",
             flush=True,
         )
+
+
+def host_against_device(res: dict[str, Any]) -> str | None:
+    """One line: a step's host time (the worker's launch; the driver's scheduling and result
+    processing, one thread) beside its device time, means over the timed steps, and whether
+    both host parts stay below it (the device sets the pace). The device time is the busy
+    time of ``measure_device_timeline`` where it ran, else the elapsed time a step (an upper
+    bound: idle gaps included). None without the engine's counters."""
+    st, tl = res.get("engine_stats") or {}, res.get("device_timeline")
+    steps = st.get("steps", 0)
+    if not steps:
+        return None
+    launch = 1e3 * st.get("worker_launch_s", 0.0) / steps
+    driver = 1e3 * (st.get("driver_schedule_s", 0.0) + st.get("driver_process_s", 0.0)) / steps
+    if tl and tl["steps"]:
+        device, what = 1e3 * tl["device_busy_s"] / tl["steps"], "device busy"
+    else:
+        device, what = 1e3 * res["elapsed_time"] / steps, "elapsed (device time unmeasured)"
+    verdict = "below" if max(launch, driver) < device else "NOT below"
+    return (
+        f"Per step (means over {steps}): {what} {device:.2f} ms; host: worker launch {launch:.2f} ms, "
+        f"driver schedule + process {driver:.2f} ms: {verdict} the device time"
+    )
 
 
 def plot(result: dict[str, Any], path) -> None:

@@ -397,3 +397,19 @@ def test_serve_jobs_against_real_cluster_serve(ray_head, tmp_path, cache_dir):
         log.close()
         if server.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL, None):
             print((tmp_path / "serve.log").read_text()[-3000:])
+
+
+def test_throughput_sets_host_time_beside_device_time():
+    """``host_against_device``: means a step over the engine's counters; the device's busy time
+    where the timeline ran, else the elapsed time a step; 'NOT below' when either host part
+    (the worker's launch, or the driver's scheduling plus processing) reaches it."""
+    from benchmarks.throughput import host_against_device
+
+    st = {"steps": 100, "worker_launch_s": 0.1, "driver_schedule_s": 0.05, "driver_process_s": 0.15}
+    line = host_against_device({"engine_stats": st, "elapsed_time": 0.9})
+    assert "elapsed (device time unmeasured) 9.00 ms" in line and "worker launch 1.00 ms" in line
+    assert "driver schedule + process 2.00 ms: below" in line
+    timeline = {"steps": 100, "device_busy_s": 0.15}
+    line = host_against_device({"engine_stats": st, "elapsed_time": 0.9, "device_timeline": timeline})
+    assert "device busy 1.50 ms" in line and line.endswith("NOT below the device time")
+    assert host_against_device({"engine_stats": {}, "elapsed_time": 1.0}) is None
