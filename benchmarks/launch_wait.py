@@ -51,8 +51,9 @@ RICH_OPTIONS = (
     dict(min_p=0.05, logprobs=3),
     dict(min_tokens=8, stop_token_ids=[11, 12]),
     dict(logprobs=0),
+    dict(top_k=5, repetition_penalty=1.05),
     {},
-)
+)  # (an odd count: each set meets greedy and temperature rows in turn)
 
 
 def workload(

@@ -330,6 +330,8 @@ def sample_logits_reference(
     """``greedy`` where ``temperature`` is 0, else the seeded draw from ``softmax(logits /
     divisor)`` (``kernels.sample_logits``; ``option_rows`` and ``commit``: as there, the
     options read from option-table word rows and the tokens written into the token table)."""
+    if commit is not None and option_rows is None:
+        raise ValueError("commit needs option_rows (the rows of the token table to write)")
     if option_rows is not None:
         rows = option_rows[: logits.shape[0]]
         divisor, temperature = (w[rows].to(torch.int32).view(torch.float32) for w in (divisor, temperature))

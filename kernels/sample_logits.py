@@ -140,7 +140,9 @@ def _pick_kernel(
     greedy = tl.load(greedy_ptr + row)
     token = tl.where(_option_float(temp_ptr, row, rows_ptr, FROM_TABLE) > 0, pick, greedy)
     tl.store(out_ptr + row, token)
-    if COMMIT:  # the token into its row's token table at its position (what the next step reads)
+    # the token into its row's token table at its position, where the next step's input kernel
+    # reads it (that kernel waits for this grid's completion under PDL: no earlier read)
+    if COMMIT:
         tl.store(tok_ptr + tl.load(rows_ptr + row) * tok_stride + tl.load(pos_ptr + row), token)
 
 

@@ -63,6 +63,11 @@ def profile_free_bytes(r) -> int:
         logits = model.compute_logits(h[-rows:] if n >= rows else h[-1:].expand(rows, -1).contiguous())
         if r.stage.is_last:
             r.draw_once(logits)  # the sampler's temporaries count towards the peak
+            from workers.sampling_warm_up import sample_every_option
+
+            # and those of the costliest sampling step: every option (penalties, top-k/top-p,
+            # min-p, logprobs) on a full batch of rows (warm-up runs one, as may serving)
+            sample_every_option(r.state, logits[: min(rows, r.state.max_rows)])
             if r.spec is not None:  # verification: target probs and residual
                 spare = [torch.empty_like(logits) for _ in range(2)]
                 if r.spec.method == "draft_model":  # the proposal graphs' draft logits, held in their pool

@@ -211,7 +211,9 @@ class ModelRunner:
 
             head, k = self.model.lm_head, self.cfg.speculative.num_speculative_tokens if self.spec else 0
             n = self.cfg.scheduler.max_num_seqs
-            warm_sampling_rows(self.state, self.arch.vocab_size, head.padded_vocab, n, k + 1 if k else 0)
+            warm_sampling_rows(
+                self.state, self.arch.vocab_size, head.padded_vocab, n, k + 1 if k else 0, self.spec is None
+            )
         self.reset_launch_stats()  # the stats count serving steps only
         self._precompile_tile_gemm()
         if self.graphs is None:  # enforce_eager, or a pipeline stage

@@ -17,6 +17,11 @@ verify step.
 step's sampling-row limit (and at the limit), for each family of options that selects a
 different set of operators, on scratch logits, and packs its outputs as a step's copy does
 (with ``spec_width``, also as a speculative step's); it writes nothing serving steps read.
+The options are not the families' values on the device (the gather reads row 0 of the
+option table, whatever the last placement left there): the families choose the host's
+branches, which pick the operators; no operator picks its kernel by the options' values.
+Its largest batch, every option at ``max_num_seqs`` rows, is the sampling step the KV
+cache's memory profile leaves room for (``sample_every_option``).
 """
 
 from __future__ import annotations
@@ -53,19 +58,34 @@ def option_families(rows: int) -> list[list[SamplingOptions]]:
 
 
 @torch.inference_mode()
-def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_width: int = 0) -> int:
+def sample_every_option(st, logits: torch.Tensor) -> None:
+    """Sample ``logits`` [R, V] with every option at once (``EVERYTHING``: penalties, the
+    min_tokens mask, top-k/top-p/min-p, logprobs), the options gathered from ``st``'s table
+    at row 0 (R at most ``st.max_rows``): the sampling step with the most device memory in
+    flight, which the KV cache's memory profile must leave room for
+    (``workers.memory_profile``)."""
+    rows = logits.shape[0]
+    padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=logits.device)
+    positions = torch.ones(rows, dtype=torch.int64, device=logits.device)
+    st.option_tensors = OptionTensors()
+    sample(logits, build_sampling_batch([EVERYTHING] * rows, st, padded[:rows], positions, padded))
+    st.option_tensors = OptionTensors()
+
+
+@torch.inference_mode()
+def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_width: int = 0, lazy: bool = True) -> int:
     """Sample scratch logits [R, ``vocab``] (dense, and as a view of rows ``logits_width``
     wide where the LM head pads its vocabulary) for each ``row_classes(max_rows)`` size and
     each ``option_families`` list, the options gathered from ``st.option_table`` as serving
     steps gather them, then packs each batch's outputs for the host copy (``spec_width``: a
-    speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts, whose
-    steps read plain temperature options in place and commit from the sampler);
+    speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts;
+    ``lazy``: as ``ModelRunner`` builds its batches, plain temperature options read in place
+    and committed by the sampler, which it does without speculative decoding);
     returns how many batches ran. The gather reads row 0's options and
     sampling writes nothing to ``st``; the option cache is reset afterwards."""
     dev = st.device
     widths = sorted({vocab, logits_width})
     runs = 0
-    lazy = not spec_width  # as ModelRunner builds its batches: lazy options without drafts
     scratch = torch.zeros_like(st.token_ids[:1])  # the sampler's commits land here
     for rows in row_classes(min(max_rows, st.max_rows)):
         padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=dev)  # the sampled rows' device rows

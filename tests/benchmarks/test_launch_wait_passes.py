@@ -52,9 +52,10 @@ def test_the_options_mode_samples_every_path(ray_local, ckpt_dir):
     engine that serves them) beside plain greedy and temperature rows."""
     from benchmarks.launch_wait import RICH_OPTIONS
 
-    _, params = workload(12, 30, 100, rich=True)
-    for extra in RICH_OPTIONS:  # each set of extras carried by some row
-        assert any(all(getattr(p, k) == v for k, v in extra.items()) for p in params), extra
+    _, params = workload(28, 30, 100, rich=True)
+    for extra in filter(None, RICH_OPTIONS):  # each set of extras on a greedy and a temperature row
+        kinds = {p.temperature > 0 for p in params if all(getattr(p, k) == v for k, v in extra.items())}
+        assert kinds == {False, True}, extra
     assert any(p.temperature == 0 for p in params) and any(p.logprobs is None for p in params)
     ck = str(ckpt_dir("llama", max_pos=4096))
     run = run_mode("async+options", ck, "safetensors", 5.0, num_prompts=12, prompt_len=30, max_num_seqs=4, vocab=200)
