@@ -27,11 +27,13 @@ from kernels.fast_launch import fast_launch
 
 
 class GraphPad(NamedTuple):
-    """What a step replaying a whole-forward graph has the input kernel write into the
-    graph's static buffers besides its inputs (``prepare_inputs``' ``pad``): its query starts
-    into ``qsl`` (int32, at least ``reqs + 1``), padding up to the bucket (``tokens`` slots,
+    """What a step replaying a captured graph has the input kernel write into the graph's
+    static buffers besides its inputs (``prepare_inputs``' ``pad``): its query starts into
+    ``qsl`` (int32, at least ``reqs + 1``), padding up to the bucket (``tokens`` slots,
     ``reqs`` requests), and copies of its block table (into ``block_table``, int32, its row
-    stride the graph's) and sampled-token indices (``logits_src`` into ``logits_dst``)."""
+    stride the graph's) and sampled-token indices (``logits_src`` into ``logits_dst``).
+    ``seq_rows``: rows up to this many past the step's get ``seq_len`` as their KV length (a
+    decode graph's padded rows attend over their own ``seq_len`` query tokens)."""
 
     qsl: torch.Tensor
     tokens: int
@@ -39,6 +41,8 @@ class GraphPad(NamedTuple):
     block_table: torch.Tensor | None = None
     logits_src: torch.Tensor | None = None
     logits_dst: torch.Tensor | None = None
+    seq_rows: int = 0
+    seq_len: int = 0
 
 
 @fast_launch
@@ -55,6 +59,8 @@ class GraphPad(NamedTuple):
         "pad_reqs",
         "stride_bt_dst",
         "n_logits",
+        "pad_seq_rows",
+        "pad_seq_len",
     ]
 )
 def _prepare_inputs_kernel(
@@ -84,6 +90,8 @@ def _prepare_inputs_kernel(
     logits_src_ptr,
     logits_dst_ptr,
     n_logits,
+    pad_seq_rows,
+    pad_seq_len,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -130,6 +138,9 @@ def _prepare_inputs_kernel(
         for start in range(n_reqs + 1, pad_reqs + 1, BLOCK):
             j = start + tl.arange(0, BLOCK)
             tl.store(qsl_ptr + j, tl.full([BLOCK], 0, tl.int32) + n_tokens, mask=j <= pad_reqs)
+        for start in range(n_reqs, pad_seq_rows, BLOCK):  # a decode graph's padded rows' lengths
+            j = start + tl.arange(0, BLOCK)
+            tl.store(seq_lens_ptr + j, tl.full([BLOCK], 0, tl.int32) + pad_seq_len, mask=j < pad_seq_rows)
     # and the graph's block table and sampled-token indices, copied from the step's (every
     # program a share: request rows, then index blocks, strided by the program count)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
@@ -168,7 +179,9 @@ def prepare_inputs_triton(
     ``GraphPad``, with ``out`` a graph's static inputs): the query starts are written into
     ``pad.qsl`` and the same launch pads the step to the graph's bucket (slots ``T ..
     pad.tokens - 1`` of ``out``'s slot buffer, which must hold them, get -1, query starts
-    ``R + 1 .. pad.reqs`` get T) and makes ``pad``'s copies."""
+    ``R + 1 .. pad.reqs`` get T; with ``pad.seq_rows``, ``seq_lens`` entries ``R ..
+    pad.seq_rows - 1`` of ``out``'s buffer, which must hold them, get ``pad.seq_len``) and
+    makes ``pad``'s copies."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
@@ -196,10 +209,11 @@ def prepare_inputs_triton(
         input_ids = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         slots = torch.empty(n_tokens, dtype=torch.int64, device=dev)
         seq_lens = torch.empty(n_reqs, dtype=torch.int32, device=dev)
-    pad_tokens = pad_reqs = n_logits = 0
+    pad_tokens = pad_reqs = n_logits = pad_seq_rows = pad_seq_len = 0
     bt_dst = li_src = li_dst = None
     if pad is not None:
         pad_tokens, pad_reqs, bt_dst = pad.tokens, pad.reqs, pad.block_table
+        pad_seq_rows, pad_seq_len = max(pad.seq_rows, n_reqs), pad.seq_len
         li_src, li_dst = pad.logits_src, pad.logits_dst
         if out is None or pad.qsl.dtype != torch.int32 or pad.qsl.shape[0] < pad_reqs + 1 or pad_reqs < n_reqs:
             raise ValueError("prepare_inputs pad: needs out, an int32 qsl of reqs + 1 and reqs >= R")
@@ -247,6 +261,8 @@ def prepare_inputs_triton(
         li_src if li_src is not None else slots,
         li_dst if li_dst is not None else slots,
         n_logits,
+        pad_seq_rows,
+        pad_seq_len,
         KV_BLOCK_SIZE=block_size,
         BLOCK=block,
         STARTS_BY_ROW=by_row,
@@ -314,6 +330,8 @@ def prepare_inputs(
     pad.qsl[: n_reqs + 1].copy_(res[4])
     pad.qsl[n_reqs + 1 : pad.reqs + 1].fill_(n_tokens)
     out[3].as_strided((pad.tokens,), (1,))[n_tokens:].fill_(-1)  # (the slot buffer holds the padding)
+    if pad.seq_rows > n_reqs:  # (as does the seq_lens buffer)
+        out[2].as_strided((pad.seq_rows,), (1,))[n_reqs:].fill_(pad.seq_len)
     if pad.block_table is not None:
         pad.block_table[:n_reqs, : block_table.shape[1]].copy_(block_table)
     if pad.logits_src is not None:

@@ -42,8 +42,10 @@ def _option_float(ptr, row, rows_ptr, FROM_TABLE: tl.constexpr):
     """A row's float option: ``ptr[row]``, or from an option-table word row (float32 bits in
     int64 words, ``workers.device_state.option_words``) at the row's device row."""
     if FROM_TABLE:
-        return tl.load(ptr + tl.load(rows_ptr + row)).to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.load(ptr + row)
+        value = tl.load(ptr + tl.load(rows_ptr + row)).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        value = tl.load(ptr + row)
+    return value
 
 
 @fast_launch

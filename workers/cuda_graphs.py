@@ -33,6 +33,7 @@ import time
 import torch
 
 from kernels import ops
+from kernels.input_prep import GraphPad
 from metadata.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -282,14 +283,26 @@ class DecodeGraphs(StaticStepInputs):
             return None
         return self.pick_shape(len(q_lens), q_lens, bound)
 
+    def padding(self, key: tuple[int, int, int], num_reqs: int) -> GraphPad:
+        """What the input kernel of a step of ``num_reqs`` rows replaying graph ``key`` writes
+        into the static buffers besides its inputs (``kernels.input_prep.GraphPad``): its
+        query starts into this query length's (the same values: every row has ``q`` tokens),
+        its block table, and the padding up to the graph's ``b`` rows (slots -1, lengths
+        ``q``); ``load`` then copies and fills nothing."""
+        b, _, q = key
+        return GraphPad(self.qsl[q], b * q, num_reqs, self.block_table, seq_rows=b, seq_len=q)
+
     def load(self, inputs, key: tuple[int, int, int]) -> None:
         """Copies a step's inputs (``input_ids``, ``positions`` and ``meta``: a ``StepInputs``
         or a ``Window``) into the static inputs of graph ``key``, padding rows past the real
-        ones (no KV writes). Inputs already built in place are not copied."""
+        ones (no KV writes). Inputs already built in place are not copied; a step whose input
+        kernel padded it (``padding``: its query starts are this graph's) needs nothing."""
         b, _, q = key
         m = inputs.meta
         n, t = m.num_reqs, m.num_actual_tokens
         self._copy_in(inputs.input_ids, inputs.positions, m.seq_lens, m.slot_mapping)
+        if m.query_start_loc.data_ptr() == self.qsl[q].data_ptr():  # padded by the input kernel
+            return
         if m.block_table.data_ptr() != self.block_table.data_ptr():  # (not already the static table)
             self.block_table[:n, : m.block_table.shape[1]].copy_(m.block_table)
         if b > n:

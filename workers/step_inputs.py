@@ -296,8 +296,9 @@ def build_step_inputs(
             key = graphs.pick_step(q_lens, drafts, len(sample_idx), max(ubs))
     out = graph_pad = None
     mixed_graph = key is None and mixed is not None and mixed.fits(ends[-1])
-    if key is not None:
+    if key is not None:  # a decode or verify graph, padded to its rows by the input kernel
         out = graphs.static_inputs(len(rows_cpu), ends[-1])
+        graph_pad = graphs.padding(key, len(rows_cpu))
     elif mixed_graph:  # the mixed-step graph this step replays, padded to its bucket by the input kernel
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
         graph_pad = mixed.padding(ends[-1], len(logits_idx))

@@ -284,3 +284,28 @@ def test_ngram_kernel_compiles(k, n_max):
 
     const = dict(K=k, N_CAP=triton.next_power_of_2(n_max), BLOCK=256)
     _compile(ngram._ngram_kernel, const, dict(tok_ptr="*i64", rows_ptr="*i64", known_ptr="*i64"))
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["gathered", "option-table"])
+def test_fused_sampler_compiles(table):
+    """Both launches of the fused temperature sampler, reading gathered options (float rows)
+    or the option table's int64 words in place, the second also committing its tokens."""
+    from kernels.sample_logits import _pick_kernel, _slice_race_kernel
+
+    opt = "*i64" if table else "*fp32"
+    race = {"logits_ptr": "*fp32", "div_ptr": opt, "seed_ptr": "*i64", "pos_ptr": "*i64", "rows_ptr": "*i64"}
+    race |= {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32"}
+    _compile(_slice_race_kernel, dict(SLICE=16384, BLOCK=2048, FROM_TABLE=table, USE_PDL=True), race)
+    pick = {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32", "temp_ptr": opt}
+    pick |= {n: "*i64" for n in ("greedy_ptr", "out_ptr", "rows_ptr", "pos_ptr", "tok_ptr")}
+    _compile(_pick_kernel, dict(SLICES=64, FROM_TABLE=table, COMMIT=table, USE_PDL=True), pick)
+
+
+def test_input_prep_pads_a_decode_graph_compiles():
+    """The input kernel as a decode-graph step launches it: the graph's padding (slots, query
+    starts, padded rows' lengths) and its block table copied in the same launch."""
+    from kernels.input_prep import _prepare_inputs_kernel
+
+    i32 = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr", "bt_dst_ptr")}
+    const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=True, COPY_TABLE=True, COPY_LOGITS=False)
+    _compile(_prepare_inputs_kernel, const, i32, default_ptr="*i64")

@@ -185,4 +185,32 @@ def test_prepare_inputs_pads_a_graph_bucket(q_lens, pad_tokens, pad_reqs, block)
         ip.prepare_inputs_triton(*case, out=out, pad=GraphPad(qsl_buf, pad_tokens, pad_reqs, table[:, :1]))
 
 
+@pytest.mark.parametrize("n,b,q,block", [(3, 8, 1, 4), (5, 16, 1, 256), (2, 4, 3, 8)])
+def test_prepare_inputs_pads_a_decode_graph(n, b, q, block):
+    """A decode (or verify) graph's padding (``DecodeGraphs.padding``): every row has ``q``
+    tokens, the query starts are written into the graph's own (``arange * q``: the same
+    values), rows ``n .. b - 1`` get length ``q`` and their ``b * q - n * q`` slots -1, the
+    block table is copied in; the seq_lens buffer past ``b`` is not touched."""
+    from kernels.input_prep import GraphPad, prepare_inputs
+
+    case = make_case([q] * n, seed=n)
+    t = n * q
+    bt = case[7]
+    want = ref.prepare_inputs_reference(*case)
+    for fn in (lambda *a, **k: ip.prepare_inputs_triton(*a, block=block, **k), prepare_inputs):
+        static_qsl = torch.arange(b + 1, dtype=torch.int32) * q
+        seq = torch.full((b + 2,), -7, dtype=torch.int32)
+        slots = torch.full((b * q + 2,), -7, dtype=torch.int64)
+        toks = [torch.full((b * q,), -7, dtype=torch.int64) for _ in range(2)]
+        table = torch.full((b, bt.shape[1] + 2), -7, dtype=torch.int32)
+        out = (toks[0][:t], toks[1][:t], seq[:n], slots[:t])
+        got = fn(*case, out=out, pad=GraphPad(static_qsl, b * q, n, table, seq_rows=b, seq_len=q))
+        for g_, w in zip(got, want):
+            assert torch.equal(g_, w)
+        assert torch.equal(static_qsl, torch.arange(b + 1, dtype=torch.int32) * q)  # unchanged values
+        assert (seq[n:b] == q).all() and (seq[b:] == -7).all()
+        assert (slots[t : b * q] == -1).all() and (slots[b * q :] == -7).all()
+        assert torch.equal(table[:n, : bt.shape[1]], bt) and (table[n:] == -7).all()
+
+
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -184,6 +184,43 @@ def test_step_inputs_built_into_the_decode_graph_buffers():
     assert build_step_inputs(prefill, _state([(0, 5, 5)]), BS, True, graphs).graph_key is None
 
 
+def test_a_decode_graph_step_is_padded_by_its_input_kernel():
+    """The step's build also pads the graph's rows (lengths, slots) and copies its block table
+    into the static one (``DecodeGraphs.padding``), so ``load`` copies and fills nothing; the
+    static buffers then hold what the copy-and-fill path of a build without padding left."""
+    from workers.cuda_graphs import DecodeGraphs
+
+    spec = [(9, 1, 10), (3, 1, 4), (20, 1, 21)]
+    plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
+    padded = DecodeGraphs(None, None, 8, 36, BS, 9, torch.device("cpu"), True)
+    copied = DecodeGraphs(None, None, 8, 36, BS, 9, torch.device("cpu"), True)
+    for g in (padded, copied):  # stale contents from an earlier, larger step
+        g.seq_lens.fill_(99)
+        g.slots.fill_(1234)
+        g.block_table.fill_(77)
+    got = build_step_inputs(plan, _state(spec), BS, True, padded)
+    assert got.meta.query_start_loc.data_ptr() == padded.qsl[1].data_ptr()
+    assert (padded.seq_lens[3:4] == 1).all() and (padded.slots[3:4] == -1).all()
+    assert torch.equal(padded.qsl[1], torch.arange(9, dtype=torch.int32))  # its values kept
+    before = [t.clone() for t in (padded.seq_lens, padded.slots, padded.block_table)]
+    padded.load(got, got.graph_key)  # nothing left to do
+    assert all(torch.equal(a, b) for a, b in zip(before, (padded.seq_lens, padded.slots, padded.block_table)))
+    import dataclasses
+
+    ref = build_step_inputs(plan, _state(spec), BS, True, copied)
+    ref_key = ref.graph_key
+    copied.seq_lens[3:].fill_(99)  # undo the padding, then the copy-and-fill path (a build before it)
+    copied.slots[3:].fill_(1234)
+    copied.block_table.fill_(77)
+    ref.meta = dataclasses.replace(ref.meta, query_start_loc=ref.meta.query_start_loc.clone())
+    copied.load(ref, ref_key)
+    b = ref_key[0]
+    assert torch.equal(padded.seq_lens[:b], copied.seq_lens[:b])
+    assert torch.equal(padded.slots[:b], copied.slots[:b])
+    n_blk = got.meta.block_table.shape[1]
+    assert torch.equal(padded.block_table[:3, :n_blk], copied.block_table[:3, :n_blk])
+
+
 def test_pinned_pool_reuses_only_returned_buffers_of_the_same_size_and_dtype():
     from workers.pending_step import PinnedPool
 
