@@ -98,6 +98,7 @@ def _prepare_inputs_kernel(
     STARTS_BY_ROW: tl.constexpr = False,
     COPY_TABLE: tl.constexpr = False,
     COPY_LOGITS: tl.constexpr = False,
+    COMMIT_LENGTHS: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_tokens
@@ -129,6 +130,8 @@ def _prepare_inputs_kernel(
     q_len = tl.load(q_lens_ptr + r, mask=ok, other=1)
     # the request's last token knows its KV length, its first token its query start
     tl.store(seq_lens_ptr + r, (pos + 1).to(tl.int32), mask=ok & (off == q_len - 1))
+    if COMMIT_LENGTHS:  # one token a row: the lane that read the row's start alone writes it
+        tl.store(starts_ptr + row, (pos + 1).to(tl.int32), mask=ok)
     tl.store(qsl_ptr + r, t.to(tl.int32), mask=ok & (off == 0))
     tl.store(qsl_ptr + n_reqs + t * 0, (t + 1).to(tl.int32), mask=ok & (t == n_tokens - 1))
     # a CUDA graph's padding: tokens up to pad_tokens write no KV, requests up to pad_reqs are
@@ -170,6 +173,7 @@ def prepare_inputs_triton(
     out=None,
     num_computed=None,
     pad=None,
+    commit_lengths: bool = False,
 ):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
@@ -181,12 +185,15 @@ def prepare_inputs_triton(
     pad.tokens - 1`` of ``out``'s slot buffer, which must hold them, get -1, query starts
     ``R + 1 .. pad.reqs`` get T; with ``pad.seq_rows``, ``seq_lens`` entries ``R ..
     pad.seq_rows - 1`` of ``out``'s buffer, which must hold them, get ``pad.seq_len``) and
-    makes ``pad``'s copies."""
+    makes ``pad``'s copies. ``commit_lengths`` (with ``num_computed``, one token a request):
+    each row's ``num_computed`` becomes its new length in the same launch."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
             raise ValueError("prepare_inputs: give starts or num_computed")
         starts = num_computed
+    if commit_lengths and (not by_row or n_tokens != rows.shape[0]):
+        raise ValueError("prepare_inputs commit_lengths: needs num_computed and one token a request")
     n_reqs = rows.shape[0]
     dev = qsl.device
     if qsl.shape != (n_reqs + 1,):
@@ -268,6 +275,7 @@ def prepare_inputs_triton(
         STARTS_BY_ROW=by_row,
         COPY_TABLE=bt_dst is not None,
         COPY_LOGITS=n_logits > 0,
+        COMMIT_LENGTHS=commit_lengths,
         num_warps=4,
         **pdl.launch_kwargs(qsl),
     )
@@ -288,6 +296,7 @@ def prepare_inputs(
     out=None,
     num_computed=None,
     pad=None,
+    commit_lengths: bool = False,
 ):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. ``qsl``: the requests'
@@ -299,7 +308,8 @@ def prepare_inputs(
     static inputs, so a replay needs no copies); the results are those tensors.
     ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
     no gather launch). ``pad``: see ``prepare_inputs_triton`` (the query starts land in the
-    graph's buffer and the step is padded to its bucket: no separate copy or fills)."""
+    graph's buffer and the step is padded to its bucket: no separate copy or fills).
+    ``commit_lengths``: see there (the step's ``num_computed`` update, in the same launch)."""
     if qsl.is_cuda and every_request_has_tokens:
         return prepare_inputs_triton(
             starts,
@@ -314,12 +324,17 @@ def prepare_inputs(
             out=out,
             num_computed=num_computed,
             pad=pad,
+            commit_lengths=commit_lengths,
         )
+    if commit_lengths and (starts is not None or n_tokens != rows.shape[0]):
+        raise ValueError("prepare_inputs commit_lengths: needs num_computed and one token a request")
     if starts is None:
         starts = num_computed[rows]
     res = reference.prepare_inputs_reference(
         starts, rows, qsl, n_tokens, q_lens, capacity, token_ids, block_table, block_size
     )
+    if commit_lengths:
+        num_computed[rows] = res[2]
     if out is None:
         return res
     for dst, src in zip(out, res):

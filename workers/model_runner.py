@@ -413,6 +413,7 @@ class ModelRunner:
             self.max_model_len,
             self.mixed_graphs,
             staged,
+            commit_lengths=self.spec is None and self.pp is None,  # (drafts, stages: the old lengths read)
         )
         key = inp.graph_key
         self._decode_graph_step = key is not None
@@ -438,16 +439,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
         seq_lens = inp.seq_lens  # (without a padded verify step's padding)
         self.padded_steps += inp.pads is not None
-        st.num_computed[inp.rows] = seq_lens
+        if not inp.lengths_committed:  # (else the input kernel did)
+            st.num_computed[inp.rows] = seq_lens
         marks.append(time.perf_counter())
         if not inp.handles:  # a prefill chunk short of its prompt's end: nothing to sample
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
             self._record_phases(key is None, marks)
             return PendingStep(plan.step_id, self.tp.rank, t0)
-        s_rows, s_pos = sampling_rows(inp, seq_lens)
-        # (lazy: options read where they live, unless a proposer or verifier reads them too)
-        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=self.spec is None)
+        lazy = self.spec is None  # (options read where they live, unless a proposer or verifier reads them)
+        s_rows, s_pos = sampling_rows(inp, seq_lens, wide=not lazy)
+        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=lazy)
+        s_pos = batch.positions
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
             so, tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows)
         else:

@@ -21,7 +21,8 @@ def build_sampling_batch(
     sample_device_rows``): new options are gathered from ``st.option_table``, else copied.
     ``lazy`` (with ``padded_rows``): a step that samples by temperature only gathers nothing;
     its batch points the temperature sampler at the table (``SamplingBatch.option_rows``).
-    Only where nothing else reads the batch's options (no speculative decoding)."""
+    Only where nothing else reads the batch's options (no speculative decoding). ``s_pos``
+    may be int32 (the lengths as they are) where ``lazy``: other batches take it as int64."""
     dev = st.device
     table = st.option_table if padded_rows is not None else None
     cached = st.option_tensors.get(opts, dev, table, padded_rows, lazy=lazy)
@@ -41,6 +42,8 @@ def build_sampling_batch(
             option_words=st.sampler_words,
             option_rows=padded_rows,
         )
+    if s_pos.dtype != torch.int64:  # (positions as int32 lengths serve only the lazy path)
+        s_pos = s_pos.long()
     temperature, top_p, min_p, rep, pres, freq, sample_temperature = cached.floats
     top_k, seeds, min_tokens = cached.ints
     penalties = None

@@ -89,7 +89,7 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
     scratch = torch.zeros_like(st.token_ids[:1])  # the sampler's commits land here
     for rows in row_classes(min(max_rows, st.max_rows)):
         padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=dev)  # the sampled rows' device rows
-        positions = torch.ones(rows, dtype=torch.int64, device=dev)
+        positions = torch.ones(rows, dtype=torch.int32 if lazy else torch.int64, device=dev)  # (as served)
         for width in widths:
             logits = torch.zeros(rows, width, dtype=torch.float32, device=dev)[:, :vocab]
             argmax = torch.zeros(rows, dtype=torch.int64, device=dev)

@@ -53,6 +53,7 @@ def build_window(
     table_blocks: int | None = None,
     graph_pad: tuple | None = None,
     placement: StagedPlacement | None = None,
+    commit_lengths: bool = False,
 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -69,7 +70,8 @@ def build_window(
     first extra (the sampled-token indices) is copied there by the kernel too.
     ``placement``: new requests staged by ``DeviceState.stage``, carried in the same copy and
     placed (``DeviceState.place``) before the input kernel reads the rows.
-    ``table_blocks``: the packed block table's width (default:
+    ``commit_lengths`` (one token a row, ``starts`` None): the input kernel also sets each
+    row's ``num_computed`` to its new length. ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
     ``block_table`` on the device), the extras and the device rows."""
     dev, bs = st.device, block_size
@@ -143,6 +145,7 @@ def build_window(
         out=out,
         num_computed=st.num_computed if starts is None else None,
         pad=graph_pad,
+        commit_lengths=commit_lengths,
     )
     meta = AttentionMetadata(
         query_start_loc=qsl_d,
@@ -190,6 +193,7 @@ class StepInputs:
     mixed_graph: bool = False  # else: whether it replays a mixed-step graph (inputs built into it)
     pads: list[int] | None = None  # padding tokens after each row's real ones (see uniform_pads)
     real_seq_lens: torch.Tensor | None = None  # device lengths without the padding (None: meta's)
+    lengths_committed: bool = False  # num_computed already holds seq_lens (the input kernel wrote it)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -230,6 +234,7 @@ def build_step_inputs(
     max_len: int | None = None,
     mixed=None,
     placement: StagedPlacement | None = None,
+    commit_lengths: bool = False,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``).
@@ -237,7 +242,10 @@ def build_step_inputs(
     (``uniform_pads``; the graphs' own when None and ``graphs`` is given); ``max_len``: the
     longest position + 1 the model's rotary table holds. ``mixed`` (a ``MixedGraphs``): a step
     no decode graph fits builds its inputs into the mixed-step graph's static buffers.
-    ``placement``: the plan's new requests (``DeviceState.stage``), placed from the same copy."""
+    ``placement``: the plan's new requests (``DeviceState.stage``), placed from the same copy.
+    ``commit_lengths``: where every row has one token, its input kernel also sets the rows'
+    ``num_computed`` (``StepInputs.lengths_committed``; only where nothing reads the old
+    lengths before the step would set them: no drafts, no pipeline stages)."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     # (comprehensions, not one loop of appends: this runs on every launch's critical path)
@@ -303,6 +311,7 @@ def build_step_inputs(
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
         graph_pad = mixed.padding(ends[-1], len(logits_idx))
     # the rows, the block table and the extras ride in the window's one copy
+    commit = commit_lengths and pads is None and ends[-1] == len(q_lens) and min(q_lens) == 1  # one token a row
     win, back, rows = build_window(
         st,
         None,
@@ -316,6 +325,7 @@ def build_step_inputs(
         out=out,
         graph_pad=graph_pad,
         placement=placement,
+        commit_lengths=commit,
     )
     logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
     if graph_pad is not None and graph_pad.logits_dst is not None:  # (copied there by the input kernel)
@@ -343,6 +353,7 @@ def build_step_inputs(
         graph_key=key,
         mixed_graph=mixed_graph,
         pads=pads,
+        lengths_committed=commit,
     )
     if k_max:
         s = len(sample_idx)
@@ -352,9 +363,11 @@ def build_step_inputs(
     return inp
 
 
-def sampling_rows(inp: StepInputs, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sampling_rows(inp: StepInputs, seq_lens: torch.Tensor, wide: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Device rows of the step's sampling requests and the position each one's (bonus) token
-    takes (``seq_lens``: the step's device lengths)."""
-    if inp.sample_rows_cpu == list(range(len(inp.rows_cpu))):  # every row samples (decode)
-        return inp.rows, seq_lens.long()
-    return inp.sample_device_rows[: len(inp.sample_rows_cpu)], seq_lens.long()[inp.sample_rows]
+    takes (``seq_lens``: the step's device lengths), as int64, or with ``wide`` False as the
+    lengths' int32 (no cast launch: the fused sampler reads either)."""
+    if len(inp.sample_rows_cpu) == len(inp.rows_cpu):  # every row samples (decode; the indices are sorted)
+        return inp.rows, seq_lens.long() if wide else seq_lens
+    pos = seq_lens[inp.sample_rows]
+    return inp.sample_device_rows[: len(inp.sample_rows_cpu)], pos.long() if wide else pos

@@ -49,7 +49,8 @@ def test_sample_logits_on_cuda(rows):
 
 
 @pytest.mark.parametrize("rows", [3, 40])
-def test_table_options_and_commit_on_cuda(rows):
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_table_options_and_commit_on_cuda(rows, pos_dtype):
     """The options read in place from an option table at shuffled device rows (``option_rows``)
     draw exactly what their gathered copies draw, and ``commit`` writes each token at its
     device row and position of the token table, nothing else."""
@@ -75,7 +76,7 @@ def test_table_options_and_commit_on_cuda(rows):
     words = (table[DIVISOR_WORD], table[TEMPERATURE_WORD], table[SEED_WORD])
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = sample_logits_triton(logits, *words, pos, greedy, option_rows=dev_rows, commit=tokens)
+        got = sample_logits_triton(logits, *words, pos.to(pos_dtype), greedy, option_rows=dev_rows, commit=tokens)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(got, want)

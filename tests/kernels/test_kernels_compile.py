@@ -293,11 +293,12 @@ def test_fused_sampler_compiles(table):
     from kernels.sample_logits import _pick_kernel, _slice_race_kernel
 
     opt = "*i64" if table else "*fp32"
-    race = {"logits_ptr": "*fp32", "div_ptr": opt, "seed_ptr": "*i64", "pos_ptr": "*i64", "rows_ptr": "*i64"}
+    pos = "*i32" if table else "*i64"  # (the lazy path passes the step's int32 lengths as they are)
+    race = {"logits_ptr": "*fp32", "div_ptr": opt, "seed_ptr": "*i64", "pos_ptr": pos, "rows_ptr": "*i64"}
     race |= {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32"}
     _compile(_slice_race_kernel, dict(SLICE=16384, BLOCK=2048, FROM_TABLE=table, USE_PDL=True), race)
     pick = {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32", "temp_ptr": opt}
-    pick |= {n: "*i64" for n in ("greedy_ptr", "out_ptr", "rows_ptr", "pos_ptr", "tok_ptr")}
+    pick |= {n: "*i64" for n in ("greedy_ptr", "out_ptr", "rows_ptr", "tok_ptr")} | {"pos_ptr": pos}
     _compile(_pick_kernel, dict(SLICES=64, FROM_TABLE=table, COMMIT=table, USE_PDL=True), pick)
 
 
@@ -308,4 +309,5 @@ def test_input_prep_pads_a_decode_graph_compiles():
 
     i32 = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr", "bt_dst_ptr")}
     const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=True, COPY_TABLE=True, COPY_LOGITS=False)
-    _compile(_prepare_inputs_kernel, const, i32, default_ptr="*i64")
+    for commit in (False, True):  # (a plain decode step also sets its rows' lengths)
+        _compile(_prepare_inputs_kernel, const | dict(COMMIT_LENGTHS=commit), i32, default_ptr="*i64")

@@ -213,4 +213,31 @@ def test_prepare_inputs_pads_a_decode_graph(n, b, q, block):
         assert torch.equal(table[:n, : bt.shape[1]], bt) and (table[n:] == -7).all()
 
 
+@pytest.mark.parametrize("n,block", [(1, 256), (7, 4), (40, 16)])
+def test_commit_lengths_sets_each_rows_num_computed(n, block):
+    """``commit_lengths`` (one token a request): each row's ``num_computed`` becomes its new
+    length, the rows of no request keep theirs; the kernel and the torch path agree, and
+    both refuse a step with a request of more tokens, or given starts."""
+    from kernels.input_prep import prepare_inputs
+
+    starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs = make_case([1] * n, seed=n)
+    base = torch.randint(0, 30, (token_ids.shape[0],), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    base[rows] = starts
+    want = ref.prepare_inputs_reference(starts, rows, qsl, n_tok, q, cap, token_ids, bt, bs)
+    expect = base.clone()
+    expect[rows] = starts + 1
+    for fn in (lambda *a, **k: ip.prepare_inputs_triton(*a, block=block, **k), prepare_inputs):
+        num_computed = base.clone()
+        got = fn(None, rows, qsl, n_tok, q, cap, token_ids, bt, bs, num_computed=num_computed, commit_lengths=True)
+        for g_, w in zip(got, want):
+            assert torch.equal(g_, w)
+        assert torch.equal(num_computed, expect)
+    case = make_case([1, 2], seed=3)
+    for fn in (ip.prepare_inputs_triton, prepare_inputs):
+        with pytest.raises(ValueError, match="one token a request"):
+            fn(None, *case[1:], num_computed=torch.zeros(20, dtype=torch.int32), commit_lengths=True)
+        with pytest.raises(ValueError, match="one token a request"):
+            fn(*make_case([1, 1], seed=4), commit_lengths=True)  # starts given
+
+
 delegate_all(globals(), __file__)  # parent process: each test reports its child run

@@ -98,18 +98,20 @@ def _table_case(rows=6, vocab=1500, seed=0):
     return (logits, temp, seeds, pos, greedy), words, dev_rows, torch.full((16, 40), -3, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("commit", [False, True], ids=["draw", "draw-and-commit"])
-def test_options_read_from_the_table_draw_the_same_tokens(commit):
+def test_options_read_from_the_table_draw_the_same_tokens(commit, pos_dtype):
     """Read in place at each row's device row, the options give the draws their gathered
     copies give; with ``commit`` every row's token also lands at its device row and position
-    of the token table, and nothing else in the table changes."""
+    of the token table, and nothing else in the table changes. Positions may come as the
+    step's int32 lengths."""
     from kernels.sample_logits import sample_logits_triton
 
     for seed in range(2):
         case, (div, temp_w, seed_w), dev_rows, tokens = _table_case(seed=seed)
         want = _draw(*case)
         got = sample_logits_triton(
-            case[0], div, temp_w, seed_w, case[3], case[4], slice_size=SLICE, block=BLOCK,
+            case[0], div, temp_w, seed_w, case[3].to(pos_dtype), case[4], slice_size=SLICE, block=BLOCK,
             option_rows=dev_rows, commit=tokens if commit else None,
         )  # fmt: skip
         assert torch.equal(got, want), (got, want)

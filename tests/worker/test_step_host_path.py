@@ -347,3 +347,26 @@ def test_a_mixed_steps_sampling_rows_come_with_its_inputs():
     assert inp.sample_device_rows.tolist() == want + [0, 0]
     s_rows, _ = step_inputs.sampling_rows(inp, inp.meta.seq_lens)
     assert s_rows.tolist() == want
+
+
+@pytest.mark.parametrize(
+    "spec, one_token",
+    [([(9, 1, 10), (3, 1, 4), (20, 1, 21)], True), ([(0, 5, 5), (30, 1, 31)], False)],
+    ids=["decode", "mixed"],
+)
+def test_commit_lengths_only_where_every_row_has_one_token(spec, one_token):
+    """``commit_lengths``: a step of one token a row has its input kernel set the rows'
+    ``num_computed`` (to the step's ``seq_lens``); a step with a longer row leaves it to the
+    runner (its token programs read the starts the write would move)."""
+    st = _state(spec)
+    before = st.num_computed.clone()
+    plan = StepPlan(step_id=1, rows=[ScheduledRow(h, q, ub, [], True) for h, (_, q, ub) in enumerate(spec)])
+    inp = build_step_inputs(plan, st, BS, True, commit_lengths=True)
+    assert inp.lengths_committed == one_token
+    rows = [st.row_of[h] for h in range(len(spec))]
+    if one_token:
+        assert st.num_computed[rows].tolist() == inp.meta.seq_lens.tolist() == [c + 1 for c, _, _ in spec]
+    else:
+        assert torch.equal(st.num_computed, before)
+    other = _state(spec)
+    assert not build_step_inputs(plan, other, BS, True).lengths_committed  # (off unless asked)
