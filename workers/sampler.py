@@ -27,7 +27,7 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # int64 [R], 0 = off
     min_p: torch.Tensor | None  # float32 [R]
     seeds: torch.Tensor | None  # int64 [R]
-    positions: torch.Tensor  # int64 [R]: position the sampled token will take
+    positions: torch.Tensor  # int64 [R] (int32 where option_rows is set): position the sampled token takes
     all_greedy: bool  # CPU flags, from the request parameters
     any_top_k_top_p: bool
     any_min_p: bool

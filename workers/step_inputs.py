@@ -243,9 +243,10 @@ def build_step_inputs(
     longest position + 1 the model's rotary table holds. ``mixed`` (a ``MixedGraphs``): a step
     no decode graph fits builds its inputs into the mixed-step graph's static buffers.
     ``placement``: the plan's new requests (``DeviceState.stage``), placed from the same copy.
-    ``commit_lengths``: where every row has one token, its input kernel also sets the rows'
-    ``num_computed`` (``StepInputs.lengths_committed``; only where nothing reads the old
-    lengths before the step would set them: no drafts, no pipeline stages)."""
+    ``commit_lengths``: where every row has one token and the step replays a decode graph (or
+    no graphs exist), its input kernel also sets the rows' ``num_computed``
+    (``StepInputs.lengths_committed``; only where nothing reads the old lengths before the
+    step would set them: no drafts, no pipeline stages)."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     # (comprehensions, not one loop of appends: this runs on every launch's critical path)
@@ -311,7 +312,9 @@ def build_step_inputs(
         out = mixed.static_inputs(len(rows_cpu), ends[-1])
         graph_pad = mixed.padding(ends[-1], len(logits_idx))
     # the rows, the block table and the extras ride in the window's one copy
-    commit = commit_lengths and pads is None and ends[-1] == len(q_lens) and min(q_lens) == 1  # one token a row
+    # (one token a row, and a launch form start-up compiled: a decode graph's, or an engine without graphs)
+    commit = commit_lengths and pads is None and ends[-1] == len(q_lens) and min(q_lens) == 1
+    commit = commit and (key is not None or (graphs is None and mixed is None))
     win, back, rows = build_window(
         st,
         None,

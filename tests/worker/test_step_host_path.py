@@ -370,3 +370,20 @@ def test_commit_lengths_only_where_every_row_has_one_token(spec, one_token):
         assert torch.equal(st.num_computed, before)
     other = _state(spec)
     assert not build_step_inputs(plan, other, BS, True).lengths_committed  # (off unless asked)
+
+
+def test_commit_lengths_only_in_launch_forms_start_up_compiled():
+    """With graphs, only a step that replays a decode graph commits its lengths: a one-token
+    step no decode graph takes (a row that does not sample: a prefill's last-but-one token)
+    keeps the runner's update (its launch form, the mixed graph's or the eager one, is not
+    compiled at start-up with the commit)."""
+    from workers.cuda_graphs import DecodeGraphs
+
+    spec = [(9, 1, 10), (3, 1, 4)]
+    graphs = DecodeGraphs(None, None, 8, 36, BS, 9, torch.device("cpu"), True)
+    rows = [ScheduledRow(0, 1, 10, [], True), ScheduledRow(1, 1, 4, [], True)]
+    inp = build_step_inputs(StepPlan(step_id=1, rows=rows), _state(spec), BS, True, graphs, commit_lengths=True)
+    assert inp.graph_key is not None and inp.lengths_committed
+    rows[1] = ScheduledRow(1, 1, 4, [], False)  # no sampling: no decode graph
+    inp = build_step_inputs(StepPlan(step_id=2, rows=rows), _state(spec), BS, True, graphs, commit_lengths=True)
+    assert inp.graph_key is None and not inp.lengths_committed
