@@ -27,21 +27,13 @@ def build_sampling_batch(
     table = st.option_table if padded_rows is not None else None
     cached = st.option_tensors.get(opts, dev, table, padded_rows, lazy=lazy)
     flags = cached.flags
-    if cached.floats is None:  # (lazy: temperature only)
+    if cached.floats is None:  # (lazy: temperature only; the per-row options stay None)
+        ungathered = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "seeds"))
+        flags_of = dict(all_greedy=flags["all_greedy"], max_num_logprobs=flags["max_num_logprobs"])
         return SamplingBatch(
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            min_p=None,
-            seeds=None,
-            positions=s_pos,
-            all_greedy=flags["all_greedy"],
-            any_top_k_top_p=False,
-            any_min_p=False,
-            max_num_logprobs=flags["max_num_logprobs"],
-            option_words=st.sampler_words,
-            option_rows=padded_rows,
-        )
+            **ungathered, positions=s_pos, any_top_k_top_p=False, any_min_p=False, **flags_of,
+            option_words=st.sampler_words, option_rows=padded_rows,
+        )  # fmt: skip
     if s_pos.dtype != torch.int64:  # (positions as int32 lengths serve only the lazy path)
         s_pos = s_pos.long()
     temperature, top_p, min_p, rep, pres, freq, sample_temperature = cached.floats
