@@ -181,6 +181,20 @@ def summarize(run: dict) -> dict:
     }
 
 
+def draft_overheads(rows: list[dict]) -> list[str]:
+    """Each speculative mode's median decode launch against plain ``async``'s, from the same
+    run's summaries (issue 38's bound: within 1.5x); none without an ``async`` row."""
+    plain = next((r["decode_median_ms"] for r in rows if r["mode"] == "async"), 0.0)
+    if not plain:
+        return []
+    return [
+        f"{r['mode']}: decode launch {r['decode_median_ms']:.2f} ms = {r['decode_median_ms'] / plain:.2f}x "
+        f"plain async's {plain:.2f} ms"
+        for r in rows
+        if r["mode"] in ("async+ngram", "async+draft") and r["decode_median_ms"]
+    ]
+
+
 def allocations(allocs: list) -> dict:
     """Pinned host blocks and device segments the launches created (each a ``cudaHostAlloc`` or
     ``cudaMalloc`` on the launch's path), summed over decode and over mixed launches."""
@@ -272,6 +286,8 @@ def main(argv=None) -> list[dict]:
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"runs": runs, "summary": rows}, f)
+    for line in draft_overheads(rows):
+        print(line)
     from workers.model_runner import LAUNCH_PHASES
 
     print("\nWhere a launch's host time goes (medians, ms):")

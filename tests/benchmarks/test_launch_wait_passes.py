@@ -60,3 +60,19 @@ def test_the_options_mode_samples_every_path(ray_local, ckpt_dir):
     ck = str(ckpt_dir("llama", max_pos=4096))
     run = run_mode("async+options", ck, "safetensors", 5.0, num_prompts=12, prompt_len=30, max_num_seqs=4, vocab=200)
     assert len(run["launch_ms"]) > 20 and run["mixed_launch_ms"]
+
+
+def test_draft_overheads_compare_with_the_same_runs_plain_launch():
+    from benchmarks.launch_wait import draft_overheads
+
+    rows = [
+        {"mode": "async", "decode_median_ms": 2.0},
+        {"mode": "async+ngram", "decode_median_ms": 2.3},
+        {"mode": "async+draft", "decode_median_ms": 3.5},
+        {"mode": "async+fp8", "decode_median_ms": 1.8},
+    ]
+    assert draft_overheads(rows) == [
+        "async+ngram: decode launch 2.30 ms = 1.15x plain async's 2.00 ms",
+        "async+draft: decode launch 3.50 ms = 1.75x plain async's 2.00 ms",
+    ]
+    assert draft_overheads(rows[1:]) == []  # no plain row in the run: no ratio
