@@ -280,47 +280,16 @@ class ModelRunner:
             )
 
     def _scratch_request_steps(self) -> None:
-        """Two scratch requests through the step shapes serving starts with: A (greedy) and B
-        (sampled, temperature 0.8) placed together, B's whole prompt sampled beside A's prompt
-        chunk short of its end (a mixed step sampling some rows: the fused sampler, the option
-        gather, the sampled-row selection), then A's last prompt token beside B's decode (two
-        rows, greedy and sampled, in one step). One greedy request where the cache, the rows
-        or a step's token budget cannot hold two."""
-        from metadata.wire import NewRequest, ScheduledRow
+        """The scratch requests' steps through ``execute`` (``workers.sampling_warm_up.
+        scratch_request_plans``: the step shapes serving starts with)."""
         from workers.mixed_graphs import max_step_tokens
-        from workers.sampling_warm_up import GREEDY as greedy, TEMPERATURE as sampled
+        from workers.sampling_warm_up import scratch_request_plans
 
-        bs, n = self.block_size, min(2 * self.block_size + 1, self.max_model_len - 2)
-        blocks = -(-(n + 1) // bs)
-        if n < 2 or blocks > self.num_blocks:
-            return  # a cache too small to hold it: the first request compiles instead
-        a, b = -1, -2  # the driver's handles are >= 0
-        prompt = [i % self.arch.vocab_size for i in range(n)]
         sched = self.cfg.scheduler
         step_cap = max_step_tokens(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len)
-        if 2 * blocks > self.num_blocks or self.state.max_rows < 2 or 2 * n - 1 > step_cap:
-            plans = [
-                StepPlan(
-                    step_id=-3,
-                    new_requests=[NewRequest(a, prompt, [], greedy, list(range(blocks)))],
-                    rows=[ScheduledRow(a, n, n, [], True)],
-                ),
-                StepPlan(step_id=-2, rows=[ScheduledRow(a, 1, n + 1, [], True)]),
-                StepPlan(step_id=-1, finished_handles=[a]),
-            ]
-        else:
-            plans = [
-                StepPlan(
-                    step_id=-3,
-                    new_requests=[
-                        NewRequest(a, prompt, [], greedy, list(range(blocks))),
-                        NewRequest(b, prompt, [], sampled, list(range(blocks, 2 * blocks))),
-                    ],
-                    rows=[ScheduledRow(b, n, n, [], True), ScheduledRow(a, n - 1, n - 1, [], False)],
-                ),
-                StepPlan(step_id=-2, rows=[ScheduledRow(b, 1, n + 1, [], True), ScheduledRow(a, 1, n, [], True)]),
-                StepPlan(step_id=-1, finished_handles=[a, b]),
-            ]
+        plans = scratch_request_plans(
+            self.block_size, self.max_model_len, self.num_blocks, self.state.max_rows, self.arch.vocab_size, step_cap
+        )
         for plan in plans:
             self.execute(plan)
         self._last_end_ev = None  # the first real step's device-idle gap starts with it

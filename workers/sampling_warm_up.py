@@ -13,7 +13,8 @@ same held for ``torch.cat`` packing a speculative step's outputs for their copy
 (``workers.pending_step.pack_outputs``): about 290 ms in the first request's first
 verify step.
 
-``warm_sampling_rows`` runs the sampling stage once per power-of-two row count up to the
+``scratch_request_plans`` are the steps ``ModelRunner.warm_up`` executes first (the step
+shapes serving starts with). ``warm_sampling_rows`` runs the sampling stage once per power-of-two row count up to the
 step's sampling-row limit (and at the limit), for each family of options that selects a
 different set of operators, on scratch logits, and packs its outputs as a step's copy does
 (with ``spec_width``, also as a speculative step's); it writes nothing serving steps read.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from metadata.wire import SamplingOptions
+from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
 from workers.device_state import OptionTensors
 from workers.pending_step import pack_outputs
 from workers.sampler import sample
@@ -38,6 +39,46 @@ GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
 TEMPERATURE = SamplingOptions(0.8, 1.0, 0, 0.0, 1, 1.0, 0.0, 0.0, 0, [], -1)
 # every option at once: top-k and top-p, min-p, the three penalties, min_tokens, logprobs
 EVERYTHING = SamplingOptions(0.8, 0.9, 20, 0.05, 2, 1.1, 0.5, 0.5, 2, [0], 5)
+
+
+def scratch_request_plans(
+    block_size: int, max_model_len: int, num_blocks: int, max_rows: int, vocab: int, step_cap: int
+) -> list[StepPlan]:
+    """Two scratch requests through the step shapes serving starts with: A (greedy) and B
+    (sampled, temperature 0.8) placed together, B's whole prompt sampled beside A's prompt
+    chunk short of its end (a mixed step sampling some rows: the fused sampler, the option
+    gather, the sampled-row selection), then A's last prompt token beside B's decode (two
+    rows, greedy and sampled, in one step), then both finished. One greedy request where the
+    cache (``num_blocks``), the rows or a step's token budget (``step_cap``) cannot hold two;
+    none where the cache cannot hold one (the first request compiles instead)."""
+    bs, n = block_size, min(2 * block_size + 1, max_model_len - 2)
+    blocks = -(-(n + 1) // bs)
+    if n < 2 or blocks > num_blocks:
+        return []
+    a, b = -1, -2  # the driver's handles are >= 0
+    prompt = [i % vocab for i in range(n)]
+    if 2 * blocks > num_blocks or max_rows < 2 or 2 * n - 1 > step_cap:
+        return [
+            StepPlan(
+                step_id=-3,
+                new_requests=[NewRequest(a, prompt, [], GREEDY, list(range(blocks)))],
+                rows=[ScheduledRow(a, n, n, [], True)],
+            ),
+            StepPlan(step_id=-2, rows=[ScheduledRow(a, 1, n + 1, [], True)]),
+            StepPlan(step_id=-1, finished_handles=[a]),
+        ]
+    return [
+        StepPlan(
+            step_id=-3,
+            new_requests=[
+                NewRequest(a, prompt, [], GREEDY, list(range(blocks))),
+                NewRequest(b, prompt, [], TEMPERATURE, list(range(blocks, 2 * blocks))),
+            ],
+            rows=[ScheduledRow(b, n, n, [], True), ScheduledRow(a, n - 1, n - 1, [], False)],
+        ),
+        StepPlan(step_id=-2, rows=[ScheduledRow(b, 1, n + 1, [], True), ScheduledRow(a, 1, n, [], True)]),
+        StepPlan(step_id=-1, finished_handles=[a, b]),
+    ]
 
 
 def row_classes(max_rows: int) -> list[int]:
