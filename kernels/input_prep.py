@@ -159,6 +159,13 @@ def _prepare_inputs_kernel(
             tl.store(logits_dst_ptr + i, tl.load(logits_src_ptr + i, mask=i < n_logits, other=0), mask=i < n_logits)
 
 
+def _check_commit_lengths(commit_lengths: bool, by_row: bool, n_tokens: int, rows) -> None:
+    """``commit_lengths`` writes each row's ``num_computed``: it must be what the starts are
+    read from, and each row's only token must read it (no other lane of the launch does)."""
+    if commit_lengths and (not by_row or n_tokens != rows.shape[0]):
+        raise ValueError("prepare_inputs commit_lengths: needs num_computed and one token a request")
+
+
 def prepare_inputs_triton(
     starts,
     rows,
@@ -192,8 +199,7 @@ def prepare_inputs_triton(
         if num_computed is None:
             raise ValueError("prepare_inputs: give starts or num_computed")
         starts = num_computed
-    if commit_lengths and (not by_row or n_tokens != rows.shape[0]):
-        raise ValueError("prepare_inputs commit_lengths: needs num_computed and one token a request")
+    _check_commit_lengths(commit_lengths, by_row, n_tokens, rows)
     n_reqs = rows.shape[0]
     dev = qsl.device
     if qsl.shape != (n_reqs + 1,):
@@ -326,8 +332,7 @@ def prepare_inputs(
             pad=pad,
             commit_lengths=commit_lengths,
         )
-    if commit_lengths and (starts is not None or n_tokens != rows.shape[0]):
-        raise ValueError("prepare_inputs commit_lengths: needs num_computed and one token a request")
+    _check_commit_lengths(commit_lengths, starts is None, n_tokens, rows)
     if starts is None:
         starts = num_computed[rows]
     res = reference.prepare_inputs_reference(
