@@ -259,12 +259,10 @@ class DeviceState:
             a.fromlist(part)
         t, tp = len(a), sum(plen)
         one = array.array("q", [0])
-        for row, n_p in zip(rows, plen):
-            one[0] = row
-            a.extend(one * n_p)
-        for row, n_o in zip(rows, olen):
-            one[0] = row
-            a.extend(one * n_o)
+        for lens in (plen, olen):  # the prompt tokens' rows, then the output tokens'
+            for row, n_tok in zip(rows, lens):
+                one[0] = row
+                a.extend(one * n_tok)
         cols = self._columns  # 0, 1, ...: a request's columns are a slice (a memcpy)
         for n_p in plen:
             a.extend(cols[:n_p])
