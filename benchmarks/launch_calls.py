@@ -18,7 +18,7 @@ import argparse
 import json
 import statistics
 
-from benchmarks.launch_wait import MODES, mode_options, workload
+from benchmarks.launch_wait import MODES, mode_options, rich_sampling, workload
 from benchmarks.shapes import resolve_model
 
 KINDS = {"kernels": "LaunchKernel", "graphs": "GraphLaunch", "copies": "Memcpy", "memsets": "Memset"}
@@ -99,7 +99,7 @@ def run_mode(mode: str, model: str, fmt: str, wait_ms: float, launches: int, voc
     opts = dict(load_format=fmt, async_scheduling=True, max_num_seqs=32, max_model_len=2048)
     llm = LLM(model=model, launch_wait_probe_ms=wait_ms, **opts, **mode_options(mode, model))
     try:
-        ids, params = workload(vocab=vocab, rich=mode == "async+options")
+        ids, params = workload(vocab=vocab, rich=rich_sampling(mode))
         prompts = [{"prompt_token_ids": p} for p in ids]
         llm.generate([{"prompt_token_ids": ids[0][:50]}], params[0], use_tqdm=False)  # warm-up
         worker = llm.engine.executor.workers[0]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.launch_wait import ARRIVALS, MODES, make_llm, workload
+from benchmarks.launch_wait import ARRIVALS, MODES, make_llm, rich_sampling, workload
 from benchmarks.shapes import resolve_model
 
 SECTIONS = [
@@ -100,14 +100,14 @@ def run_mode(
 
     llm = make_llm(mode, model, fmt, max_num_seqs)
     try:
-        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals, rich=mode == "async+options")
+        prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals, rich=rich_sampling(mode))
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         worker = llm.engine.executor.workers[0]
         ray.get(worker.__ray_call__.remote(_arm))
         for n in range(passes):
             if n:
                 prompts, params = workload(
-                    num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals, rich=mode == "async+options"
+                    num_prompts, prompt_len, vocab, seed=n, arrivals=arrivals, rich=rich_sampling(mode)
                 )
             ray.get(worker.__ray_call__.remote(_reset))  # only the last pass counts
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

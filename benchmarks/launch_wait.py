@@ -41,6 +41,11 @@ def mode_options(mode: str, model: str) -> dict:
     return {}
 
 
+def rich_sampling(mode: str) -> bool:
+    """Whether ``mode``'s workload gives its rows every sampling option (``workload``'s ``rich``)."""
+    return mode == "async+options"
+
+
 ARRIVALS = ("batched", "staggered")
 
 
@@ -126,7 +131,7 @@ def run_mode(
 
     llm = make_llm(mode, model, fmt, max_num_seqs, sync_check=sync_check, launch_wait_probe_ms=wait_ms)
     try:
-        rich = mode == "async+options"
+        rich = rich_sampling(mode)
         prompts, params = workload(num_prompts, prompt_len, vocab, arrivals=arrivals, rich=rich)
         llm.generate([{"prompt_token_ids": prompts[0][:50]}], params[0], use_tqdm=False)  # warm-up
         workers = llm.engine.executor.workers
