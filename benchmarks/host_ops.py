@@ -14,7 +14,6 @@ part of a staging copy alone, with nothing else running, idle and behind a GPU b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -117,8 +116,11 @@ def main(argv=None) -> dict:
     for name, r in res["us"].items():
         print(f"| {name} | {r['idle_us']:.1f} | {r['busy_us']:.1f} |")
     if a.output:
-        with open(a.output, "w") as f:
-            json.dump(res, f)
+        from pathlib import Path
+
+        from benchmarks.common import write_json
+
+        write_json(Path(a.output), res)
     return res
 
 
