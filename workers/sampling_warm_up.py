@@ -121,13 +121,15 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
     steps gather them, then packs each batch's outputs for the host copy (``spec_width``: a
     speculative step's tokens a row, K + 1, with its accepted counts; 0 without drafts;
     ``lazy``: as ``ModelRunner`` builds its batches, plain temperature options read in place
-    and committed by the sampler, which it does without speculative decoding);
+    and committed by the sampler, which it does without speculative decoding; the batches it
+    does not commit are committed as the runner commits them, their index_put kernels loaded);
     returns how many batches ran. The gather reads row 0's options and
     sampling writes nothing to ``st``; the option cache is reset afterwards."""
     dev = st.device
     widths = sorted({vocab, logits_width})
     runs = 0
-    scratch = torch.zeros_like(st.token_ids[:1])  # the sampler's commits land here
+    scratch = torch.zeros_like(st.token_ids[:1])  # the commits land here
+    counts = torch.zeros_like(st.output_counts[:1])
     for rows in row_classes(min(max_rows, st.max_rows)):
         padded = torch.zeros(-(-rows // 4) * 4, dtype=torch.int64, device=dev)  # the sampled rows' device rows
         positions = torch.ones(rows, dtype=torch.int32 if lazy else torch.int64, device=dev)  # (as served)
@@ -139,6 +141,10 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
                 batch = build_sampling_batch(opts, st, padded[:rows], positions, padded, lazy=lazy)
                 sample(logits, batch, argmax, commit=scratch)
                 so = sample(logits, batch, commit=scratch)
+                if not so.committed:  # (greedy, or options past temperature) as ModelRunner._commit_tokens
+                    scratch[padded[:rows], batch.positions] = so.token_ids
+                    if batch.penalties is not None:
+                        counts[padded[:rows], so.token_ids] += 1
                 pack_outputs(so.token_ids[:, None], None, so)
                 if spec_width:
                     tokens = torch.zeros(rows, spec_width, dtype=torch.int64, device=dev)

@@ -21,7 +21,7 @@ class _Ops(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.names, self.gathers, self.cats = set(), [], []
+        self.names, self.gathers, self.cats, self.puts = set(), [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -30,6 +30,8 @@ class _Ops(TorchDispatchMode):
             self.gathers.append(args[2].numel())
         if name == "cat":  # (a step's outputs packed for their copy)
             self.cats.append(len(args[0]))
+        if name == "index_put_":  # (target dtype, index dtypes): token commits, output counts
+            self.puts.append((args[0].dtype, tuple(i.dtype for i in args[1] if i is not None)))
         return func(*args, **(kwargs or {}))
 
 
@@ -107,3 +109,18 @@ def test_warm_sampling_rows_packs_outputs_as_steps_do(spec_width):
     per_class = runs // 3
     expected = [5] * per_class + ([2] * 2 * per_class + [6] * per_class if spec_width else [])
     assert sorted(ops.cats) == sorted(expected)
+
+
+def test_warm_sampling_rows_commits_what_the_sampler_does_not():
+    """The batches the fused sampler does not commit (all greedy; options past temperature)
+    commit their tokens as the runner does, with the served index dtypes (int64 rows, int32
+    positions without drafts), and penalty rows count them: their index_put kernels load at
+    start-up, not at the first greedy or penalty step."""
+    st = DeviceState(ROWS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"))
+    with _Ops() as ops:
+        warm_sampling_rows(st, VOCAB, VOCAB, 8)
+    classes = len(row_classes(8))
+    commits = [p for p in ops.puts if p == (torch.int64, (torch.int64, torch.int32))]
+    counts = [p for p in ops.puts if p == (torch.int32, (torch.int64, torch.int64))]
+    assert len(commits) >= 2 * classes  # the greedy and the rich family, each row class
+    assert len(counts) == classes  # the penalty family
