@@ -141,10 +141,10 @@ class Bench:
         self.next_handle += batch
         temp = self.conf.get("temperature", 0.0)
         news = [
-            NewRequest(
+            NewRequest.of(
                 handle=h,
-                prompt_token_ids=prompt,
-                output_token_ids=[],
+                prompt=prompt,
+                outputs=[],
                 sampling=_sampling(temp, h),
                 block_ids=list(range(i * per, (i + 1) * per)),
             )

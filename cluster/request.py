@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
 from metadata.sampling_params import SamplingParams
-from metadata.wire import SamplingOptions
+from metadata.wire import SamplingOptions, token_bytes
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,12 @@ class Request:
     emitted_chars: int = 0  # text already streamed
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+    @functools.cached_property
+    def prompt_wire(self) -> bytes:
+        """The prompt as ``NewRequest`` carries it (``token_bytes``; built once: a prompt never
+        changes, and a preempted request is placed again)."""
+        return token_bytes(self.prompt_token_ids)
 
     @property
     def num_tokens_upper(self) -> int:

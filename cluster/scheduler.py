@@ -29,7 +29,7 @@ from cluster.block_manager import BlockManager
 from cluster.request import Request, RequestStatus
 from cluster.spec_scheduling import DraftPlanner
 from metadata.config import EngineConfig
-from metadata.wire import NewRequest, ScheduledRow, StepPlan, StepResult
+from metadata.wire import NewRequest, ScheduledRow, StepPlan, StepResult, token_bytes
 
 
 @dataclass
@@ -193,8 +193,8 @@ class Scheduler:
             new_reqs.append(
                 NewRequest(
                     handle=req.handle,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
+                    prompt_words=req.prompt_wire,
+                    output_words=token_bytes(req.output_token_ids),
                     sampling=req.options,
                     block_ids=list(req.block_ids),
                     num_cached_tokens=req.num_computed_tokens,

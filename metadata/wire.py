@@ -9,7 +9,32 @@ the exact lengths on the device.
 
 from __future__ import annotations
 
+import array
+import sys
+from collections.abc import Iterable
+
 import msgspec
+
+BIG_ENDIAN_HOST = sys.byteorder == "big"
+
+
+def token_bytes(ids: Iterable[int]) -> bytes:
+    """Token ids as ``NewRequest`` carries them: little-endian int64 words. A worker decodes
+    them without a Python int a token and stages them with one copy (``token_words``)."""
+    a = array.array("q", ids)
+    if BIG_ENDIAN_HOST:
+        a.byteswap()
+    return a.tobytes()
+
+
+def token_words(*parts: bytes) -> array.array:
+    """The token ids of ``token_bytes`` parts, concatenated, as an ``array('q')``."""
+    a = array.array("q")
+    for part in parts:
+        a.frombytes(part)
+    if BIG_ENDIAN_HOST:
+        a.byteswap()
+    return a
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -32,11 +57,36 @@ class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """Sent once when a request (or a preempted request resuming) is placed on the workers."""
 
     handle: int  # driver-assigned id, unique per placement
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # confirmed outputs to recompute after preemption
+    prompt_words: bytes  # the prompt's token ids as little-endian int64 words (token_bytes)
+    output_words: bytes  # the same of the confirmed outputs to recompute after preemption
     sampling: SamplingOptions
     block_ids: list[int]
     num_cached_tokens: int = 0  # leading tokens whose KV is already cached (prefix cache hit; exact)
+
+    @classmethod
+    def of(
+        cls,
+        handle: int,
+        prompt: Iterable[int],
+        outputs: Iterable[int],
+        sampling: SamplingOptions,
+        block_ids: list[int],
+        num_cached_tokens: int = 0,
+    ) -> "NewRequest":
+        """A ``NewRequest`` from token id lists."""
+        return cls(handle, token_bytes(prompt), token_bytes(outputs), sampling, block_ids, num_cached_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_words) // 8
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_words) // 8
+
+    def token_ids(self) -> tuple[list[int], list[int]]:
+        """(prompt, outputs) as lists of ints (readers off the hot path)."""
+        return token_words(self.prompt_words).tolist(), token_words(self.output_words).tolist()
 
 
 class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

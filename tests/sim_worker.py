@@ -85,9 +85,10 @@ class FakeWorker:
         for nr in plan.new_requests:
             assert nr.handle not in self.rows, f"handle {nr.handle} placed twice"
             assert len(self.rows) < self.max_rows, "more rows than max_num_seqs"
-            tokens = list(nr.prompt_token_ids) + list(nr.output_token_ids)
+            prompt, outputs = nr.token_ids()
+            tokens = prompt + outputs
             assert len(tokens) <= self.max_model_len
-            self.rows[nr.handle] = Row(tokens, len(nr.prompt_token_ids), nr.sampling)
+            self.rows[nr.handle] = Row(tokens, len(prompt), nr.sampling)
             self._claim(nr.handle, nr.block_ids)
             self.rows[nr.handle].blocks = list(nr.block_ids)
         total = sum(r.num_scheduled_tokens for r in plan.rows)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kernels.place import place_requests
-from metadata.wire import NewRequest, SamplingOptions
+from metadata.wire import NewRequest, SamplingOptions, token_words
 from workers.host_staging import staging_for
 
 
@@ -211,7 +211,9 @@ class DeviceState:
                 raise RuntimeError(f"request handle {req.handle} is already placed")
             if i >= len(self.free_rows):
                 raise RuntimeError("no free request rows on the worker (max_num_seqs exceeded)")
-            n_tok = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if len(req.prompt_words) % 8 or len(req.output_words) % 8:
+                raise RuntimeError(f"request {req.handle}: token ids are not int64 words (metadata.wire.token_bytes)")
+            n_tok = req.num_prompt_tokens + req.num_output_tokens
             if n_tok > self.max_model_len:
                 raise RuntimeError(f"request {req.handle} has {n_tok} tokens > max_model_len")
             if len(req.block_ids) > self.block_table_cpu.shape[1]:
@@ -250,13 +252,10 @@ class DeviceState:
         # then per request: row, cached tokens, prompt length, option words. Built in one
         # ``array`` by C-level extends (numpy's small-array calls cost 5-10 us each on a GPU
         # host, and torch CPU ops more)
-        prompts = [req.prompt_token_ids for req in reqs]
-        outputs = [req.output_token_ids for req in reqs]
-        plen = [len(p) for p in prompts]
-        olen = [len(o) for o in outputs]
-        a = array.array("q")
-        for part in (*prompts, *outputs):
-            a.fromlist(part)
+        plen = [req.num_prompt_tokens for req in reqs]
+        olen = [req.num_output_tokens for req in reqs]
+        # (the ids arrive as int64 words: one copy each, no Python int a token)
+        a = token_words(*(req.prompt_words for req in reqs), *(req.output_words for req in reqs))
         t, tp = len(a), sum(plen)
         one = array.array("q", [0])
         for lens in (plen, olen):  # the prompt tokens' rows, then the output tokens'

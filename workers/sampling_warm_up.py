@@ -61,7 +61,7 @@ def scratch_request_plans(
         return [
             StepPlan(
                 step_id=-3,
-                new_requests=[NewRequest(a, prompt, [], GREEDY, list(range(blocks)))],
+                new_requests=[NewRequest.of(a, prompt, [], GREEDY, list(range(blocks)))],
                 rows=[ScheduledRow(a, n, n, [], True)],
             ),
             StepPlan(step_id=-2, rows=[ScheduledRow(a, 1, n + 1, [], True)]),
@@ -71,8 +71,8 @@ def scratch_request_plans(
         StepPlan(
             step_id=-3,
             new_requests=[
-                NewRequest(a, prompt, [], GREEDY, list(range(blocks))),
-                NewRequest(b, prompt, [], TEMPERATURE, list(range(blocks, 2 * blocks))),
+                NewRequest.of(a, prompt, [], GREEDY, list(range(blocks))),
+                NewRequest.of(b, prompt, [], TEMPERATURE, list(range(blocks, 2 * blocks))),
             ],
             rows=[ScheduledRow(b, n, n, [], True), ScheduledRow(a, n - 1, n - 1, [], False)],
         ),

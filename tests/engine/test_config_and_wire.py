@@ -269,9 +269,7 @@ def _opts(**kw):
 def _plan():
     return StepPlan(
         step_id=42,
-        new_requests=[
-            NewRequest(handle=3, prompt_token_ids=[5, 6, 7], output_token_ids=[9], sampling=_opts(), block_ids=[0, 4])
-        ],
+        new_requests=[NewRequest.of(handle=3, prompt=[5, 6, 7], outputs=[9], sampling=_opts(), block_ids=[0, 4])],
         rows=[
             ScheduledRow(handle=3, num_scheduled_tokens=4, seq_len_upper_bound=4, new_block_ids=[], sample=True),
             ScheduledRow(handle=1, num_scheduled_tokens=1, seq_len_upper_bound=17, new_block_ids=[8], sample=True),
@@ -287,6 +285,7 @@ def test_plan_and_result_round_trip():
     assert back == plan and type(back.rows[0]) is ScheduledRow
     assert type(back.new_requests[0].sampling) is SamplingOptions
     assert back.new_requests[0].sampling.seed == (1 << 62) + 3
+    assert back.new_requests[0].token_ids() == ([5, 6, 7], [9])  # (int64 words on the wire)
     res = StepResult(
         step_id=42,
         outputs=[
@@ -309,7 +308,7 @@ def test_plan_and_result_round_trip():
 
 
 def _raw(obj):
-    return msgspec.to_builtins(obj)
+    return msgspec.to_builtins(obj, builtin_types=(bytes,))  # (token ids stay bytes, as msgpack carries them)
 
 
 def test_plan_rejects_unknown_fields():

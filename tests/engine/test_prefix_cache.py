@@ -206,7 +206,8 @@ class CachingWorker(FakeWorker):
         for h in plan.finished_handles + plan.preempted_handles:
             self._release(h)
         for nr in plan.new_requests:
-            tokens = list(nr.prompt_token_ids) + list(nr.output_token_ids)
+            prompt, outputs = nr.token_ids()
+            tokens = prompt + outputs
             hit = nr.num_cached_tokens
             assert hit % self.bs == 0 and hit < len(tokens) and hit <= len(nr.block_ids) * self.bs
             for p in range(hit):
@@ -214,7 +215,7 @@ class CachingWorker(FakeWorker):
             for b in nr.block_ids[: hit // self.bs]:
                 self.holders.setdefault(b, set()).add(nr.handle)
             self._claim(nr.handle, nr.block_ids[hit // self.bs :])
-            self.rows[nr.handle] = Row(tokens, len(nr.prompt_token_ids), nr.sampling, list(nr.block_ids), hit)
+            self.rows[nr.handle] = Row(tokens, len(prompt), nr.sampling, list(nr.block_ids), hit)
         for sr in plan.rows:
             row = self.rows[sr.handle]
             blocks = row.blocks + sr.new_block_ids

@@ -44,7 +44,7 @@ def chained_vs_whole(
     plans = [
         StepPlan(
             step_id=1,
-            new_requests=[NewRequest(0, prompt, [], GREEDY, list(range(n_blocks)))],
+            new_requests=[NewRequest.of(0, prompt, [], GREEDY, list(range(n_blocks)))],
             rows=[ScheduledRow(0, prompt_len, prompt_len, [], True)],
         ),
         StepPlan(step_id=2, rows=[ScheduledRow(0, 1, prompt_len + 1, [], True)]),

@@ -3,6 +3,7 @@ device operations independent of how many requests are placed, and all-or-nothin
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,10 +28,11 @@ def _reference_add(st: DeviceState, req: NewRequest) -> None:
     """The original per-request ``DeviceState.add`` (valid requests only)."""
     row = st.free_rows.pop()
     st.row_of[req.handle] = row
-    tokens = req.prompt_token_ids + req.output_token_ids
+    prompt, outputs = req.token_ids()
+    tokens = prompt + outputs
     st.token_ids[row, : len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64), st.device)
     st.num_computed[row : row + 1].fill_(req.num_cached_tokens)
-    st.prompt_len[row : row + 1].fill_(len(req.prompt_token_ids))
+    st.prompt_len[row : row + 1].fill_(len(prompt))
     st.num_blocks_cpu[row] = 0
     if req.block_ids:
         st.block_table_cpu[row, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
@@ -38,15 +40,15 @@ def _reference_add(st: DeviceState, req: NewRequest) -> None:
     st.sampling[row] = req.sampling
     st.output_counts[row].zero_()
     st.prompt_mask[row].zero_()
-    st.prompt_mask[row].index_fill_(0, st.token_ids[row, : len(req.prompt_token_ids)], True)
-    if req.output_token_ids:
-        out = st.token_ids[row, len(req.prompt_token_ids) : len(tokens)]
+    st.prompt_mask[row].index_fill_(0, st.token_ids[row, : len(prompt)], True)
+    if outputs:
+        out = st.token_ids[row, len(prompt) : len(tokens)]
         st.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
 
 def _req(h: int, n_prompt: int, outputs: list[int] = (), cached: int = 0, blocks: int = 0) -> NewRequest:
     prompt = [(h * 7 + i * 3) % VOCAB for i in range(n_prompt)]
-    return NewRequest(h, prompt, list(outputs), _opts(h), [h * 10 + i for i in range(blocks)], cached)
+    return NewRequest.of(h, prompt, list(outputs), _opts(h), [h * 10 + i for i in range(blocks)], cached)
 
 
 def _snapshot(st: DeviceState) -> dict:
@@ -159,7 +161,7 @@ def test_placement_without_penalties_skips_the_clears_and_stale_counts_change_no
     row = st.row_of[1]
     st.release(1)
     with _OpCounter(st.device) as counter:
-        st.add_many([NewRequest(2, [3, 5], [], plain, [])])
+        st.add_many([NewRequest.of(2, [3, 5], [], plain, [])])
     assert st.row_of[2] == row and not any("index_fill" in op for op in counter.ops)
     assert st.output_counts[row].sum() > 0  # stale, unread
     # row 0 penalised, row 1 (no penalties) holding the stale counts and mask: untouched
@@ -196,6 +198,7 @@ def test_invalid_input_places_nothing():
         ([_req(10, 3), _req(11, MAX_LEN, outputs=[1])], f"request 11 has {MAX_LEN + 1} tokens > max_model_len"),
         ([_req(10 + i, 2) for i in range(ROWS)], "no free request rows on the worker"),
         ([_req(10, 3, blocks=MAX_BLOCKS + 1)], "block table overflow"),
+        ([_req(10, 3), msgspec.structs.replace(_req(11, 3), prompt_words=b"\x05" * 7)], "not int64 words"),
     ]
     for reqs, msg in cases:
         with pytest.raises(RuntimeError, match=msg):

@@ -90,7 +90,7 @@ def test_the_proposal_graph_records_the_piece_by_piece_proposal(ckpt_dir, temps,
 
     prop.propose = both
     opts = [SamplingOptions(t, 1.0, 0, 0.0, 100 + i, 1.0, 0.0, 0.0, 0, [], -1) for i, t in enumerate(temps)]
-    new = [NewRequest(h, PROMPT[h:] + PROMPT[:h], [], opts[h], [h * 8 + i for i in range(8)]) for h in range(ROWS)]
+    new = [NewRequest.of(h, PROMPT[h:] + PROMPT[:h], [], opts[h], [h * 8 + i for i in range(8)]) for h in range(ROWS)]
     P = len(PROMPT)
     r.execute(StepPlan(1, new_requests=new, rows=[ScheduledRow(h, P, P, [], True) for h in range(ROWS)]))
     for s in range(3):

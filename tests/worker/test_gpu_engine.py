@@ -279,7 +279,7 @@ def test_planted_sync_is_caught(gpu_ckpt):
     def plan(step, new):
         return StepPlan(
             step_id=step,
-            new_requests=[NewRequest(1, [5, 6, 7], [], opts, [0])] if new else [],
+            new_requests=[NewRequest.of(1, [5, 6, 7], [], opts, [0])] if new else [],
             rows=[ScheduledRow(1, 3 if new else 1, 3 if new else 4, [], True)],
         )
 

@@ -94,7 +94,7 @@ def test_a_real_cpu_step_stays_within_the_budget(ckpt_dir):
     r = ModelRunner(cfg, str(ckpt_dir("llama")), torch.device("cpu"), TPGroup(), 256)
     r.init_kv_cache(64)
     greedy = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
-    new = [NewRequest(h, [3 + h + i for i in range(9)], [], greedy, [h * 2, h * 2 + 1]) for h in range(4)]
+    new = [NewRequest.of(h, [3 + h + i for i in range(9)], [], greedy, [h * 2, h * 2 + 1]) for h in range(4)]
     check = SyncCheck("error", device_type="cpu")
     with check.armed():
         r.execute(StepPlan(1, new_requests=new, rows=[ScheduledRow(h, 9, 9, [], True) for h in range(4)]))

@@ -37,7 +37,7 @@ def _run(model_dir: str, options: list[SamplingOptions], lazy: bool, monkeypatch
     r = model_runner.ModelRunner(cfg, model_dir, torch.device("cpu"), TPGroup(), 128)
     r.init_kv_cache(32)
     prompts = [[3 + (5 * i + j) % 60 for j in range(9 + i)] for i in range(3)]
-    news = [NewRequest(i, p, [], o, [3 * i, 3 * i + 1, 3 * i + 2]) for i, (p, o) in enumerate(zip(prompts, options))]
+    news = [NewRequest.of(i, p, [], o, [3 * i, 3 * i + 1, 3 * i + 2]) for i, (p, o) in enumerate(zip(prompts, options))]
     rows = [ScheduledRow(i, len(p), len(p), [], True) for i, p in enumerate(prompts)]
     out = [r.execute(StepPlan(1, new_requests=news, rows=rows))]
     gathered = r.state.option_tensors.floats is not None

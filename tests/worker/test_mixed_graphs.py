@@ -30,11 +30,11 @@ def _mixed_step(r, mixed=None):
     from workers.step_inputs import build_step_inputs
 
     p0 = [3 + (7 * i) % 50 for i in range(13)]
-    new0 = NewRequest(0, p0, [], GREEDY, [0, 1, 2])
+    new0 = NewRequest.of(0, p0, [], GREEDY, [0, 1, 2])
     r.execute(StepPlan(1, new_requests=[new0], rows=[ScheduledRow(0, 13, 13, [], True)]))
     news = [
-        NewRequest(1, [5 + i for i in range(11)], [], GREEDY, [8, 9]),
-        NewRequest(2, [40 - i for i in range(20)], [], GREEDY, [16, 17, 18]),
+        NewRequest.of(1, [5 + i for i in range(11)], [], GREEDY, [8, 9]),
+        NewRequest.of(2, [40 - i for i in range(20)], [], GREEDY, [16, 17, 18]),
     ]
     for req in news:
         r.state.add(req)

@@ -35,7 +35,8 @@ def _run(model_dir: str, method: str, triton: bool, penalty: bool, monkeypatch) 
     r.init_kv_cache(64)
     P = len(PROMPT)
     new = [
-        NewRequest(h, PROMPT[h:] + PROMPT[:h], [], _opts(h, penalty), [h * 8 + i for i in range(8)]) for h in range(4)
+        NewRequest.of(h, PROMPT[h:] + PROMPT[:h], [], _opts(h, penalty), [h * 8 + i for i in range(8)])
+        for h in range(4)
     ]
     out = [r.execute(StepPlan(1, new_requests=new, rows=[ScheduledRow(h, P, P, [], True) for h in range(4)]))]
     for s in range(4):

@@ -41,7 +41,7 @@ def _state(spec, max_blocks=9):
     st = DeviceState(8, max_blocks * BS, max_blocks, 50, torch.device("cpu"))
     for h, (computed, q, ub) in enumerate(spec):
         st.add(
-            NewRequest(
+            NewRequest.of(
                 h,
                 [3 + (h * 5 + i) % 40 for i in range(computed + q)],
                 [],
@@ -309,7 +309,7 @@ def test_placed_options_are_gathered_not_copied(monkeypatch):
         _opts(top_p=0.9, min_p=0.05, seed=-7, frequency_penalty=0.25, repetition_penalty=1.2),
         _opts(temperature=1.3, min_tokens=4, seed=11),
     ]
-    st.add_many([NewRequest(h, [1, 2, 3], [], o, [h]) for h, o in enumerate(opts)])
+    st.add_many([NewRequest.of(h, [1, 2, 3], [], o, [h]) for h, o in enumerate(opts)])
     rows = [st.row_of[h] for h in (2, 0, 1)]
     padded = torch.tensor(rows + [0], dtype=torch.int64)
     copies = []
@@ -324,8 +324,8 @@ def test_placed_options_are_gathered_not_copied(monkeypatch):
         assert torch.equal(g, w) and g.data_ptr() % 16 == 0 and g.shape == (3,)
     assert got.flags == want.flags
     st.release(0)  # preempted, then placed again: another row
-    st.add_many([NewRequest(9, [1], [], _opts(temperature=0.2, seed=5), [7])])
-    st.add_many([NewRequest(0, [1, 2, 3], [], opts[0], [6])])
+    st.add_many([NewRequest.of(9, [1], [], _opts(temperature=0.2, seed=5), [7])])
+    st.add_many([NewRequest.of(0, [1, 2, 3], [], opts[0], [6])])
     assert st.row_of[0] != rows[1]
     again = ds.OptionTensors().get([opts[0]], st.device, st.option_table, torch.tensor([st.row_of[0], 0, 0, 0]))
     assert again.ints[1].tolist() == [2**40 + 3] and again.floats[4].tolist() == [-0.5]
@@ -336,7 +336,7 @@ def test_a_mixed_steps_sampling_rows_come_with_its_inputs():
     """The sampling rows' device rows ride in the step's one copy (no index launch), padded
     to four entries with row 0; ``sampling_rows`` hands back the real ones."""
     st = DeviceState(8, 64, 8, 50, torch.device("cpu"))
-    st.add_many([NewRequest(h, list(range(1, 8)), [], GREEDY, [h]) for h in range(3)])
+    st.add_many([NewRequest.of(h, list(range(1, 8)), [], GREEDY, [h]) for h in range(3)])
     rows = [
         ScheduledRow(0, 7, 7, [], True),
         ScheduledRow(1, 4, 4, [], False),  # a prefill chunk: no sample

@@ -36,7 +36,7 @@ def _state(spec):
     for h, (computed, q, ub) in enumerate(spec):
         n = computed + q
         st.add(
-            NewRequest(
+            NewRequest.of(
                 h, [3 + (h * 7 + i) % 40 for i in range(n)], [], GREEDY, [h * 8 + b for b in range((ub + BS - 1) // BS)]
             )
         )
@@ -114,7 +114,7 @@ def _plans():
     """Prefills (one chunked across steps), then mixed decode + prefill steps."""
     blocks = lambda h: [h * 8 + i for i in range(8)]  # noqa: E731
     prompts = {1: list(range(3, 8)), 2: list(range(10, 23)), 3: list(range(30, 39)), 4: list(range(40, 60))}
-    new = lambda h: NewRequest(h, prompts[h], [], GREEDY, blocks(h))  # noqa: E731
+    new = lambda h: NewRequest.of(h, prompts[h], [], GREEDY, blocks(h))  # noqa: E731
     L = {h: len(p) for h, p in prompts.items()}
     return [
         StepPlan(

@@ -31,7 +31,7 @@ def _serve(r):
     plans = [
         StepPlan(
             1,
-            new_requests=[NewRequest(7, prompt, [], GREEDY, [2, 0, 1])],
+            new_requests=[NewRequest.of(7, prompt, [], GREEDY, [2, 0, 1])],
             rows=[ScheduledRow(7, len(prompt), len(prompt), [], True)],
         )
     ]
