@@ -24,6 +24,7 @@ import triton.language as tl
 from kernels import pdl, reference
 from kernels.pdl import wait_and_release
 from kernels.fast_launch import fast_launch
+from kernels.place import Placement, place_program, place_staged, placement_args
 
 
 class GraphPad(NamedTuple):
@@ -61,7 +62,17 @@ class GraphPad(NamedTuple):
         "n_logits",
         "pad_seq_rows",
         "pad_seq_len",
-    ]
+        "n_in",
+        "st_tok",
+        "st_prompt",
+        "st_req",
+        "vocab",
+        "stride_mask",
+        "stride_counts",
+        "stride_opt",
+    ],
+    # (the staged words follow the step's other segments: their alignment varies)
+    do_not_specialize_on_alignment=["staged_ptr", "new_j_ptr"],
 )
 def _prepare_inputs_kernel(
     starts_ptr,
@@ -92,6 +103,20 @@ def _prepare_inputs_kernel(
     n_logits,
     pad_seq_rows,
     pad_seq_len,
+    n_in,
+    staged_ptr,
+    new_j_ptr,
+    prompt_len_ptr,
+    mask_ptr,
+    counts_ptr,
+    opt_ptr,
+    st_tok,
+    st_prompt,
+    st_req,
+    vocab,
+    stride_mask,
+    stride_counts,
+    stride_opt,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -99,10 +124,48 @@ def _prepare_inputs_kernel(
     COPY_TABLE: tl.constexpr = False,
     COPY_LOGITS: tl.constexpr = False,
     COMMIT_LENGTHS: tl.constexpr = False,
+    PLACE: tl.constexpr = False,
+    WORDS: tl.constexpr = 1,
 ):
+    tl.static_assert(not PLACE or (STARTS_BY_ROW and not COMMIT_LENGTHS))
+    wait_and_release(USE_PDL)  # (before any write: the previous kernel may still read the rows)
+    if PLACE and tl.program_id(0) >= n_in:  # the new requests' placement (DeviceState.stage's words)
+        words = staged_ptr + 3 * st_tok + 3 * st_req
+        place_program(
+            tl.program_id(0) - n_in,
+            staged_ptr, staged_ptr + st_tok, staged_ptr + 2 * st_tok, staged_ptr + 3 * st_tok,
+            staged_ptr + 3 * st_tok + st_req, staged_ptr + 3 * st_tok + 2 * st_req, words,
+            token_ids_ptr, starts_ptr, prompt_len_ptr, mask_ptr, counts_ptr, opt_ptr,
+            st_tok, st_prompt, st_req, vocab, stride_tok, stride_mask, stride_counts, stride_opt,
+            WORDS, BLOCK,
+        )  # fmt: skip
+    else:
+        _prepare_program(
+            starts_ptr, rows_ptr, qsl_in_ptr, q_lens_ptr, capacity_ptr, token_ids_ptr, block_table_ptr,
+            positions_ptr, input_ids_ptr, seq_lens_ptr, slots_ptr, qsl_ptr, n_tokens, n_reqs, n_iter, n_blk,
+            stride_tok, stride_bt, max_pos, pad_tokens, pad_reqs, bt_dst_ptr, stride_bt_dst, logits_src_ptr,
+            logits_dst_ptr, n_logits, pad_seq_rows, pad_seq_len, n_in, staged_ptr, new_j_ptr, st_tok, st_prompt,
+            st_req, KV_BLOCK_SIZE, BLOCK, STARTS_BY_ROW, COPY_TABLE, COPY_LOGITS, COMMIT_LENGTHS, PLACE, WORDS,
+        )  # fmt: skip
+
+
+# fmt: off
+@triton.jit
+def _prepare_program(
+    starts_ptr, rows_ptr, qsl_in_ptr, q_lens_ptr, capacity_ptr, token_ids_ptr, block_table_ptr, positions_ptr,
+    input_ids_ptr, seq_lens_ptr, slots_ptr, qsl_ptr, n_tokens, n_reqs, n_iter, n_blk, stride_tok, stride_bt,
+    max_pos, pad_tokens, pad_reqs, bt_dst_ptr, stride_bt_dst, logits_src_ptr, logits_dst_ptr, n_logits,
+    pad_seq_rows, pad_seq_len, n_in, staged_ptr, new_j_ptr, st_tok, st_prompt, st_req,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, STARTS_BY_ROW: tl.constexpr, COPY_TABLE: tl.constexpr,
+    COPY_LOGITS: tl.constexpr, COMMIT_LENGTHS: tl.constexpr, PLACE: tl.constexpr, WORDS: tl.constexpr
+):
+    # fmt: on
+    """One of the ``n_in`` input programs (``_prepare_inputs_kernel``). ``PLACE``: the rows
+    placed in the same launch (``new_j[r] >= 0``: request ``j`` of the staged words) take
+    their start and tokens from the staged words, never from the state the placement
+    programs are writing (programs of one launch run in no order)."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_tokens
-    wait_and_release(USE_PDL)
     # token t's request r: the last with qsl_in[r] <= t, found by bisection keeping
     # qsl_in[lo] <= t < qsl_in[hi] (qsl_in[n_reqs] = n_tokens). Every request has a token, so
     # t - (n_tokens - n_reqs) <= r <= t: the bounds span at most n_tokens - n_reqs + 1
@@ -117,9 +180,24 @@ def _prepare_inputs_kernel(
     r = lo
     off = t - tl.load(qsl_in_ptr + r, mask=ok, other=0)
     row = tl.load(rows_ptr + r, mask=ok, other=0)
+    is_old = ok
+    if PLACE:
+        nj = tl.load(new_j_ptr + r, mask=ok, other=-1)
+        is_new = ok & (nj >= 0)
+        is_old = ok & (nj < 0)
+        nj = tl.maximum(nj, 0)
+        cached = tl.load(staged_ptr + 3 * st_tok + st_req + nj, mask=is_new, other=0)
     # STARTS_BY_ROW: starts_ptr is the per-row num_computed, indexed by the device row
-    pos = tl.load(starts_ptr + (row if STARTS_BY_ROW else r), mask=ok, other=0).to(tl.int64) + off
-    ids = tl.load(token_ids_ptr + row * stride_tok + tl.minimum(pos, max_pos), mask=ok, other=0)
+    pos = tl.load(starts_ptr + (row if STARTS_BY_ROW else r), mask=is_old, other=0).to(tl.int64) + off
+    ids = tl.load(token_ids_ptr + row * stride_tok + tl.minimum(pos, max_pos), mask=is_old, other=0)
+    if PLACE:  # a placed row: its start and its token from the staged words
+        pos = tl.where(is_new, cached + off, pos)
+        plen = tl.load(staged_ptr + 3 * st_tok + 2 * st_req + nj, mask=is_new, other=0)
+        seg = staged_ptr + 3 * st_tok + (3 + WORDS) * st_req  # the requests' prompt, then output offsets
+        poff = tl.load(seg + nj, mask=is_new, other=0)
+        ooff = tl.load(seg + st_req + nj, mask=is_new, other=0)
+        src = tl.where(pos < plen, poff + pos, st_prompt + ooff + pos - plen)
+        ids = tl.where(is_new, tl.load(staged_ptr + src, mask=is_new, other=0), ids)
     page = tl.minimum(pos // KV_BLOCK_SIZE, n_blk - 1)
     blk = tl.load(block_table_ptr + r * stride_bt + page, mask=ok, other=0).to(tl.int64)
     cap = tl.load(capacity_ptr + r, mask=ok, other=0)
@@ -146,7 +224,7 @@ def _prepare_inputs_kernel(
             tl.store(seq_lens_ptr + j, tl.full([BLOCK], 0, tl.int32) + pad_seq_len, mask=j < pad_seq_rows)
     # and the graph's block table and sampled-token indices, copied from the step's (every
     # program a share: request rows, then index blocks, strided by the program count)
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    pid, nprog = tl.program_id(0), n_in  # (a placement's programs come after these)
     if COPY_TABLE:
         for r2 in range(pid, n_reqs, nprog):
             for c0 in range(0, n_blk, BLOCK):
@@ -181,6 +259,7 @@ def prepare_inputs_triton(
     num_computed=None,
     pad=None,
     commit_lengths: bool = False,
+    place: Placement | None = None,
 ):
     """Returns ``(positions int64 [T], input_ids int64 [T], seq_lens int32 [R],
     slot_mapping int64 [T], query_start_loc int32 [R + 1])``; see the reference. ``out``
@@ -193,7 +272,9 @@ def prepare_inputs_triton(
     ``R + 1 .. pad.reqs`` get T; with ``pad.seq_rows``, ``seq_lens`` entries ``R ..
     pad.seq_rows - 1`` of ``out``'s buffer, which must hold them, get ``pad.seq_len``) and
     makes ``pad``'s copies. ``commit_lengths`` (with ``num_computed``, one token a request):
-    each row's ``num_computed`` becomes its new length in the same launch."""
+    each row's ``num_computed`` becomes its new length in the same launch. ``place`` (with
+    ``num_computed``, not with ``commit_lengths``): the same launch places new requests, as
+    ``kernels.place`` would have before it (extra programs after the input programs)."""
     by_row = starts is None
     if by_row:
         if num_computed is None:
@@ -247,7 +328,9 @@ def prepare_inputs_triton(
         qsl_out.zero_()
         return positions, input_ids, seq_lens, slots, qsl_out
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
-    _prepare_inputs_kernel[(triton.cdiv(max(n_tokens, pad_tokens), block),)](
+    n_in = triton.cdiv(max(n_tokens, pad_tokens), block)
+    pl = placement_args(place, by_row, commit_lengths, n_reqs, qsl)
+    _prepare_inputs_kernel[(n_in + (1 + triton.cdiv(place.n_tok, block) if place is not None else 0),)](
         starts,
         rows,
         qsl,
@@ -276,12 +359,16 @@ def prepare_inputs_triton(
         n_logits,
         pad_seq_rows,
         pad_seq_len,
+        n_in,
+        *pl,
         KV_BLOCK_SIZE=block_size,
         BLOCK=block,
         STARTS_BY_ROW=by_row,
         COPY_TABLE=bt_dst is not None,
         COPY_LOGITS=n_logits > 0,
         COMMIT_LENGTHS=commit_lengths,
+        PLACE=place is not None,
+        WORDS=place.option_table.shape[0] if place is not None else 1,
         num_warps=4,
         **pdl.launch_kwargs(qsl),
     )
@@ -303,6 +390,7 @@ def prepare_inputs(
     num_computed=None,
     pad=None,
     commit_lengths: bool = False,
+    place: Placement | None = None,
 ):
     """A step's device-derived inputs (``kernels.reference.prepare_inputs_reference``):
     one Triton launch on CUDA instead of about twenty torch launches. ``qsl``: the requests'
@@ -315,7 +403,8 @@ def prepare_inputs(
     ``starts`` None: each request starts at ``num_computed[rows[r]]`` (read by the kernel,
     no gather launch). ``pad``: see ``prepare_inputs_triton`` (the query starts land in the
     graph's buffer and the step is padded to its bucket: no separate copy or fills).
-    ``commit_lengths``: see there (the step's ``num_computed`` update, in the same launch)."""
+    ``commit_lengths``: see there (the step's ``num_computed`` update, in the same launch).
+    ``place``: new requests placed first (see there; in the same launch on CUDA)."""
     if qsl.is_cuda and every_request_has_tokens:
         return prepare_inputs_triton(
             starts,
@@ -331,7 +420,10 @@ def prepare_inputs(
             num_computed=num_computed,
             pad=pad,
             commit_lengths=commit_lengths,
+            place=place,
         )
+    if place is not None:
+        place_staged(place, token_ids, num_computed)
     _check_commit_lengths(commit_lengths, starts is None, n_tokens, rows)
     if starts is None:
         starts = num_computed[rows]

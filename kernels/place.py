@@ -14,6 +14,8 @@ in the stream.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,41 @@ def place_requests_reference(
         output_counts.view(-1).index_add_(
             0, trow[tp:] * output_counts.shape[1] + o, torch.ones_like(o, dtype=output_counts.dtype)
         )
+
+
+# fmt: off
+@triton.jit
+def place_program(
+    pid, tok_ptr, trow_ptr, tcol_ptr, rows_ptr, cached_ptr, plen_ptr, words_ptr, token_ids_ptr,
+    num_computed_ptr, prompt_len_ptr, mask_ptr, counts_ptr, opt_ptr, n_tok, n_prompt, n_req, vocab, stride_tok,
+    stride_mask, stride_counts, stride_opt, WORDS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # fmt: on
+    """Placement program ``pid`` of ``1 + cdiv(n_tok, BLOCK)``: 0 writes the requests' lengths
+    and option words, ``pid >= 1`` a block of tokens (``_place_kernel``; also run by the
+    input kernel's extra programs: ``kernels.input_prep``)."""
+    if pid == 0:  # the requests' lengths
+        for start in range(0, n_req, BLOCK):
+            r = start + tl.arange(0, BLOCK)
+            m = r < n_req
+            row = tl.load(rows_ptr + r, mask=m, other=0)
+            tl.store(num_computed_ptr + row, tl.load(cached_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
+            tl.store(prompt_len_ptr + row, tl.load(plen_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
+            for j in tl.static_range(WORDS):  # the sampling options, one word of each request at a time
+                w = tl.load(words_ptr + r * WORDS + j, mask=m, other=0)
+                tl.store(opt_ptr + j * stride_opt + row, w, mask=m)
+    else:
+        i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n_tok
+        t = tl.load(tok_ptr + i, mask=m, other=0)
+        row = tl.load(trow_ptr + i, mask=m, other=0)
+        col = tl.load(tcol_ptr + i, mask=m, other=0)
+        tl.store(token_ids_ptr + row * stride_tok + col, t, mask=m)
+        m = m & (t >= 0) & (t < vocab)  # (ids are checked on admission: never another row's bits)
+        prompt = m & (i < n_prompt)
+        tl.store(mask_ptr + row * stride_mask + t, tl.full([BLOCK], 1, tl.int1), mask=prompt)
+        out = m & (i >= n_prompt)
+        tl.atomic_add(counts_ptr + row * stride_counts + t, tl.full([BLOCK], 1, tl.int32), mask=out)
 
 
 @fast_launch
@@ -100,29 +137,13 @@ def _place_kernel(
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if pid == 0:  # the requests' lengths
-        for start in range(0, n_req, BLOCK):
-            r = start + tl.arange(0, BLOCK)
-            m = r < n_req
-            row = tl.load(rows_ptr + r, mask=m, other=0)
-            tl.store(num_computed_ptr + row, tl.load(cached_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
-            tl.store(prompt_len_ptr + row, tl.load(plen_ptr + r, mask=m, other=0).to(tl.int32), mask=m)
-            for j in tl.static_range(WORDS):  # the sampling options, one word of each request at a time
-                w = tl.load(words_ptr + r * WORDS + j, mask=m, other=0)
-                tl.store(opt_ptr + j * stride_opt + row, w, mask=m)
-    else:
-        i = (pid - 1) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n_tok
-        t = tl.load(tok_ptr + i, mask=m, other=0)
-        row = tl.load(trow_ptr + i, mask=m, other=0)
-        col = tl.load(tcol_ptr + i, mask=m, other=0)
-        tl.store(token_ids_ptr + row * stride_tok + col, t, mask=m)
-        m = m & (t >= 0) & (t < vocab)  # (ids are checked on admission: never another row's bits)
-        prompt = m & (i < n_prompt)
-        tl.store(mask_ptr + row * stride_mask + t, tl.full([BLOCK], 1, tl.int1), mask=prompt)
-        out = m & (i >= n_prompt)
-        tl.atomic_add(counts_ptr + row * stride_counts + t, tl.full([BLOCK], 1, tl.int32), mask=out)
+    place_program(
+        tl.program_id(0),
+        tok_ptr, trow_ptr, tcol_ptr, rows_ptr, cached_ptr, plen_ptr, words_ptr,
+        token_ids_ptr, num_computed_ptr, prompt_len_ptr, mask_ptr, counts_ptr, opt_ptr,
+        n_tok, n_prompt, n_req, vocab, stride_tok, stride_mask, stride_counts, stride_opt,
+        WORDS, BLOCK,
+    )  # fmt: skip
 
 
 def place_requests_triton(
@@ -177,4 +198,51 @@ def place_requests(
     fn(
         token_ids, num_computed, prompt_len, prompt_mask, output_counts, option_table,
         tok, trow, tcol, tp, rows, cached, plen, words,
+    )  # fmt: skip
+
+
+class Placement(NamedTuple):
+    """New requests placed by the input kernel's own launch (``prepare_inputs``' ``place``):
+    ``words``, ``DeviceState.stage``'s words on the device (``n_tok`` tokens, the first
+    ``n_prompt`` prompt tokens, ``n_req`` requests, ``WORDS`` option words each, then each
+    request's prompt and output offsets among the tokens); ``new_j`` (int64 [R]): each of the
+    step's requests' index among them, -1 for a row placed before; and the state tensors
+    the placement writes besides ``token_ids`` and ``num_computed``."""
+
+    words: torch.Tensor
+    new_j: torch.Tensor
+    n_tok: int
+    n_prompt: int
+    n_req: int
+    prompt_len: torch.Tensor
+    prompt_mask: torch.Tensor
+    output_counts: torch.Tensor
+    option_table: torch.Tensor
+
+
+def place_staged(place: Placement, token_ids, num_computed) -> None:
+    """``place``'s writes on their own (``place_requests``: the input kernel's reference path)."""
+    t, n, w = place.n_tok, place.n_req, place.option_table.shape[0]
+    tok, trow, tcol, rows, cached, plen, words = place.words[: 3 * t + (3 + w) * n].split_with_sizes(
+        (t, t, t, n, n, n, w * n)
+    )
+    place_requests(
+        token_ids, num_computed, place.prompt_len, place.prompt_mask, place.output_counts, place.option_table,
+        tok, trow, tcol, place.n_prompt, rows, cached, plen, words,
+    )  # fmt: skip
+
+
+def placement_args(place: Placement | None, by_row: bool, commit_lengths: bool, n_reqs: int, dummy) -> tuple:
+    """The input kernel's placement arguments (``staged_ptr`` .. ``stride_opt``); dummies
+    without ``place``."""
+    if place is None:
+        return (dummy,) * 6 + (0,) * 7
+    if not by_row or commit_lengths or place.new_j.shape != (n_reqs,):
+        raise ValueError("prepare_inputs place: needs num_computed, no commit_lengths and one new_j a request")
+    for t in (place.prompt_mask, place.output_counts, place.option_table):
+        assert t.stride(-1) == 1
+    return (
+        place.words, place.new_j, place.prompt_len, place.prompt_mask, place.output_counts, place.option_table,
+        place.n_tok, place.n_prompt, place.n_req, place.prompt_mask.shape[1],
+        place.prompt_mask.stride(0), place.output_counts.stride(0), place.option_table.stride(0),
     )  # fmt: skip

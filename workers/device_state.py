@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import array
 import struct
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kernels.place import place_requests
+from kernels.place import Placement, place_requests
 from metadata.wire import NewRequest, SamplingOptions, token_words
 from workers.host_staging import staging_for
 
@@ -145,10 +146,12 @@ class OptionTensors:
 class StagedPlacement(NamedTuple):
     """New requests' device writes, packed on the host (``DeviceState.stage``)."""
 
-    words: np.ndarray  # int64: tokens, their rows, their columns, then rows, cached, prompt lengths, options
+    words: np.ndarray  # int64: tokens, their rows, their columns, then rows, cached, prompt lengths,
+    # options, then each request's prompt and output offsets among the tokens
     sizes: tuple[int, ...]  # the segments of ``words``
     num_prompt_tokens: int  # the first this-many tokens are prompt tokens
     clear: bool  # whether the rows' output counts and prompt masks are cleared first (penalties)
+    rows: list[int]  # the requests' device rows (host)
 
 
 class DeviceState:
@@ -272,10 +275,13 @@ class DeviceState:
         a.fromlist(plen)
         for req in reqs:  # request-major
             a.extend(option_words(req.sampling))
+        a.fromlist([0, *accumulate(plen)][:-1])  # (where each request's prompt and outputs start)
+        a.fromlist([0, *accumulate(olen)][:-1])
         n = len(reqs)
         return StagedPlacement(
             words=np.frombuffer(a, dtype=np.int64),
-            sizes=(t, t, t, n, n, n, OPTION_WORDS * n),
+            sizes=(t, t, t, n, n, n, OPTION_WORDS * n, n, n),
+            rows=rows,
             num_prompt_tokens=tp,
             # only penalties read the counts and the prompt mask, and a row without penalties
             # is unchanged by any stale ones (repetition 1, presence and frequency 0)
@@ -285,14 +291,28 @@ class DeviceState:
     def place(self, staged: "StagedPlacement", dev: torch.Tensor) -> None:
         """``add_many``'s device half: ``staged.words`` on the device (``dev``) written into the
         state. A placement with no penalty request skips the two whole-row clears."""
-        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes(staged.sizes)
-        if staged.clear:  # stale rows cleared, then this placement's writes (one launch on CUDA;
-            # outputs to recompute after preemption are counted, repeated tokens accumulating)
-            self.output_counts.index_fill_(0, rr, 0)
-            self.prompt_mask.index_fill_(0, rr, False)
+        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes(staged.sizes)[:7]
+        self._clear_rows(staged, rr)
         place_requests(
             self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
             tok, trow, tcol, staged.num_prompt_tokens, rr, cached_d, plen_d, words_d,
+        )  # fmt: skip
+
+    def _clear_rows(self, staged: "StagedPlacement", rows: torch.Tensor) -> None:
+        if staged.clear:  # stale rows cleared, then this placement's writes (one launch on CUDA;
+            # outputs to recompute after preemption are counted, repeated tokens accumulating)
+            self.output_counts.index_fill_(0, rows, 0)
+            self.prompt_mask.index_fill_(0, rows, False)
+
+    def placement(self, staged: "StagedPlacement", dev: torch.Tensor, new_j: torch.Tensor) -> Placement:
+        """``place`` left to the input kernel's launch (``kernels.input_prep.Placement``): the
+        rows' clears now (penalties only), the rest by that launch. ``new_j``: each of the
+        step's requests' index among the staged ones (-1: placed before)."""
+        t, n = staged.sizes[0], staged.sizes[3]
+        self._clear_rows(staged, dev[3 * t : 3 * t + n])
+        return Placement(
+            dev, new_j, t, staged.num_prompt_tokens, n,
+            self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
         )  # fmt: skip
 
     def release(self, handle: int) -> None:

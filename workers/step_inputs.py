@@ -69,7 +69,8 @@ def build_window(
     graph's bucket, which the input kernel pads the step to; with its ``logits_dst``, the
     first extra (the sampled-token indices) is copied there by the kernel too.
     ``placement``: new requests staged by ``DeviceState.stage``, carried in the same copy and
-    placed (``DeviceState.place``) before the input kernel reads the rows.
+    placed by the input kernel's launch (``DeviceState.placement``; before it, by
+    ``DeviceState.place``, where ``starts`` are given or ``commit_lengths`` is on).
     ``commit_lengths`` (one token a row, ``starts`` None): the input kernel also sets each
     row's ``num_computed`` to its new length. ``table_blocks``: the packed block table's width (default:
     the blocks of the largest bound; a lookahead needs more). Returns the window (its
@@ -84,6 +85,12 @@ def build_window(
     lists = [q_lens, qsl]
     if capacity is None:
         lists.append([st.num_blocks_cpu[r] * bs for r in rows_cpu])
+    # new requests are placed by the input kernel's own launch (where it reads the rows'
+    # starts): each step request's index among them rides along
+    fold = placement is not None and starts is None and not commit_lengths
+    if fold:
+        j_of = {row: j for j, row in enumerate(placement.rows)}
+        lists.append([j_of.get(r, -1) for r in rows_cpu])
     extra = list(packed_extra or [])
     n_own, n_extra = len(lists), len(extra)
     if rows is None:
@@ -118,9 +125,12 @@ def build_window(
         packed = torch.from_numpy(np.concatenate(arrays))
     packed = to_device(packed, dev)
     views = packed.split_with_sizes(sizes)  # (the method: torch.split's Python wrapper costs more)
-    if placement is not None:  # the new requests' writes, before the input kernel reads their rows
-        st.place(placement, views[-1])
     split = [views[i] for i in keep]  # the segments, without their pads
+    place = None
+    if fold:
+        place = st.placement(placement, views[-1], split[n_own - 1])
+    elif placement is not None:  # the new requests' writes, before the input kernel reads their rows
+        st.place(placement, views[-1])
     q_lens_d, qsl_in = split[:2]
     if capacity is None:
         capacity = split[2]
@@ -146,6 +156,7 @@ def build_window(
         num_computed=st.num_computed if starts is None else None,
         pad=graph_pad,
         commit_lengths=commit_lengths,
+        place=place,
     )
     meta = AttentionMetadata(
         query_start_loc=qsl_d,

@@ -40,8 +40,9 @@ def launch_key(fn, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
             consts.append((p.name, v))
         elif p.do_not_specialize:
             continue
-        elif isinstance(v, torch.Tensor):
-            spec.append((p.name, str(v.dtype), v.data_ptr() % 16 == 0))
+        elif isinstance(v, torch.Tensor):  # (its alignment too, unless the kernel says not to)
+            aligned = None if getattr(p, "do_not_specialize_on_alignment", False) else v.data_ptr() % 16 == 0
+            spec.append((p.name, str(v.dtype), aligned))
         elif isinstance(v, int) and not isinstance(v, bool):
             spec.append((p.name, v == 1, v % 16 == 0))
         elif v is None:

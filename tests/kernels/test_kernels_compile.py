@@ -188,7 +188,7 @@ def test_input_prep_and_rope_kv_compile():
     for by_row in (False, True):
         _compile(
             _prepare_inputs_kernel,
-            dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=by_row),
+            dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=by_row, PLACE=False, WORDS=1),
             i32,
             default_ptr="*i64",
         )
@@ -309,5 +309,21 @@ def test_input_prep_pads_a_decode_graph_compiles():
 
     i32 = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr", "bt_dst_ptr")}
     const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=True, COPY_TABLE=True, COPY_LOGITS=False)
+    const |= dict(PLACE=False, WORDS=1)
     for commit in (False, True):  # (a plain decode step also sets its rows' lengths)
         _compile(_prepare_inputs_kernel, const | dict(COMMIT_LENGTHS=commit), i32, default_ptr="*i64")
+
+
+@pytest.mark.parametrize("table,logits", [(False, False), (True, False), (True, True)])
+def test_input_prep_placing_new_requests_compiles(table, logits):
+    """The input kernel with the placement programs (``PLACE``) in the forms a step with new
+    requests takes: eager, a decode graph's (padding, block table), a mixed graph's (and
+    its sampled-token indices)."""
+    from kernels.input_prep import _prepare_inputs_kernel
+    from workers.device_state import OPTION_WORDS
+
+    ptrs = {n: "*i32" for n in ("starts_ptr", "block_table_ptr", "seq_lens_ptr", "qsl_ptr", "bt_dst_ptr")}
+    ptrs |= {"prompt_len_ptr": "*i32", "counts_ptr": "*i32", "mask_ptr": "*i1"}
+    const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=True, COMMIT_LENGTHS=False)
+    const |= dict(COPY_TABLE=table, COPY_LOGITS=logits, PLACE=True, WORDS=OPTION_WORDS)
+    _compile(_prepare_inputs_kernel, const, ptrs, default_ptr="*i64")

@@ -1,0 +1,84 @@
+"""``warm_placing_inputs`` compiles, before serving, the input-kernel variant of every step
+form that places new requests in its own launch: the launches of real steps (eager, and
+built into a mixed-step graph's buffers) are recorded on the CPU and their Triton keys
+(constexprs, specialisations, launch options) must be among the warm-up's. A key outside
+them is a variant compiled mid-serving, where a compile costs seconds."""
+
+import pytest
+import torch
+
+from metadata.config import EngineConfig
+from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
+from tests.kernels.launch_recorder import LaunchRecorder
+
+BS = 8
+GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """The input kernel recorded instead of run, and the steps' ``prepare_inputs`` taking the
+    Triton path as on CUDA (the outputs stay unwritten: only the launches matter here)."""
+    from kernels import input_prep
+    from workers import step_inputs
+
+    kernel = input_prep._prepare_inputs_kernel
+    rec = LaunchRecorder(getattr(kernel, "fn", kernel))
+    monkeypatch.setattr(input_prep, "_prepare_inputs_kernel", rec)
+
+    def triton_path(*args, every_request_has_tokens=True, **kw):
+        return input_prep.prepare_inputs_triton(*args, **kw)
+
+    monkeypatch.setattr(step_inputs, "prepare_inputs", triton_path)
+    return rec
+
+
+def _warm_keys(rec, st) -> set:
+    from workers.input_warm_up import warm_placing_inputs
+
+    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 3
+    keys = rec.variants()
+    rec.calls.clear()
+    assert len(keys) == 3  # eager, decode graph, mixed graph
+    return keys
+
+
+def _news(h0: int):
+    return [
+        NewRequest.of(h0, [5 + i for i in range(11)], [], GREEDY, [20, 21]),
+        NewRequest.of(h0 + 1, [40 - i for i in range(20)], [3, 4], GREEDY, [24, 25, 26], num_cached_tokens=8),
+    ]
+
+
+def test_an_eager_placing_step_is_warmed(recorder):
+    from workers.device_state import DeviceState
+    from workers.step_inputs import build_step_inputs
+
+    st = DeviceState(6, 256, 32, 97, CPU)
+    st.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    warm = _warm_keys(recorder, st)
+    news = _news(1)
+    rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 14, 22, [], True)]
+    build_step_inputs(StepPlan(2, rows=rows), st, BS, True, placement=st.stage(news))
+    assert recorder.calls and recorder.variants() <= warm
+
+
+def test_a_mixed_graph_placing_step_is_warmed(recorder, ckpt_dir):
+    from workers.distributed import TPGroup
+    from workers.mixed_graphs import MixedGraphs
+    from workers.model_runner import ModelRunner
+    from workers.step_inputs import build_step_inputs
+
+    cfg = EngineConfig.from_options(num_kv_blocks=64, block_size=BS, max_num_seqs=6, dtype="float32")
+    r = ModelRunner(cfg, str(ckpt_dir("llama")), CPU, TPGroup(), 256)
+    r.init_kv_cache(64)
+    mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True)
+    mg.graphs = {t: None for t in mg.buckets}  # as if captured: fits() picks the graphs
+    r.state.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    warm = _warm_keys(recorder, r.state)
+    rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 6, 14, [], False)]
+    inp = build_step_inputs(
+        StepPlan(2, rows=rows), r.state, BS, True, max_len=r.max_model_len, mixed=mg, placement=r.state.stage(_news(1))
+    )
+    assert inp.mixed_graph and recorder.calls and recorder.variants() <= warm
