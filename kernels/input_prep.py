@@ -197,6 +197,7 @@ def _prepare_program(
         poff = tl.load(seg + nj, mask=is_new, other=0)
         ooff = tl.load(seg + st_req + nj, mask=is_new, other=0)
         src = tl.where(pos < plen, poff + pos, st_prompt + ooff + pos - plen)
+        src = tl.minimum(src, st_tok - 1)  # (a graph's padding positions past the request's tokens)
         ids = tl.where(is_new, tl.load(staged_ptr + src, mask=is_new, other=0), ids)
     page = tl.minimum(pos // KV_BLOCK_SIZE, n_blk - 1)
     blk = tl.load(block_table_ptr + r * stride_bt + page, mask=ok, other=0).to(tl.int64)
@@ -282,6 +283,7 @@ def prepare_inputs_triton(
         starts = num_computed
     _check_commit_lengths(commit_lengths, by_row, n_tokens, rows)
     n_reqs = rows.shape[0]
+    pl = placement_args(place, by_row, commit_lengths, n_reqs, qsl)
     dev = qsl.device
     if qsl.shape != (n_reqs + 1,):
         raise ValueError(f"prepare_inputs: qsl of {n_reqs} requests has shape {tuple(qsl.shape)}")
@@ -325,11 +327,12 @@ def prepare_inputs_triton(
     if n_tokens == 0:
         if pad is not None:  # a graph replay would write KV through the previous step's slots
             raise ValueError("prepare_inputs pad: a step padded to a graph bucket needs tokens")
+        if place is not None:  # (no input program to launch: placed on their own)
+            place_staged(place, token_ids, num_computed)
         qsl_out.zero_()
         return positions, input_ids, seq_lens, slots, qsl_out
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
     n_in = triton.cdiv(max(n_tokens, pad_tokens), block)
-    pl = placement_args(place, by_row, commit_lengths, n_reqs, qsl)
     _prepare_inputs_kernel[(n_in + (1 + triton.cdiv(place.n_tok, block) if place is not None else 0),)](
         starts,
         rows,

@@ -4,9 +4,12 @@ launch (``kernels.input_prep``'s ``place``).
 A step with new requests builds its inputs and places the requests in one launch
 (``workers.step_inputs.build_window``), in the form of the step: eager (no graph), a
 mixed-step graph's (its padding, block table and sampled-token indices copied by the same
-launch) or a decode graph's (padding and block table). Each form is a Triton variant; the
-scratch requests' steps compile only the one their first step takes. ``warm_placing_inputs``
-launches every form once, on a scratch state of two rows, before serving starts.
+launch) or a decode graph's (padding and block table); a step whose input kernel also sets
+its rows' lengths (one token a row: a new request whose prompt the prefix cache holds but
+for its last token) places them with ``kernels.place``'s own launch first. Each is a Triton
+variant; the scratch requests' steps compile only the one their first step takes.
+``warm_placing_inputs`` launches every form once, on a scratch state of two rows, before
+serving starts.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ _GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
 
 
 def warm_placing_inputs(max_model_len: int, max_blocks: int, vocab: int, block_size: int, device) -> int:
-    """Launch the placing input kernel in each step form (see the module docstring) on a
-    scratch two-row state whose specialised shapes are the engine's (its ``token_ids`` width:
-    ``max_model_len``); returns the launches made."""
+    """Launch the placing input kernel in each step form, and the placement kernel (see the
+    module docstring), on a scratch two-row state whose specialised shapes are the engine's
+    (its ``token_ids`` width: ``max_model_len``); returns the launches made."""
     st = DeviceState(2, max_model_len, max_blocks, vocab, device)
     staged = st.stage([NewRequest.of(-1, [0, 1], [2], _GREEDY, [0])])  # (a resumed request: outputs too)
     words = to_device(torch.from_numpy(staged.words), device)
@@ -52,4 +55,5 @@ def warm_placing_inputs(max_model_len: int, max_blocks: int, vocab: int, block_s
             out=out, num_computed=st.num_computed, pad=pad, place=place,
         )  # fmt: skip
         launches += 1
-    return launches
+    st.place(staged, words)  # the placement's own launch: steps whose input kernel sets their lengths
+    return launches + 1

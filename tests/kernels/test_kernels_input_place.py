@@ -97,6 +97,25 @@ def test_placing_in_the_input_launch_matches_placing_first(seed, penalty, block)
     _compare(seed, penalty, block, torch.device("cpu"))
 
 
+def test_a_step_without_tokens_still_places():
+    from workers.device_state import to_device
+
+    a, b = _states(2)
+    reqs, _ = _new(2, True)
+    staged_a, staged_b = a.stage(reqs), b.stage(reqs)
+    row = torch.tensor([a.row_of[20]])
+    place = a.placement(staged_a, torch.from_numpy(staged_a.words.copy()), torch.tensor([0]))
+    table = torch.zeros(1, MAX_BLOCKS, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int64)
+    qsl = torch.zeros(2, dtype=torch.int64)
+    ip.prepare_inputs_triton(
+        None, row, qsl, 0, zero, zero, a.token_ids, table, BS, num_computed=a.num_computed, place=place
+    )
+    b.place(staged_b, to_device(torch.from_numpy(staged_b.words), b.device))
+    for name in ("token_ids", "num_computed", "prompt_len", "prompt_mask", "output_counts", "option_table"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_place_needs_the_rows_starts_and_no_commit():
     a, _ = _states(0)
     reqs, _ = _new(0, False)

@@ -37,11 +37,35 @@ def recorder(monkeypatch):
 def _warm_keys(rec, st) -> set:
     from workers.input_warm_up import warm_placing_inputs
 
-    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 3
+    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 4
     keys = rec.variants()
     rec.calls.clear()
-    assert len(keys) == 3  # eager, decode graph, mixed graph
+    assert len(keys) == 3  # eager, decode graph, mixed graph (and the placement kernel's own launch)
     return keys
+
+
+def test_a_step_placing_before_its_input_kernel_is_warmed(recorder, monkeypatch):
+    """One token a row with the input kernel setting the lengths (a new request whose prompt
+    the prefix cache holds but for its last token): placed by ``kernels.place``'s own launch."""
+    from kernels import place
+    from workers import device_state
+    from workers.device_state import DeviceState
+    from workers.step_inputs import build_step_inputs
+
+    kernel = place._place_kernel
+    rec = LaunchRecorder(getattr(kernel, "fn", kernel))
+    monkeypatch.setattr(place, "_place_kernel", rec)
+    monkeypatch.setattr(device_state, "place_requests", place.place_requests_triton)  # (as on CUDA)
+    st = DeviceState(6, 256, 32, 97, CPU)
+    st.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    rec.calls.clear()
+    _warm_keys(recorder, st)
+    warm = rec.variants()
+    rec.calls.clear()
+    news = [NewRequest.of(1, list(range(3, 20)), [], GREEDY, [4, 5, 6], num_cached_tokens=16)]
+    rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 1, 17, [], True)]
+    inp = build_step_inputs(StepPlan(2, rows=rows), st, BS, True, placement=st.stage(news), commit_lengths=True)
+    assert inp.lengths_committed and rec.calls and len(warm) == 1 and rec.variants() <= warm
 
 
 def _news(h0: int):
