@@ -28,7 +28,7 @@ SECTIONS = [
     ("workers.device_state:DeviceState", "_validate", "stage: validate"),
     ("workers.device_state:DeviceState", "place", "place new requests (device)"),
     ("workers.device_state:DeviceState", "placement", "place new requests (in the input launch)"),
-    ("workers.device_state", "place_requests", "place_requests"),
+    ("kernels.place", "place_requests", "place_requests"),
     ("workers.device_state", "to_device", "to_device (sampling options)"),
     ("workers.host_staging:PinnedStaging", "copy", "staging copy (every to_device)"),
     ("workers.host_staging:PinnedStaging", "_slot", "staging: find a free pinned buffer"),

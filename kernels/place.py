@@ -210,7 +210,7 @@ class Placement(NamedTuple):
     the placement writes besides ``token_ids`` and ``num_computed``."""
 
     words: torch.Tensor
-    new_j: torch.Tensor
+    new_j: torch.Tensor | None  # (None where nothing but ``place_staged`` reads it)
     n_tok: int
     n_prompt: int
     n_req: int

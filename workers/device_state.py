@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.place import Placement, place_requests
+from kernels.place import Placement, place_staged
 from metadata.wire import NewRequest, SamplingOptions, token_words
 from workers.host_staging import staging_for
 
@@ -291,25 +291,18 @@ class DeviceState:
     def place(self, staged: "StagedPlacement", dev: torch.Tensor) -> None:
         """``add_many``'s device half: ``staged.words`` on the device (``dev``) written into the
         state. A placement with no penalty request skips the two whole-row clears."""
-        tok, trow, tcol, rr, cached_d, plen_d, words_d = dev.split_with_sizes(staged.sizes)[:7]
-        self._clear_rows(staged, rr)
-        place_requests(
-            self.token_ids, self.num_computed, self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,
-            tok, trow, tcol, staged.num_prompt_tokens, rr, cached_d, plen_d, words_d,
-        )  # fmt: skip
+        place_staged(self.placement(staged, dev), self.token_ids, self.num_computed)
 
-    def _clear_rows(self, staged: "StagedPlacement", rows: torch.Tensor) -> None:
+    def placement(self, staged: "StagedPlacement", dev: torch.Tensor, new_j: torch.Tensor | None = None) -> Placement:
+        """``place`` left to the input kernel's launch (``kernels.place.Placement``): the rows'
+        clears now (penalties only), the rest by that launch. ``new_j``: each of the step's
+        requests' index among the staged ones (-1: placed before; None for ``place``)."""
+        t, n = staged.sizes[0], staged.sizes[3]
         if staged.clear:  # stale rows cleared, then this placement's writes (one launch on CUDA;
             # outputs to recompute after preemption are counted, repeated tokens accumulating)
+            rows = dev[3 * t : 3 * t + n]
             self.output_counts.index_fill_(0, rows, 0)
             self.prompt_mask.index_fill_(0, rows, False)
-
-    def placement(self, staged: "StagedPlacement", dev: torch.Tensor, new_j: torch.Tensor) -> Placement:
-        """``place`` left to the input kernel's launch (``kernels.input_prep.Placement``): the
-        rows' clears now (penalties only), the rest by that launch. ``new_j``: each of the
-        step's requests' index among the staged ones (-1: placed before)."""
-        t, n = staged.sizes[0], staged.sizes[3]
-        self._clear_rows(staged, dev[3 * t : 3 * t + n])
         return Placement(
             dev, new_j, t, staged.num_prompt_tokens, n,
             self.prompt_len, self.prompt_mask, self.output_counts, self.option_table,

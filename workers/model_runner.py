@@ -19,7 +19,7 @@ from workers.models.loader import load_model
 from workers.pending_step import PendingStep, PinnedPool
 from workers.memory_profile import profile_free_bytes
 from workers.pipeline import WHOLE_MODEL, PipelineComm, scratch_model
-from workers.sampler import sample
+from workers.sampler import commit_tokens, sample
 from workers.sampling_inputs import build_sampling_batch
 from workers.step_inputs import build_step_inputs, sampling_rows
 
@@ -292,11 +292,10 @@ class ModelRunner:
         )
         for plan in plans:
             self.execute(plan)
-        if self.device.type == "cuda":  # every form of a step that places new requests
-            from workers.input_warm_up import warm_placing_inputs
+        from workers.input_warm_up import warm_placing_inputs  # (every form of a step placing requests)
 
-            st = self.state
-            warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, self.block_size, self.device)
+        st = self.state
+        warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, self.block_size, self.device)
         self._last_end_ev = None  # the first real step's device-idle gap starts with it
 
     def captures_graphs(self) -> bool:
@@ -459,9 +458,7 @@ class ModelRunner:
         ``count=False`` (no row of the step has a penalty, a host-known fact) skips the
         output-token counts: only penalties read them, and a row's penalties never change.
         (Speculative steps commit inside their verification: ``SpecDecoder.verify``.)"""
-        st.token_ids[s_rows, pos] = tokens
-        if count:
-            st.output_counts[s_rows, tokens] += 1
+        commit_tokens(st.token_ids, st.output_counts, s_rows, pos, tokens, count)
 
     def _record_event(self):
         if not (self.cfg.measure_device_timeline and self.device.type == "cuda"):

@@ -165,6 +165,15 @@ def sample(
     return _with_logprobs(SamplerOutput(token_ids=token_ids, committed=committed), raw, batch.max_num_logprobs)
 
 
+def commit_tokens(token_ids, output_counts, rows, pos, tokens, count: bool = True) -> None:
+    """The sampled ``tokens`` written at ``token_ids[rows, pos]`` (where the sampler did not
+    commit them itself: ``SamplerOutput.committed``), and counted in ``output_counts`` with
+    ``count`` (a penalty row in the step: only penalties read the counts)."""
+    token_ids[rows, pos] = tokens
+    if count:
+        output_counts[rows, tokens] += 1
+
+
 def _with_logprobs(out: SamplerOutput, raw: torch.Tensor, max_num_logprobs: int) -> SamplerOutput:
     """``out`` with the sampled tokens' logprobs and ranks under the unmodified logits ``raw``,
     and the top ``max_num_logprobs`` (none at -1)."""

@@ -32,7 +32,7 @@ import torch
 from metadata.wire import NewRequest, SamplingOptions, ScheduledRow, StepPlan
 from workers.device_state import OptionTensors
 from workers.pending_step import pack_outputs
-from workers.sampler import sample
+from workers.sampler import commit_tokens, sample
 from workers.sampling_inputs import build_sampling_batch
 
 GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
@@ -142,9 +142,9 @@ def warm_sampling_rows(st, vocab: int, logits_width: int, max_rows: int, spec_wi
                 sample(logits, batch, argmax, commit=scratch)
                 so = sample(logits, batch, commit=scratch)
                 if not so.committed:  # (greedy, or options past temperature) as ModelRunner._commit_tokens
-                    scratch[padded[:rows], batch.positions] = so.token_ids
-                    if batch.penalties is not None:
-                        counts[padded[:rows], so.token_ids] += 1
+                    commit_tokens(
+                        scratch, counts, padded[:rows], batch.positions, so.token_ids, batch.penalties is not None
+                    )
                 pack_outputs(so.token_ids[:, None], None, so)
                 if spec_width:
                     tokens = torch.zeros(rows, spec_width, dtype=torch.int64, device=dev)

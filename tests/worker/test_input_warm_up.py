@@ -48,14 +48,13 @@ def test_a_step_placing_before_its_input_kernel_is_warmed(recorder, monkeypatch)
     """One token a row with the input kernel setting the lengths (a new request whose prompt
     the prefix cache holds but for its last token): placed by ``kernels.place``'s own launch."""
     from kernels import place
-    from workers import device_state
     from workers.device_state import DeviceState
     from workers.step_inputs import build_step_inputs
 
     kernel = place._place_kernel
     rec = LaunchRecorder(getattr(kernel, "fn", kernel))
     monkeypatch.setattr(place, "_place_kernel", rec)
-    monkeypatch.setattr(device_state, "place_requests", place.place_requests_triton)  # (as on CUDA)
+    monkeypatch.setattr(place, "place_requests", place.place_requests_triton)  # (as on CUDA)
     st = DeviceState(6, 256, 32, 97, CPU)
     st.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
     rec.calls.clear()
