@@ -9,16 +9,17 @@ test, a benchmark calling kernels directly) runs the defaults: ``KernelSettings(
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import triton
+
 TuningTable = Mapping[str, "dict | None"]
 
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-"""Whether Triton runs kernels in its interpreter. Triton reads ``TRITON_INTERPRET`` once, when
-it is imported; so does this, instead of at every launch."""
+TRITON_INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""Whether Triton runs kernels in its interpreter: the knob its ``triton.jit`` decides by (it
+reads ``TRITON_INTERPRET``), asked once at import instead of at every launch."""
 
 
 @dataclass(frozen=True)
