@@ -1,5 +1,5 @@
-"""Start-up compilation of the input kernel's forms that place new requests in their own
-launch (``kernels.input_prep``'s ``place``).
+"""Start-up compilation of the input kernel's forms, with and without new requests placed
+by its own launch (``kernels.input_prep``'s ``place``).
 
 A step with new requests builds its inputs and places the requests in one launch
 (``workers.step_inputs.build_window``), in the form of the step: eager (no graph), a
@@ -7,9 +7,10 @@ mixed-step graph's (its padding, block table and sampled-token indices copied by
 launch) or a decode graph's (padding and block table); a step whose input kernel also sets
 its rows' lengths (one token a row: a new request whose prompt the prefix cache holds but
 for its last token) places them with ``kernels.place``'s own launch first. Each is a Triton
-variant; the scratch requests' steps compile only the one their first step takes.
-``warm_placing_inputs`` launches every form once, on a scratch state of two rows, before
-serving starts.
+variant, and so is each form without a placement (a step with no new request: a chunked
+prefill's next chunk beside decode rows); the scratch requests' steps compile only the
+forms their own steps take. ``warm_placing_inputs`` launches every form with and without a
+placement, on a scratch state of two rows, before serving starts.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ _GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
 
 
 def warm_placing_inputs(max_model_len: int, max_blocks: int, vocab: int, block_size: int, device) -> int:
-    """Launch the placing input kernel in each step form, and the placement kernel (see the
-    module docstring), on a scratch two-row state whose specialised shapes are the engine's
+    """Launch the input kernel in each step form, placing and not, and the placement kernel
+    (see the module docstring), on a scratch two-row state whose specialised shapes are the engine's
     (its ``token_ids`` width: ``max_model_len``); returns the launches made."""
     st = DeviceState(2, max_model_len, max_blocks, vocab, device)
     staged = st.stage([NewRequest.of(-1, [0, 1], [2], _GREEDY, [0])])  # (a resumed request: outputs too)
@@ -49,11 +50,12 @@ def warm_placing_inputs(max_model_len: int, max_blocks: int, vocab: int, block_s
                 torch.zeros(2, max_blocks, dtype=torch.int32, device=device),
                 **(logits if form == "mixed graph" else dict(seq_rows=2, seq_len=1)),
             )
-        place = st.placement(staged, words, torch.zeros(1, **i64))
-        prepare_inputs_triton(
-            None, rows, qsl, 1, q_lens, capacity, st.token_ids, table, block_size,
-            out=out, num_computed=st.num_computed, pad=pad, place=place,
-        )  # fmt: skip
-        launches += 1
+        for placing in (True, False):
+            place = st.placement(staged, words, torch.zeros(1, **i64)) if placing else None
+            prepare_inputs_triton(
+                None, rows, qsl, 1, q_lens, capacity, st.token_ids, table, block_size,
+                out=out, num_computed=st.num_computed, pad=pad, place=place,
+            )  # fmt: skip
+            launches += 1
     st.place(staged, words)  # the placement's own launch: steps whose input kernel sets their lengths
     return launches + 1

@@ -1,8 +1,10 @@
 """``warm_placing_inputs`` compiles, before serving, the input-kernel variant of every step
-form that places new requests in its own launch: the launches of real steps (eager, and
-built into a mixed-step graph's buffers) are recorded on the CPU and their Triton keys
+form, placing new requests in its own launch and not: the launches of real steps (eager,
+and built into a mixed-step graph's buffers) are recorded on the CPU and their Triton keys
 (constexprs, specialisations, launch options) must be among the warm-up's. A key outside
-them is a variant compiled mid-serving, where a compile costs seconds."""
+them is a variant compiled mid-serving, where a compile costs seconds. (On the GPU, a
+mixed step without new requests, a prefill's next chunk, needed one when only the placing
+forms were warmed.)"""
 
 import pytest
 import torch
@@ -37,10 +39,11 @@ def recorder(monkeypatch):
 def _warm_keys(rec, st) -> set:
     from workers.input_warm_up import warm_placing_inputs
 
-    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 4
+    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 7
     keys = rec.variants()
     rec.calls.clear()
-    assert len(keys) == 3  # eager, decode graph, mixed graph (and the placement kernel's own launch)
+    # eager, decode graph, mixed graph, each placing and not (and the placement kernel's own launch)
+    assert len(keys) == 6
     return keys
 
 
@@ -74,20 +77,28 @@ def _news(h0: int):
     ]
 
 
-def test_an_eager_placing_step_is_warmed(recorder):
+def _old(st) -> None:
+    """The rows of ``_news(1)`` placed in an earlier step (a step that places none needs them)."""
+    st.add_many(_news(1))
+
+
+@pytest.mark.parametrize("placing", [True, False], ids=["placing", "not-placing"])
+def test_an_eager_step_is_warmed(recorder, placing):
     from workers.device_state import DeviceState
     from workers.step_inputs import build_step_inputs
 
     st = DeviceState(6, 256, 32, 97, CPU)
     st.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    if not placing:
+        _old(st)
     warm = _warm_keys(recorder, st)
-    news = _news(1)
     rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 14, 22, [], True)]
-    build_step_inputs(StepPlan(2, rows=rows), st, BS, True, placement=st.stage(news))
+    build_step_inputs(StepPlan(2, rows=rows), st, BS, True, placement=st.stage(_news(1)) if placing else None)
     assert recorder.calls and recorder.variants() <= warm
 
 
-def test_a_mixed_graph_placing_step_is_warmed(recorder, ckpt_dir):
+@pytest.mark.parametrize("placing", [True, False], ids=["placing", "not-placing"])
+def test_a_mixed_graph_step_is_warmed(recorder, ckpt_dir, placing):
     from workers.distributed import TPGroup
     from workers.mixed_graphs import MixedGraphs
     from workers.model_runner import ModelRunner
@@ -99,9 +110,12 @@ def test_a_mixed_graph_placing_step_is_warmed(recorder, ckpt_dir):
     mg = MixedGraphs(r.model, r.kv_caches, 64, 6, r.max_model_len, r.max_blocks_per_req, r.device, True)
     mg.graphs = {t: None for t in mg.buckets}  # as if captured: fits() picks the graphs
     r.state.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    if not placing:
+        _old(r.state)
     warm = _warm_keys(recorder, r.state)
     rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 11, 11, [], True), ScheduledRow(2, 6, 14, [], False)]
+    news = r.state.stage(_news(1)) if placing else None
     inp = build_step_inputs(
-        StepPlan(2, rows=rows), r.state, BS, True, max_len=r.max_model_len, mixed=mg, placement=r.state.stage(_news(1))
+        StepPlan(2, rows=rows), r.state, BS, True, max_len=r.max_model_len, mixed=mg, placement=news
     )
     assert inp.mixed_graph and recorder.calls and recorder.variants() <= warm
