@@ -217,11 +217,12 @@ def _reduce_splits_kernel(
     )
 
 
-# Arrival counters of the fused split reduce, one int32 per (query block, KV head),
-# zero between launches (the last arriving program re-arms its counter). One growing
-# buffer per device; outgrown buffers stay alive because captured CUDA graphs keep
+# Arrival counters of the fused split reduce, one int32 per (query block, KV head), and
+# of the temperature sampler's fused pick (kernels.sample_logits), one per row: zero
+# between launches (the last arriving program re-arms its counter). One growing buffer
+# per device and user; outgrown buffers stay alive because captured CUDA graphs keep
 # their addresses.
-_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
+_SEMAPHORES: dict[tuple[str, str, int], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 MIN_SEMAPHORES = 1 << 14
 
@@ -257,11 +258,11 @@ def reduce_splits(
     )
 
 
-def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed counter buffer of >= n entries, or None while capturing a CUDA graph with
-    a buffer too small (allocating then would tie it to the graph's pool): the caller
-    falls back to the reduce kernel."""
-    key = (device.type, device.index if device.index is not None else -1)
+def _semaphores(device: torch.device, n: int, user: str = "attention") -> torch.Tensor | None:
+    """A zeroed counter buffer of >= n entries, ``user``'s own, or None while capturing a CUDA
+    graph with a buffer too small (allocating then would tie it to the graph's pool): the
+    caller falls back to the reduce kernel."""
+    key = (user, device.type, device.index if device.index is not None else -1)
     buf = _SEMAPHORES.get(key)
     if buf is not None and buf.numel() >= n:
         return buf

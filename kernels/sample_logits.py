@@ -1,4 +1,4 @@
-"""Temperature sampling straight from the logits: two Triton launches per step.
+"""Temperature sampling straight from the logits: one Triton launch per step.
 
 A step whose sampled rows use no top-k / top-p / min-p draws ``argmax_j softmax(x / t)_j / E_j``
 (``kernels.sampling``: E = -log U, U a hash of (seed, position, token id)), and greedy rows
@@ -7,13 +7,15 @@ sample_logits_reference``: divide, softmax, the race's two launches, compare, se
 their allocations) cost a launch some ten host operations. Here the softmax's normaliser is
 not needed at all (it scales every score of a row alike): each program takes a fixed slice
 of a row's vocabulary, finds its largest ``z = x / t`` and its best ``exp(z - m) / E``; the
-second launch rescales each slice's best by ``exp(m - M)`` (M the row's largest ``z``), picks
-the winner (ties to the lowest token id) and writes the greedy argmax for greedy rows.
+row's last program to finish (an arrival counter, as the split attention's fused reduce
+keeps) rescales each slice's best by ``exp(m - M)`` (M the row's largest ``z``), picks the
+winner (ties to the lowest token id) and writes the greedy argmax for greedy rows. (A second
+launch for the pick cost about as much host time again: a Triton launch is 45-90 us of it.)
 
 Where a step samples by temperature only, the options need not be gathered first: with
 ``option_rows`` the kernels read each row's divisor, temperature and seed from the option
-table at its device row, and with ``commit`` the second launch also writes each token into
-the token table the next step reads (the commit that was one more operator a step).
+table at its device row, and with ``commit`` the pick also writes each token into the token
+table the next step reads (the commit that was one more operator a step).
 
 The slice size is fixed, not derived from the batch, so a row's draw is the same whatever
 else is in the batch. Against the reference, ranks can differ only where two tokens' scores
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.attention_splits import _semaphores
 from kernels.fast_launch import fast_launch
 from kernels.pdl import wait_and_release
 from kernels.sampling import _exp_noise, _hash_key, _row_key
@@ -48,11 +51,38 @@ def _option_float(ptr, row, rows_ptr, FROM_TABLE: tl.constexpr):
     return value
 
 
+@triton.jit
+def _pick(
+    row, max_ptr, best_ptr, idx_ptr, temp_ptr, greedy_ptr, out_ptr, rows_ptr, pos_ptr, tok_ptr, num_slices,
+    tok_stride, SLICES: tl.constexpr, FROM_TABLE: tl.constexpr, COMMIT: tl.constexpr,
+):  # fmt: skip
+    """Row ``row``'s winner among its slices' bests (``.cg`` loads: the other programs'
+    stores, seen through L2 only)."""
+    s = tl.arange(0, SLICES)
+    ok = s < num_slices
+    m = tl.load(max_ptr + row * num_slices + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    b = tl.load(best_ptr + row * num_slices + s, mask=ok, other=-1.0, cache_modifier=".cg")
+    i = tl.load(idx_ptr + row * num_slices + s, mask=ok, other=2147483647, cache_modifier=".cg")
+    top = tl.max(m, axis=0)
+    score = tl.where(m > float("-inf"), b * tl.exp(m - top), -1.0)
+    win = tl.max(score, axis=0)
+    pick = tl.min(tl.where(score == win, i, 2147483647), axis=0).to(tl.int64)
+    greedy = tl.load(greedy_ptr + row)
+    token = tl.where(_option_float(temp_ptr, row, rows_ptr, FROM_TABLE) > 0, pick, greedy)
+    tl.store(out_ptr + row, token)
+    # the token into its row's token table at its position, where the next step's input kernel
+    # reads it (that kernel waits for this grid's completion under PDL: no earlier read)
+    if COMMIT:
+        tl.store(tok_ptr + tl.load(rows_ptr + row) * tok_stride + tl.load(pos_ptr + row), token)
+
+
 @fast_launch
 @triton.jit(
-    do_not_specialize=["vocab", "stride", "num_slices"],
-    do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "div_ptr", "rows_ptr"],
-)
+    do_not_specialize=["vocab", "stride", "num_slices", "tok_stride"],
+    do_not_specialize_on_alignment=[
+        "seed_ptr", "pos_ptr", "div_ptr", "rows_ptr", "temp_ptr", "greedy_ptr", "tok_ptr", "count_ptr",
+    ],
+)  # fmt: skip
 def _slice_race_kernel(
     logits_ptr,
     div_ptr,
@@ -62,12 +92,20 @@ def _slice_race_kernel(
     max_ptr,
     best_ptr,
     idx_ptr,
+    temp_ptr,
+    greedy_ptr,
+    out_ptr,
+    tok_ptr,
+    count_ptr,
     vocab,
     stride,
     num_slices,
+    tok_stride,
     SLICE: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLICES: tl.constexpr,
     FROM_TABLE: tl.constexpr = False,
+    COMMIT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -104,48 +142,15 @@ def _slice_race_kernel(
     tl.store(max_ptr + row * num_slices + sl, m)
     tl.store(best_ptr + row * num_slices + sl, best)
     tl.store(idx_ptr + row * num_slices + sl, best_i)
-
-
-@fast_launch
-@triton.jit(
-    do_not_specialize=["num_slices", "tok_stride"],
-    do_not_specialize_on_alignment=["temp_ptr", "greedy_ptr", "rows_ptr", "pos_ptr", "tok_ptr"],
-)
-def _pick_kernel(
-    max_ptr,
-    best_ptr,
-    idx_ptr,
-    temp_ptr,
-    greedy_ptr,
-    out_ptr,
-    rows_ptr,
-    pos_ptr,
-    tok_ptr,
-    num_slices,
-    tok_stride,
-    SLICES: tl.constexpr,
-    FROM_TABLE: tl.constexpr = False,
-    COMMIT: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
-):
-    row = tl.program_id(0).to(tl.int64)
-    wait_and_release(USE_PDL)
-    s = tl.arange(0, SLICES)
-    ok = s < num_slices
-    m = tl.load(max_ptr + row * num_slices + s, mask=ok, other=float("-inf"))
-    b = tl.load(best_ptr + row * num_slices + s, mask=ok, other=-1.0)
-    i = tl.load(idx_ptr + row * num_slices + s, mask=ok, other=2147483647)
-    top = tl.max(m, axis=0)
-    score = tl.where(m > float("-inf"), b * tl.exp(m - top), -1.0)
-    win = tl.max(score, axis=0)
-    pick = tl.min(tl.where(score == win, i, 2147483647), axis=0).to(tl.int64)
-    greedy = tl.load(greedy_ptr + row)
-    token = tl.where(_option_float(temp_ptr, row, rows_ptr, FROM_TABLE) > 0, pick, greedy)
-    tl.store(out_ptr + row, token)
-    # the token into its row's token table at its position, where the next step's input kernel
-    # reads it (that kernel waits for this grid's completion under PDL: no earlier read)
-    if COMMIT:
-        tl.store(tok_ptr + tl.load(rows_ptr + row) * tok_stride + tl.load(pos_ptr + row), token)
+    # the row's last slice to finish picks: its slices' stores released, arrivals counted
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_slices - 1:
+        _pick(
+            row, max_ptr, best_ptr, idx_ptr, temp_ptr, greedy_ptr, out_ptr, rows_ptr, pos_ptr, tok_ptr,
+            num_slices, tok_stride, SLICES, FROM_TABLE, COMMIT,
+        )  # fmt: skip
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed")  # re-armed for the next launch
 
 
 def sample_logits_triton(
@@ -183,17 +188,16 @@ def sample_logits_triton(
     # each slice's max, best score and its index (int32 bits); rows of a multiple of 4
     # entries, so that each starts on 16 bytes whatever the batch (no new variant mid-serving)
     work = torch.empty(3, -(-rows * n // 4) * 4, dtype=torch.float32, device=logits.device)
-    launch = pdl.launch_kwargs(logits)
+    counts = _semaphores(logits.device, rows, user="sampler")
+    if counts is None:
+        raise RuntimeError(f"sample_logits: {rows} rows captured in a CUDA graph before any larger eager call")
     table = option_rows is not None
     idx = option_rows if table else positions  # (an unread pointer where no table is given)
     tok = commit if commit is not None else positions
     _slice_race_kernel[(rows, n)](
-        logits, divisor, seeds, positions, idx, work[0], work[1], work[2].view(torch.int32),
-        vocab, logits.stride(0), n, SLICE=slice_size, BLOCK=block, FROM_TABLE=table, num_warps=8, **launch,
-    )  # fmt: skip
-    _pick_kernel[(rows,)](
-        work[0], work[1], work[2].view(torch.int32), temperature, greedy, out, idx, positions, tok, n,
-        tok.stride(0) if commit is not None else 0, SLICES=MAX_SLICES, FROM_TABLE=table,
-        COMMIT=commit is not None, **launch,
+        logits, divisor, seeds, positions, idx, work[0], work[1], work[2].view(torch.int32), temperature, greedy,
+        out, tok, counts, vocab, logits.stride(0), n, tok.stride(0) if commit is not None else 0,
+        SLICE=slice_size, BLOCK=block, SLICES=MAX_SLICES, FROM_TABLE=table, COMMIT=commit is not None,
+        num_warps=8, **pdl.launch_kwargs(logits),
     )  # fmt: skip
     return out

@@ -46,6 +46,11 @@ def test_sample_logits_on_cuda(rows):
     for r in range(min(rows, 4)):
         s = slice(r, r + 1)
         assert sample_logits_triton(logits[s], div[s], temp[s], seeds[s], pos[s], greedy[s])[0] == got[r]
+    for _ in range(20):  # the last-arriving slice picks, whatever order the slices finish in
+        assert torch.equal(sample_logits_triton(logits, div, temp, seeds, pos, greedy), got)
+    from kernels.attention_splits import _semaphores
+
+    assert int(_semaphores(logits.device, 1, user="sampler").count_nonzero()) == 0  # all re-armed
 
 
 @pytest.mark.parametrize("rows", [3, 40])

@@ -288,18 +288,18 @@ def test_ngram_kernel_compiles(k, n_max):
 
 @pytest.mark.parametrize("table", [False, True], ids=["gathered", "option-table"])
 def test_fused_sampler_compiles(table):
-    """Both launches of the fused temperature sampler, reading gathered options (float rows)
-    or the option table's int64 words in place, the second also committing its tokens."""
-    from kernels.sample_logits import _pick_kernel, _slice_race_kernel
+    """The fused temperature sampler's one launch, reading gathered options (float rows) or
+    the option table's int64 words in place, its last slice of a row picking (and, from the
+    table, committing) the row's token."""
+    from kernels.sample_logits import _slice_race_kernel
 
     opt = "*i64" if table else "*fp32"
     pos = "*i32" if table else "*i64"  # (the lazy path passes the step's int32 lengths as they are)
     race = {"logits_ptr": "*fp32", "div_ptr": opt, "seed_ptr": "*i64", "pos_ptr": pos, "rows_ptr": "*i64"}
-    race |= {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32"}
-    _compile(_slice_race_kernel, dict(SLICE=16384, BLOCK=2048, FROM_TABLE=table, USE_PDL=True), race)
-    pick = {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32", "temp_ptr": opt}
-    pick |= {n: "*i64" for n in ("greedy_ptr", "out_ptr", "rows_ptr", "tok_ptr")} | {"pos_ptr": pos}
-    _compile(_pick_kernel, dict(SLICES=64, FROM_TABLE=table, COMMIT=table, USE_PDL=True), pick)
+    race |= {"max_ptr": "*fp32", "best_ptr": "*fp32", "idx_ptr": "*i32", "temp_ptr": opt, "count_ptr": "*i32"}
+    race |= {n: "*i64" for n in ("greedy_ptr", "out_ptr", "tok_ptr")}
+    const = dict(SLICE=16384, BLOCK=2048, SLICES=64, FROM_TABLE=table, COMMIT=table, USE_PDL=True)
+    _compile(_slice_race_kernel, const, race)
 
 
 def test_input_prep_pads_a_decode_graph_compiles():
