@@ -260,8 +260,8 @@ def reduce_splits(
 
 def _semaphores(device: torch.device, n: int, user: str = "attention") -> torch.Tensor | None:
     """A zeroed counter buffer of >= n entries, ``user``'s own, or None while capturing a CUDA
-    graph with a buffer too small (allocating then would tie it to the graph's pool): the
-    caller falls back to the reduce kernel."""
+    graph with a buffer too small (allocating then would tie it to the graph's pool): each
+    caller has its own way out (the attention falls back to the reduce kernel)."""
     key = (user, device.type, device.index if device.index is not None else -1)
     buf = _SEMAPHORES.get(key)
     if buf is not None and buf.numel() >= n:

@@ -13,7 +13,7 @@ winner (ties to the lowest token id) and writes the greedy argmax for greedy row
 launch for the pick cost about as much host time again: a Triton launch is 45-90 us of it.)
 
 Where a step samples by temperature only, the options need not be gathered first: with
-``option_rows`` the kernels read each row's divisor, temperature and seed from the option
+``option_rows`` the kernel reads each row's divisor, temperature and seed from the option
 table at its device row, and with ``commit`` the pick also writes each token into the token
 table the next step reads (the commit that was one more operator a step).
 

@@ -9,7 +9,7 @@ its rows' lengths (one token a row: a new request whose prompt the prefix cache 
 for its last token) places them with ``kernels.place``'s own launch first. Each is a Triton
 variant, and so is each form without a placement (a step with no new request: a chunked
 prefill's next chunk beside decode rows); the scratch requests' steps compile only the
-forms their own steps take. ``warm_placing_inputs`` launches every form with and without a
+forms their own steps take. ``warm_input_forms`` launches every form with and without a
 placement, on a scratch state of two rows, before serving starts.
 """
 
@@ -24,7 +24,7 @@ from workers.device_state import DeviceState, to_device
 _GREEDY = SamplingOptions(0.0, 1.0, 0, 0.0, 0, 1.0, 0.0, 0.0, 0, [], -1)
 
 
-def warm_placing_inputs(max_model_len: int, max_blocks: int, vocab: int, block_size: int, device) -> int:
+def warm_input_forms(max_model_len: int, max_blocks: int, vocab: int, block_size: int, device) -> int:
     """Launch the input kernel in each step form, placing and not, and the placement kernel
     (see the module docstring), on a scratch two-row state whose specialised shapes are the engine's
     (its ``token_ids`` width: ``max_model_len``); returns the launches made."""

@@ -292,11 +292,11 @@ class ModelRunner:
         )
         for plan in plans:
             self.execute(plan)
-        if self.device.type == "cuda":  # every form of a step that places new requests
-            from workers.input_warm_up import warm_placing_inputs
+        if self.device.type == "cuda":  # every step form, placing and not
+            from workers.input_warm_up import warm_input_forms
 
             st = self.state
-            warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, self.block_size, self.device)
+            warm_input_forms(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, self.block_size, self.device)
         self._last_end_ev = None  # the first real step's device-idle gap starts with it
 
     def captures_graphs(self) -> bool:

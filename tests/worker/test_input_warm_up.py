@@ -1,4 +1,4 @@
-"""``warm_placing_inputs`` compiles, before serving, the input-kernel variant of every step
+"""``warm_input_forms`` compiles, before serving, the input-kernel variant of every step
 form, placing new requests in its own launch and not: the launches of real steps (eager,
 and built into a mixed-step graph's buffers) are recorded on the CPU and their Triton keys
 (constexprs, specialisations, launch options) must be among the warm-up's. A key outside
@@ -37,9 +37,9 @@ def recorder(monkeypatch):
 
 
 def _warm_keys(rec, st) -> set:
-    from workers.input_warm_up import warm_placing_inputs
+    from workers.input_warm_up import warm_input_forms
 
-    assert warm_placing_inputs(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 7
+    assert warm_input_forms(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 7
     keys = rec.variants()
     rec.calls.clear()
     # eager, decode graph, mixed graph, each placing and not (and the placement kernel's own launch)
