@@ -7,8 +7,10 @@ GPU is doing; one that waits (a host read of device data, a pageable copy, alloc
 growth, or a launch queue filled by thousands of small kernels) takes about the wait.
 
 Modes: plain async scheduling, async with n-gram drafts, async with a draft model,
-async under KV pressure (preemption), FP8 weights and KV cache, and every sampling option
-at once (top-k/top-p, min-p, penalties, min_tokens, logprobs beside greedy rows). Each runs
+async under KV pressure (preemption), FP8 weights and KV cache, every sampling option at
+once (top-k/top-p, min-p, penalties, min_tokens, logprobs beside greedy rows), and the
+engine's default synchronous scheduling, plain and with a draft model (the driver waits
+for each step's tokens before planning the next; the launch itself must not). Each runs
 requests arriving mid-run (more prompts than ``max_num_seqs``) and then prompts that hit
 the prefix cache.
 
@@ -26,19 +28,22 @@ import statistics
 from benchmarks.common import phase_medians, thread_time_medians
 from benchmarks.shapes import resolve_model
 
-MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8", "async+options")
+MODES = ("async", "async+ngram", "async+draft", "async+preempt", "async+fp8", "async+options", "sync", "sync+draft")
 
 
 def mode_options(mode: str, model: str) -> dict:
-    if mode == "async+ngram":
-        return {"speculative_method": "ngram", "num_speculative_tokens": 3}
-    if mode == "async+draft":
-        return {"speculative_method": "draft_model", "speculative_model": model, "num_speculative_tokens": 3}
-    if mode == "async+preempt":
-        return {"num_kv_blocks": 160}  # 48 requests of ~230 tokens in blocks of 16 do not fit
-    if mode == "async+fp8":  # FP8 weights (per-token activation quantization) and KV cache
-        return {"quantization": "fp8", "kv_cache_dtype": "fp8"}
-    return {}
+    """``mode``'s engine options besides ``make_llm``'s (``async_scheduling`` among them)."""
+    sched, _, extra = mode.partition("+")
+    opts = {"async_scheduling": sched == "async"}
+    if extra == "ngram":
+        return opts | {"speculative_method": "ngram", "num_speculative_tokens": 3}
+    if extra == "draft":
+        return opts | {"speculative_method": "draft_model", "speculative_model": model, "num_speculative_tokens": 3}
+    if extra == "preempt":
+        return opts | {"num_kv_blocks": 160}  # 48 requests of ~230 tokens in blocks of 16 do not fit
+    if extra == "fp8":  # FP8 weights (per-token activation quantization) and KV cache
+        return opts | {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    return opts
 
 
 def rich_sampling(mode: str) -> bool:
@@ -96,13 +101,12 @@ def workload(
 
 
 def make_llm(mode: str, model: str, fmt: str, max_num_seqs: int, **options):
-    """The engine a mode's workload runs on (async scheduling, 2,048 positions), with ``options``."""
+    """The engine a mode's workload runs on (its scheduling, 2,048 positions), with ``options``."""
     from cluster import LLM
 
     return LLM(
         model=model,
         load_format=fmt,
-        async_scheduling=True,
         max_num_seqs=max_num_seqs,
         max_model_len=2048,
         **mode_options(mode, model),
@@ -157,6 +161,7 @@ def run_mode(
             "launch_cpu_ms": cpu,
             "launch_allocs": allocs,
             "preemptions": llm.engine.scheduler.num_preemptions,
+            "async_scheduling": llm.engine.async_scheduling,
             "mixed_graph_replays": sum(s["mixed_graph_replays"] for s in stats),
             # Triton variants compiled or loaded after start-up (a first use's host time)
             "kernel_variants_after_start": sum(s["kernel_variants_after_start"] for s in stats),

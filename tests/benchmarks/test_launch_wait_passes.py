@@ -21,6 +21,19 @@ def test_only_the_last_pass_is_recorded(ray_local, ckpt_dir):
     assert all(c[2] >= 0 for c in cpu) and statistics.median(c[2] - c[1] for c in cpu) <= 0.05, cpu
 
 
+def test_sync_modes_run_the_engines_default_scheduling(ray_local, ckpt_dir):
+    """``sync`` and ``sync+draft`` (the engine's default: the driver waits for each step's
+    tokens) run without async scheduling, every other mode with it; the sync run is timed
+    launch by launch like the async ones."""
+    from benchmarks.launch_wait import MODES, mode_options
+
+    assert {m for m in MODES if not mode_options(m, "m")["async_scheduling"]} == {"sync", "sync+draft"}
+    assert mode_options("sync+draft", "m")["speculative_method"] == "draft_model"
+    ck = str(ckpt_dir("llama", max_pos=4096))
+    run = run_mode("sync", ck, "safetensors", 5.0, num_prompts=8, prompt_len=40, max_num_seqs=4, vocab=200)
+    assert run["async_scheduling"] is False and len(run["launch_ms"]) > 20, run["launch_ms"]
+
+
 def test_each_pass_has_new_prompts_of_the_same_shape():
     (a, pa), (b, pb) = workload(4, 30, 100, seed=0), workload(4, 30, 100, seed=1)
     assert a != b and [len(p) for p in a] == [len(p) for p in b]
