@@ -96,7 +96,7 @@ def run_mode(mode: str, model: str, fmt: str, wait_ms: float, launches: int, voc
 
     from cluster import LLM
 
-    opts = dict(load_format=fmt, async_scheduling=True, max_num_seqs=32, max_model_len=2048)
+    opts = dict(load_format=fmt, max_num_seqs=32, max_model_len=2048)  # (the mode sets the scheduling)
     llm = LLM(model=model, launch_wait_probe_ms=wait_ms, **opts, **mode_options(mode, model))
     try:
         ids, params = workload(vocab=vocab, rich=rich_sampling(mode))
