@@ -36,6 +36,8 @@ SECTIONS = [
     ("workers.step_inputs", "build_window", "build_window"),
     ("workers.step_inputs", "to_device", "to_device (step inputs)"),
     ("workers.step_inputs", "prepare_inputs", "prepare_inputs"),
+    ("workers.input_graphs:InputGraphs", "load", "input graph: copy into the stage"),
+    ("workers.input_graphs:InputGraphs", "run", "input graph: replay"),
     ("workers.cuda_graphs:DecodeGraphs", "run", "decode graph run"),
     ("workers.mixed_graphs:MixedGraphs", "logits", "mixed graph logits"),
     ("torch.cuda:CUDAGraph", "replay", "graph replay"),

@@ -75,6 +75,7 @@ class GraphPad(NamedTuple):
     do_not_specialize_on_alignment=["staged_ptr", "new_j_ptr"],
 )
 def _prepare_inputs_kernel(
+    hdr_ptr,
     starts_ptr,
     rows_ptr,
     qsl_in_ptr,
@@ -126,8 +127,31 @@ def _prepare_inputs_kernel(
     COMMIT_LENGTHS: tl.constexpr = False,
     PLACE: tl.constexpr = False,
     WORDS: tl.constexpr = 1,
+    HEADER: tl.constexpr = False,
 ):
     tl.static_assert(not PLACE or (STARTS_BY_ROW and not COMMIT_LENGTHS))
+    if HEADER:  # the step's scalars and segment offsets from its staged words (kernels.input_header)
+        n_tokens = tl.load(hdr_ptr + 0).to(tl.int32)
+        n_reqs = tl.load(hdr_ptr + 1).to(tl.int32)
+        n_iter = tl.load(hdr_ptr + 2).to(tl.int32)
+        n_blk = tl.load(hdr_ptr + 3).to(tl.int32)
+        stride_bt = tl.load(hdr_ptr + 4).to(tl.int32)
+        pad_tokens = tl.load(hdr_ptr + 5).to(tl.int32)
+        pad_reqs = tl.load(hdr_ptr + 6).to(tl.int32)
+        n_logits = tl.load(hdr_ptr + 7).to(tl.int32)
+        pad_seq_rows = tl.load(hdr_ptr + 8).to(tl.int32)
+        pad_seq_len = tl.load(hdr_ptr + 9).to(tl.int32)
+        st_tok = tl.load(hdr_ptr + 10).to(tl.int32)
+        st_prompt = tl.load(hdr_ptr + 11).to(tl.int32)
+        st_req = tl.load(hdr_ptr + 12).to(tl.int32)
+        rows_ptr = hdr_ptr + tl.load(hdr_ptr + 13)
+        qsl_in_ptr = hdr_ptr + tl.load(hdr_ptr + 14)
+        q_lens_ptr = hdr_ptr + tl.load(hdr_ptr + 15)
+        capacity_ptr = hdr_ptr + tl.load(hdr_ptr + 16)
+        block_table_ptr = (hdr_ptr + tl.load(hdr_ptr + 17)).to(tl.pointer_type(tl.int32))
+        logits_src_ptr = hdr_ptr + tl.load(hdr_ptr + 18)
+        staged_ptr = hdr_ptr + tl.load(hdr_ptr + 19)
+        new_j_ptr = hdr_ptr + tl.load(hdr_ptr + 20)
     wait_and_release(USE_PDL)  # (before any write: the previous kernel may still read the rows)
     if PLACE and tl.program_id(0) >= n_in:  # the new requests' placement (DeviceState.stage's words)
         words = staged_ptr + 3 * st_tok + 3 * st_req
@@ -182,7 +206,7 @@ def _prepare_program(
     row = tl.load(rows_ptr + r, mask=ok, other=0)
     is_old = ok
     if PLACE:
-        nj = tl.load(new_j_ptr + r, mask=ok, other=-1)
+        nj = tl.load(new_j_ptr + r, mask=ok & (t * 0 + st_req > 0), other=-1)  # (a header's step may place none)
         is_new = ok & (nj >= 0)
         is_old = ok & (nj < 0)
         nj = tl.maximum(nj, 0)
@@ -334,6 +358,7 @@ def prepare_inputs_triton(
     assert token_ids.stride(-1) == 1 and block_table.stride(-1) == 1
     n_in = triton.cdiv(max(n_tokens, pad_tokens), block)
     _prepare_inputs_kernel[(n_in + (1 + triton.cdiv(place.n_tok, block) if place is not None else 0),)](
+        qsl,  # (no header)
         starts,
         rows,
         qsl,

@@ -126,6 +126,7 @@ class WorkerActor:
             # with launch_wait_probe_ms: (mixed step?, pinned host blocks, device segments) created a launch
             "launch_allocs": [list(a) for a in self.runner.launch_allocs] if self.runner is not None else [],
             "mixed_graph_replays": getattr(getattr(self.runner, "mixed_graphs", None), "replays", 0),
+            "input_graph_replays": getattr(getattr(self.runner, "input_graphs", None), "replays", 0),
             "decode_graph_buckets": sorted(getattr(getattr(self.runner, "graphs", None), "buckets_replayed", ())),
             "allocator_growths": self.sync_check.allocator_growths,  # steps that grew the CUDA pool
             "padded_verify_steps": getattr(self.runner, "padded_steps", 0),  # uneven drafts, one graph

@@ -1,8 +1,8 @@
 """CUDA graph capture for a ``ModelRunner``: decode graphs, a draft model's decode and proposal
-graphs, and the mixed-step graphs, all replaying from one memory pool per model (one step
-replays one graph at a time). KV sizing reserves their outputs beforehand
-(``workers.memory_profile.graph_output_bytes``), from the same ``captures_graphs`` and
-``graph_query_lens``."""
+graphs, the mixed-step graphs and the input kernel's graphs (``workers.input_graphs``). A
+model's graphs replay from one memory pool (one step replays one of them at a time); KV sizing
+reserves their outputs beforehand (``workers.memory_profile.graph_output_bytes``),
+from the same ``captures_graphs`` and ``graph_query_lens``."""
 
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ def capture_cuda_graphs(r) -> None:
         )
         proposer.propose_graphs.capture()
     _capture_mixed(r)
+    if r.spec is None:  # (a draft model's windows read a step's staged words: workers.input_graphs)
+        from workers.input_graphs import build_input_graphs
+
+        n = r.cfg.scheduler.max_num_seqs
+        r.input_graphs = build_input_graphs(
+            r.state, r.block_size, r.graphs, r.mixed_graphs, n, r.max_blocks_per_req, r.device
+        )
+        r.input_graphs.capture()
 
 
 def mixed_logits_rows(r) -> int:

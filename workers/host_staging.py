@@ -68,6 +68,22 @@ class PinnedStaging:
             event.record(torch.cuda.current_stream(self.device))  # (the copy's stream: the device's)
         return out.view(t.dtype).view(t.shape)
 
+    def copy_into(self, t: torch.Tensor, dst: torch.Tensor) -> None:
+        """``t`` (a CPU tensor) copied into ``dst`` (contiguous, on the device, of its dtype and
+        size): a fixed buffer, which only stream order protects (``workers.input_graphs``)."""
+        nbytes = t.numel() * t.element_size()
+        if dst.dtype != t.dtype or dst.numel() != t.numel() or not dst.is_contiguous():
+            raise ValueError("PinnedStaging.copy_into: the destination must match the source")
+        with self._lock:
+            slot = self._slot(nbytes) if nbytes <= MAX_STAGED_BYTES else None
+            if slot is None:
+                dst.copy_(t.pin_memory(), non_blocking=True)
+                return
+            buf, arr, event = slot
+            arr[:nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
+            dst.view(torch.uint8).copy_(buf[:nbytes], non_blocking=True)
+            event.record(torch.cuda.current_stream(self.device))
+
 
 _staging: dict[torch.device, PinnedStaging] = {}
 _staging_lock = threading.Lock()

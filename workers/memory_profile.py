@@ -11,6 +11,7 @@ from metadata.attention_metadata import AttentionMetadata
 from workers import kv_cache
 from workers.cuda_graphs import decode_graph_output_bytes
 from workers.graph_capture import mixed_logits_rows
+from workers.input_graphs import input_stage_words
 from workers.mixed_graphs import max_step_tokens, mixed_graph_output_bytes
 from workers.pipeline import scratch_model
 
@@ -96,7 +97,7 @@ def graph_output_bytes(r) -> int:
     (``capture_cuda_graphs``: none on the CPU, with ``enforce_eager`` or in a pipeline stage):
     the decode graphs' largest logits (the others share its memory), the mixed-step graphs'
     largest logits, the draft's decode graphs' and mixed-step graphs' hidden states, which
-    the profiling forward does not allocate."""
+    the profiling forward does not allocate, and the input graphs' stage."""
     if not r.captures_graphs():
         return 0
     sched = r.cfg.scheduler
@@ -110,4 +111,6 @@ def graph_output_bytes(r) -> int:
         draft_row = r.spec.draft_arch.hidden_size * elt
         total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, draft_q, draft_row, False)
         total += mixed_graph_output_bytes(max_tokens + sched.max_num_seqs, draft_row)
+    else:  # the input graphs' stage (workers.input_graphs)
+        total += 8 * input_stage_words(sched.max_num_seqs, r.max_blocks_per_req, mixed_logits_rows(r))
     return total

@@ -116,6 +116,7 @@ class ModelRunner:
         self.bounds_are_exact = self.spec is None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs = None  # workers.mixed_graphs.MixedGraphs, after capture
+        self.input_graphs = None  # workers.input_graphs.InputGraphs, after capture (no drafts, no stages)
         self.pad_query_lens = None  # verify lengths uneven steps pad to (None: the graphs')
         self.padded_steps = 0  # verify steps run padded to a uniform query length
         self.launch_ms: collections.deque = collections.deque(maxlen=4096)  # host time a launch
@@ -347,6 +348,8 @@ class ModelRunner:
             self.graphs.buckets_replayed.clear()
         if self.mixed_graphs is not None:
             self.mixed_graphs.replays = 0
+        if self.input_graphs is not None:
+            self.input_graphs.replays = 0
 
     def arm_launch_probe(self) -> None:
         """``launch_wait_probe_ms``: calibrate ``torch.cuda._sleep``'s cycles per ms once,
@@ -388,6 +391,7 @@ class ModelRunner:
             self.mixed_graphs,
             staged,
             commit_lengths=self.spec is None and self.pp is None,  # (drafts, stages: the old lengths read)
+            input_graphs=self.input_graphs,
         )
         key = inp.graph_key
         self._decode_graph_step = key is not None

@@ -18,6 +18,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from kernels.input_header import HEADER_WORDS, header_words
 from kernels.input_prep import prepare_inputs
 from metadata.attention_metadata import AttentionMetadata
 from metadata.wire import SamplingOptions, StepPlan
@@ -54,6 +55,7 @@ def build_window(
     graph_pad: tuple | None = None,
     placement: StagedPlacement | None = None,
     commit_lengths: bool = False,
+    input_graph: tuple | None = None,
 ) -> tuple[Window, list[torch.Tensor], torch.Tensor]:
     """Row ``r`` covers positions ``starts[r] .. starts[r] + q_lens[r] - 1`` (``starts`` on the
     device); ``ubs[r]`` bounds its KV length after the window. Slots outside the row's
@@ -73,10 +75,21 @@ def build_window(
     ``DeviceState.place``, where ``starts`` are given or ``commit_lengths`` is on).
     ``commit_lengths`` (one token a row, ``starts`` None): the input kernel also sets each
     row's ``num_computed`` to its new length. ``table_blocks``: the packed block table's width (default:
-    the blocks of the largest bound; a lookahead needs more). Returns the window (its
-    ``block_table`` on the device), the extras and the device rows."""
+    the blocks of the largest bound; a lookahead needs more). ``input_graph``: (a
+    ``workers.input_graphs.InputGraphs``, the key of the step's shape), for a graph step
+    (``out`` and ``graph_pad`` given, everything host-made staged): its words go into the
+    fixed stage behind a header and the captured input kernel reads them there; a step that
+    does not fit the stage takes the launch. Returns the window (its ``block_table`` on
+    the device), the extras and the device rows."""
     dev, bs = st.device, block_size
     n_reqs = len(rows_cpu)
+    shape = None
+    if input_graph is not None:
+        shape = input_graph[0].shapes[input_graph[1]]
+        if shape.commit_lengths != commit_lengths or graph_pad is None or graph_pad.tokens != shape.pad_tokens:
+            raise ValueError(f"build_window: the step does not match input graph {input_graph[1]}")
+        if starts is not None or rows is not None or capacity is not None or block_table is not None:
+            raise ValueError("build_window: an input graph's step stages its rows, capacities and table")
     # host ints as lists (each torch op on small CPU tensors costs more than the Python)
     qsl = [0, *accumulate(q_lens)]
     n_tokens = qsl[-1]
@@ -88,6 +101,8 @@ def build_window(
     # new requests are placed by the input kernel's own launch (where it reads the rows'
     # starts): each step request's index among them rides along
     fold = placement is not None and starts is None and not commit_lengths
+    if shape is not None:  # (more tokens than the input graph's launch places: placed before it)
+        fold = fold and placement.sizes[0] <= shape.place_tokens
     if fold:
         j_of = {row: j for j, row in enumerate(placement.rows)}
         lists.append([j_of.get(r, -1) for r in rows_cpu])
@@ -121,9 +136,30 @@ def build_window(
     if placement is not None:  # last: the segments above keep their 16-byte offsets
         arrays.append(placement.words)
         sizes.append(placement.words.size)
+    if shape is not None and HEADER_WORDS + sum(sizes) > input_graph[0].stage.shape[0]:
+        shape = None  # (a step too large for the stage: the input kernel's own launch)
+    if shape is not None:
+        starts_at = list(accumulate(sizes, initial=HEADER_WORDS))
+        at = lambda i: starts_at[keep[i]]  # noqa: E731 (segment i's word offset)
+        offsets = dict(q_lens=at(0), qsl_in=at(1), capacity=at(2), rows=at(n_own + n_extra), block_table=at(-1))
+        st_n = (0, 0, 0)
+        if fold:
+            offsets.update(new_j=at(n_own - 1), staged=starts_at[len(sizes) - 1])
+            st_n = (placement.sizes[0], placement.num_prompt_tokens, placement.sizes[3])
+        n_logits = 0
+        if graph_pad.logits_dst is not None:
+            offsets["logits_src"], n_logits = at(n_own), sizes[keep[n_own]]
+        hdr = header_words(
+            qsl[-1], n_reqs, n_blk, width, graph_pad.tokens, graph_pad.reqs, max(graph_pad.seq_rows, n_reqs),
+            graph_pad.seq_len, offsets, n_logits, *st_n,
+        )  # fmt: skip
+        arrays.insert(0, np.array(hdr, dtype=np.int64))
     if len(arrays) > 1:
         packed = torch.from_numpy(np.concatenate(arrays))
-    packed = to_device(packed, dev)
+    if shape is not None:
+        packed = input_graph[0].load(packed)[HEADER_WORDS:]
+    else:
+        packed = to_device(packed, dev)
     views = packed.split_with_sizes(sizes)  # (the method: torch.split's Python wrapper costs more)
     split = [views[i] for i in keep]  # the segments, without their pads
     place = None
@@ -141,23 +177,28 @@ def build_window(
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
     if graph_pad is not None and graph_pad.logits_dst is not None:
         graph_pad = graph_pad._replace(logits_src=back[0])
-    positions, input_ids, seq_lens, slot_mapping, qsl_d = prepare_inputs(
-        starts,
-        rows,
-        qsl_in,
-        n_tokens,
-        q_lens_d,
-        capacity,
-        st.token_ids,
-        block_table,
-        bs,
-        every_request_has_tokens=min(q_lens) >= 1,
-        out=out,
-        num_computed=st.num_computed if starts is None else None,
-        pad=graph_pad,
-        commit_lengths=commit_lengths,
-        place=place,
-    )
+    if shape is not None:  # the captured input kernel, over the stage's step
+        input_graph[0].run(input_graph[1])
+        positions, input_ids, seq_lens, slot_mapping = out
+        qsl_d = graph_pad.qsl[: n_reqs + 1]
+    else:
+        positions, input_ids, seq_lens, slot_mapping, qsl_d = prepare_inputs(
+            starts,
+            rows,
+            qsl_in,
+            n_tokens,
+            q_lens_d,
+            capacity,
+            st.token_ids,
+            block_table,
+            bs,
+            every_request_has_tokens=min(q_lens) >= 1,
+            out=out,
+            num_computed=st.num_computed if starts is None else None,
+            pad=graph_pad,
+            commit_lengths=commit_lengths,
+            place=place,
+        )
     meta = AttentionMetadata(
         query_start_loc=qsl_d,
         query_start_loc_cpu=torch.from_numpy(np.array(qsl, dtype=np.int32)),  # (cheaper than torch.tensor)
@@ -246,6 +287,7 @@ def build_step_inputs(
     mixed=None,
     placement: StagedPlacement | None = None,
     commit_lengths: bool = False,
+    input_graphs=None,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``).
@@ -257,7 +299,9 @@ def build_step_inputs(
     ``commit_lengths``: where every row has one token and the step replays a decode graph (or
     no graphs exist), its input kernel also sets the rows' ``num_computed``
     (``StepInputs.lengths_committed``; only where nothing reads the old lengths before the
-    step would set them: no drafts, no pipeline stages)."""
+    step would set them: no drafts, no pipeline stages). ``input_graphs`` (a
+    ``workers.input_graphs.InputGraphs``): a step replaying a graph whose input kernel was
+    captured replays that too (``build_window``'s ``input_graph``)."""
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     # (comprehensions, not one loop of appends: this runs on every launch's critical path)
@@ -326,6 +370,12 @@ def build_step_inputs(
     # (one token a row, and a launch form start-up compiled: a decode graph's, or an engine without graphs)
     commit = commit_lengths and pads is None and ends[-1] == len(q_lens) and min(q_lens) == 1
     commit = commit and (key is not None or (graphs is None and mixed is None))
+    input_graph = None
+    if input_graphs is not None and graph_pad is not None:
+        ig_key = ("mixed", graph_pad.tokens) if key is None else ("decode", key[0]) if key[2] == 1 else None
+        shape = input_graphs.shapes.get(ig_key)
+        if shape is not None and shape.commit_lengths == commit:
+            input_graph = (input_graphs, ig_key)
     win, back, rows = build_window(
         st,
         None,
@@ -340,6 +390,7 @@ def build_step_inputs(
         graph_pad=graph_pad,
         placement=placement,
         commit_lengths=commit,
+        input_graph=input_graph,
     )
     logits_i, bonus_i, sample_rows, s_rows_d = back[:4]
     if graph_pad is not None and graph_pad.logits_dst is not None:  # (copied there by the input kernel)

@@ -327,3 +327,18 @@ def test_input_prep_placing_new_requests_compiles(table, logits):
     const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=True, STARTS_BY_ROW=True, COMMIT_LENGTHS=False)
     const |= dict(COPY_TABLE=table, COPY_LOGITS=logits, PLACE=True, WORDS=OPTION_WORDS)
     _compile(_prepare_inputs_kernel, const, ptrs, default_ptr="*i64")
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_input_prep_from_a_header_compiles(mixed):
+    """The input kernel reading its step from the stage's header (``kernels.input_header``), in
+    its two captured forms: a decode graph's (lengths committed) and a mixed graph's (new
+    requests placed, sampled-token indices copied); the segment pointers are the stage's."""
+    from kernels.input_prep import _prepare_inputs_kernel
+    from workers.device_state import OPTION_WORDS
+
+    ptrs = {n: "*i32" for n in ("starts_ptr", "seq_lens_ptr", "qsl_ptr", "bt_dst_ptr")}
+    ptrs |= {"prompt_len_ptr": "*i32", "counts_ptr": "*i32", "mask_ptr": "*i1"} if mixed else {}
+    const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=False, STARTS_BY_ROW=True, COMMIT_LENGTHS=not mixed)
+    const |= dict(COPY_TABLE=True, COPY_LOGITS=mixed, PLACE=mixed, WORDS=OPTION_WORDS if mixed else 1, HEADER=True)
+    _compile(_prepare_inputs_kernel, const, ptrs, default_ptr="*i64")

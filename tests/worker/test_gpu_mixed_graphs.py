@@ -46,6 +46,8 @@ def test_mixed_step_graphs_match_eager(tmp_path, arch):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eager, graphs, stats = _eager_and_graphs(ckpt, prompts, sp, 96)
     assert stats["mixed_graph_replays"] > 0
+    # (every graph step's inputs from the stage, by its captured input kernel: workers.input_graphs)
+    assert stats["input_graph_replays"] >= stats["mixed_graph_replays"], stats
     assert graphs == eager
 
 
