@@ -21,6 +21,8 @@ An offset of a segment the step lacks is 0 (its count is 0: never read).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.input_prep import _prepare_inputs_kernel
 
@@ -108,3 +110,23 @@ def prepare_inputs_from_header(
         COPY_LOGITS=logits_dst is not None, COMMIT_LENGTHS=commit_lengths, PLACE=place_state is not None,
         WORDS=words, HEADER=True, num_warps=4, USE_PDL=False,
     )  # fmt: skip
+
+
+@triton.jit
+def _commit_lengths_kernel(hdr_ptr, seq_lens_ptr, num_computed_ptr, BLOCK: tl.constexpr):
+    """Each of the header's step rows' ``num_computed`` set to its new length (``seq_lens``)."""
+    n_reqs = tl.load(hdr_ptr + 1).to(tl.int32)
+    rows_ptr = hdr_ptr + tl.load(hdr_ptr + 13)
+    for start in range(0, n_reqs, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        m = r < n_reqs
+        row = tl.load(rows_ptr + r, mask=m, other=0)
+        tl.store(num_computed_ptr + row, tl.load(seq_lens_ptr + r, mask=m, other=0), mask=m)
+
+
+def commit_lengths_from_header(stage: torch.Tensor, seq_lens: torch.Tensor, num_computed: torch.Tensor) -> None:
+    """After the input kernel of a step of several tokens a row (which cannot set the lengths it
+    reads: ``prepare_inputs_from_header``), each of its rows' ``num_computed`` becomes its new
+    length, in one program: what ``ModelRunner`` would otherwise index-write after the forward
+    (nothing between reads the old lengths)."""
+    _commit_lengths_kernel[(1,)](stage, seq_lens, num_computed, BLOCK=256, num_warps=4)

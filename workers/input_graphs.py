@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from kernels.input_header import HEADER_WORDS, prepare_inputs_from_header
+from kernels.input_header import HEADER_WORDS, commit_lengths_from_header, prepare_inputs_from_header
 from workers.host_staging import staging_for
 
 logger = logging.getLogger(__name__)
@@ -34,12 +34,15 @@ PLACE_TOKENS = 4096  # staged tokens a mixed graph's launch places (more: placed
 
 @dataclass(frozen=True)
 class InputShape:
-    """What a step of one input graph must match: its padded token count and, for a mixed
-    graph, how many staged tokens its launch can place (0: it places none)."""
+    """What a step of one input graph must match: its padded token count, for a mixed graph
+    how many staged tokens its launch can place (0: it places none), and whether the input
+    kernel sets the rows' lengths (one token a row); ``commits_after``: a second kernel of
+    the graph sets them (the step's ``num_computed`` are then its new lengths either way)."""
 
     pad_tokens: int
     place_tokens: int
     commit_lengths: bool
+    commits_after: bool = False
 
 
 def stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int, option_words: int, place_tokens: int) -> int:
@@ -87,12 +90,13 @@ class InputGraphs:
     ) -> None:
         """Registers the launch of one padded shape: ``out`` (positions, input_ids, seq_lens,
         slots), ``qsl_out``, ``block_table_dst`` and ``logits_dst`` are its graph's static
-        buffers (whole: the kernel writes from their start); ``place``: new requests too."""
+        buffers (whole: the kernel writes from their start); ``place``: new requests too.
+        Without ``commit_lengths`` a second kernel sets the rows' lengths after it."""
         st = self.st
         place_tokens = PLACE_TOKENS if place else 0
         state = (st.prompt_len, st.prompt_mask, st.output_counts, st.option_table) if place else None
-        self.shapes[key] = InputShape(pad_tokens, place_tokens, commit_lengths)
-        self._launch[key] = partial(
+        self.shapes[key] = InputShape(pad_tokens, place_tokens, commit_lengths, not commit_lengths)
+        inputs = partial(
             prepare_inputs_from_header,
             self.stage,
             -(-pad_tokens // BLOCK),
@@ -108,6 +112,11 @@ class InputGraphs:
             commit_lengths=commit_lengths,
             block=BLOCK,
         )
+        if commit_lengths:
+            self._launch[key] = inputs
+        else:
+            commit = partial(commit_lengths_from_header, self.stage, out[2], st.num_computed)
+            self._launch[key] = lambda: (inputs(), commit())
 
     @torch.inference_mode()
     def capture(self) -> None:

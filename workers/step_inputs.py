@@ -36,6 +36,7 @@ class Window:
     meta: AttentionMetadata
     block_table: torch.Tensor  # device [num_reqs, n_blk]
     capacity: torch.Tensor  # device int64 [num_reqs]: positions the row's blocks can hold
+    lengths_committed: bool = False  # the rows' num_computed hold their new lengths (set on the device)
 
 
 def build_window(
@@ -177,8 +178,10 @@ def build_window(
         block_table = split[-1].view(torch.int32).view(n_reqs, width)[:, :n_blk]
     if graph_pad is not None and graph_pad.logits_dst is not None:
         graph_pad = graph_pad._replace(logits_src=back[0])
+    committed = commit_lengths
     if shape is not None:  # the captured input kernel, over the stage's step
         input_graph[0].run(input_graph[1])
+        committed = commit_lengths or shape.commits_after
         positions, input_ids, seq_lens, slot_mapping = out
         qsl_d = graph_pad.qsl[: n_reqs + 1]
     else:
@@ -214,7 +217,7 @@ def build_window(
         bounds_are_exact=bounds_are_exact,
         eager=True,  # a graph replay uses its own metadata
     )
-    return Window(input_ids, positions, meta, block_table, capacity), back, rows
+    return Window(input_ids, positions, meta, block_table, capacity, committed), back, rows
 
 
 @dataclass
@@ -418,7 +421,7 @@ def build_step_inputs(
         graph_key=key,
         mixed_graph=mixed_graph,
         pads=pads,
-        lengths_committed=commit,
+        lengths_committed=win.lengths_committed,
     )
     if k_max:
         s = len(sample_idx)

@@ -342,3 +342,7 @@ def test_input_prep_from_a_header_compiles(mixed):
     const = dict(KV_BLOCK_SIZE=16, BLOCK=256, USE_PDL=False, STARTS_BY_ROW=True, COMMIT_LENGTHS=not mixed)
     const |= dict(COPY_TABLE=True, COPY_LOGITS=mixed, PLACE=mixed, WORDS=OPTION_WORDS if mixed else 1, HEADER=True)
     _compile(_prepare_inputs_kernel, const, ptrs, default_ptr="*i64")
+    if mixed:  # (and the graph's second kernel: the rows' new lengths)
+        from kernels.input_header import _commit_lengths_kernel
+
+        _compile(_commit_lengths_kernel, dict(BLOCK=256), {"hdr_ptr": "*i64"}, default_ptr="*i32")

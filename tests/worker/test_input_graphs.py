@@ -77,6 +77,8 @@ def _step(world, handles, q_lens, kind, graphs, new=None):
         st, None, rows_cpu, q_lens, ubs, None, BS, True, packed_extra=extra, out=out, graph_pad=pad,
         placement=staged, commit_lengths=kind == "decode", input_graph=(graphs, key) if graphs else None,
     )  # fmt: skip
+    if not win.lengths_committed:  # (what ModelRunner does after the forward)
+        st.num_computed[rows] = win.meta.seq_lens
     return win, key
 
 
@@ -127,9 +129,10 @@ def test_mixed_step_placing_new_requests_from_the_header_matches_the_launch(seed
     reqs, q_new = _new(seed, penalty)
     handles = [3, 20, 0, 21, 4, 22]
     q_lens = [1, q_new[0], 3, q_new[1], 1, q_new[2]]
-    _, key = _step(a, handles, q_lens, "mixed", ig, reqs)
+    win, key = _step(a, handles, q_lens, "mixed", ig, reqs)
     _step(b, handles, q_lens, "mixed", None, _new(seed, penalty)[0])
     assert ig.replays == 1 and key == ("mixed", 32)
+    assert win.lengths_committed  # (by the graph's second kernel)
     _same(a, b, key)
 
 
