@@ -29,7 +29,7 @@ from workers.host_staging import staging_for
 logger = logging.getLogger(__name__)
 
 BLOCK = 256  # tokens an input program covers
-PLACE_TOKENS = 4096  # staged tokens a mixed graph's launch places (more: placed before it)
+PLACE_TOKENS = 4096  # staged tokens a mixed graph's launch places at least (more: placed before it)
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,19 @@ def stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int, option_wor
     return HEADER_WORDS + rows + table + place
 
 
-def input_stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int) -> int:
-    """``stage_words`` of a runner's input graphs (``build_input_graphs``)."""
+def place_tokens(bucket: int) -> int:
+    """Staged tokens the input graph of a mixed graph's token bucket places: its bucket, and at
+    least ``PLACE_TOKENS`` (a new request's prompt may be longer than its first chunk)."""
+    return max(bucket, PLACE_TOKENS)
+
+
+def input_stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int, max_tokens: int) -> int:
+    """``stage_words`` of a runner's input graphs (``build_input_graphs``; ``max_tokens``: the
+    top mixed-graph bucket)."""
     from workers.device_state import OPTION_WORDS
 
-    return stage_words(max_num_seqs, max_blocks, max(logits_rows, max_num_seqs), OPTION_WORDS, PLACE_TOKENS)
+    rows = max(logits_rows, max_num_seqs)
+    return stage_words(max_num_seqs, max_blocks, rows, OPTION_WORDS, place_tokens(max_tokens))
 
 
 class InputGraphs:
@@ -85,22 +93,22 @@ class InputGraphs:
         qsl_out: torch.Tensor,
         block_table_dst: torch.Tensor,
         logits_dst: torch.Tensor | None = None,
-        place: bool = False,
+        place: int = 0,
         commit_lengths: bool = False,
     ) -> None:
         """Registers the launch of one padded shape: ``out`` (positions, input_ids, seq_lens,
         slots), ``qsl_out``, ``block_table_dst`` and ``logits_dst`` are its graph's static
-        buffers (whole: the kernel writes from their start); ``place``: new requests too.
+        buffers (whole: the kernel writes from their start); ``place``: new requests of up to
+        that many staged tokens too.
         Without ``commit_lengths`` a second kernel sets the rows' lengths after it."""
         st = self.st
-        place_tokens = PLACE_TOKENS if place else 0
         state = (st.prompt_len, st.prompt_mask, st.output_counts, st.option_table) if place else None
-        self.shapes[key] = InputShape(pad_tokens, place_tokens, commit_lengths, not commit_lengths)
+        self.shapes[key] = InputShape(pad_tokens, place, commit_lengths, not commit_lengths)
         inputs = partial(
             prepare_inputs_from_header,
             self.stage,
             -(-pad_tokens // BLOCK),
-            1 + -(-place_tokens // BLOCK) if place else 0,
+            1 + -(-place // BLOCK) if place else 0,
             st.token_ids,
             st.num_computed,
             out,
@@ -162,7 +170,8 @@ def build_input_graphs(st, block_size: int, decode, mixed, max_num_seqs: int, ma
     """The input graphs of a runner's decode graphs (one-token rows: they commit the rows'
     lengths) and mixed-step graphs (they place new requests), over one stage; not captured."""
     logits_rows = mixed.logits_rows if mixed is not None else 0
-    ig = InputGraphs(st, block_size, input_stage_words(max_num_seqs, max_blocks, logits_rows), device)
+    top = mixed.buckets[-1] if mixed is not None else 0
+    ig = InputGraphs(st, block_size, input_stage_words(max_num_seqs, max_blocks, logits_rows, top), device)
     if decode is not None and 1 in decode.query_lens:
         for b in decode.sizes:
             outs = (decode.positions, decode.input_ids, decode.seq_lens, decode.slots)
@@ -171,5 +180,5 @@ def build_input_graphs(st, block_size: int, decode, mixed, max_num_seqs: int, ma
         for t in mixed.buckets:
             outs = (mixed.positions, mixed.input_ids, mixed.seq_lens, mixed.slots)
             logits_dst = mixed.logits_idx if mixed.logits_rows else None
-            ig.add(("mixed", t), t, outs, mixed.qsl, mixed.block_table, logits_dst, place=True)
+            ig.add(("mixed", t), t, outs, mixed.qsl, mixed.block_table, logits_dst, place=place_tokens(t))
     return ig

@@ -140,7 +140,7 @@ def test_a_placement_past_the_graphs_capacity_is_placed_before_it(monkeypatch):
     """More staged tokens than the input graph's launch places: placed on their own first."""
     import workers.input_graphs as ig_mod
 
-    monkeypatch.setattr(ig_mod, "PLACE_TOKENS", 8)
+    monkeypatch.setattr(ig_mod, "place_tokens", lambda bucket: 8)
     a, b = _world(5), _world(5)
     ig = _graphs(a)
     assert ig.shapes[("mixed", 32)].place_tokens == 8
