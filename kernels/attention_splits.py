@@ -258,8 +258,10 @@ def reduce_splits(
     )
 
 
-def _semaphores(device: torch.device, n: int, user: str = "attention") -> torch.Tensor | None:
-    """A zeroed counter buffer of >= n entries, ``user``'s own, or None while capturing a CUDA
+def arrival_counters(device: torch.device, n: int, user: str = "attention") -> torch.Tensor | None:
+    """Arrival counters of kernels whose last program to finish a unit does its final work (the
+    split attention's fused reduce, the sampler's pick; each re-arms its counters to zero).
+    A zeroed counter buffer of >= n entries, ``user``'s own, or None while capturing a CUDA
     graph with a buffer too small (allocating then would tie it to the graph's pool): each
     caller has its own way out (the attention falls back to the reduce kernel)."""
     key = (user, device.type, device.index if device.index is not None else -1)

@@ -57,7 +57,7 @@ from kernels.attention_splits import (  # noqa: F401 - the launch sizing is re-e
     MIN_TOKENS_PER_SPLIT,
     MIN_TOKENS_PER_SPLIT_SHORT,
     _device_sms,
-    _semaphores,
+    arrival_counters,
     reduce_splits,
     choose_num_splits,
     launch_config,
@@ -185,7 +185,7 @@ def paged_attention_triton(
         num_stages = config.get("num_stages", num_stages)
     sem = None
     if num_splits > 1 and one_qblock and fused_reduce is not False:
-        sem = _semaphores(q.device, grid0 * hkv)
+        sem = arrival_counters(q.device, grid0 * hkv)
     if num_splits > 1:
         part = torch.empty((num_splits, num_tokens, hq, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_splits, num_tokens, hq), dtype=torch.float32, device=q.device)

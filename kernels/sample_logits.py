@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.attention_splits import _semaphores
+from kernels.attention_splits import arrival_counters
 from kernels.fast_launch import fast_launch
 from kernels.pdl import wait_and_release
 from kernels.sampling import _exp_noise, _hash_key, _row_key
@@ -188,7 +188,7 @@ def sample_logits_triton(
     # each slice's max, best score and its index (int32 bits); rows of a multiple of 4
     # entries, so that each starts on 16 bytes whatever the batch (no new variant mid-serving)
     work = torch.empty(3, -(-rows * n // 4) * 4, dtype=torch.float32, device=logits.device)
-    counts = _semaphores(logits.device, rows, user="sampler")
+    counts = arrival_counters(logits.device, rows, user="sampler")
     if counts is None:
         raise RuntimeError(f"sample_logits: {rows} rows captured in a CUDA graph before any larger eager call")
     table = option_rows is not None

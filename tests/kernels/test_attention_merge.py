@@ -22,7 +22,7 @@ def test_decode_merge_matches_reference(num_splits, hq, hkv):
     for _ in range(2):  # the second launch needs every counter re-armed by the first
         out, expect = run_attention(c, num_splits=num_splits, fused_reduce=True)
         torch.testing.assert_close(out, expect, **TOL[torch.float32])
-        assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
+        assert int(pa.arrival_counters(c["q"].device, 1).count_nonzero()) == 0
 
 
 def test_merge_when_a_later_split_dominates():

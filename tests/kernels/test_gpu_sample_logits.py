@@ -48,9 +48,9 @@ def test_sample_logits_on_cuda(rows):
         assert sample_logits_triton(logits[s], div[s], temp[s], seeds[s], pos[s], greedy[s])[0] == got[r]
     for _ in range(20):  # the last-arriving slice picks, whatever order the slices finish in
         assert torch.equal(sample_logits_triton(logits, div, temp, seeds, pos, greedy), got)
-    from kernels.attention_splits import _semaphores
+    from kernels.attention_splits import arrival_counters
 
-    assert int(_semaphores(logits.device, 1, user="sampler").count_nonzero()) == 0  # all re-armed
+    assert int(arrival_counters(logits.device, 1, user="sampler").count_nonzero()) == 0  # all re-armed
 
 
 @pytest.mark.parametrize("rows", [3, 40])

@@ -122,7 +122,7 @@ def test_paged_attention_decode_split_kv(hq, hkv, num_splits, fused_reduce):
     out, expect = run_attention(c, num_splits=num_splits, fused_reduce=fused_reduce)
     torch.testing.assert_close(out, expect, **TOL[torch.float32])
     if fused_reduce:  # every arrival counter was re-armed for the next launch
-        assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
+        assert int(pa.arrival_counters(c["q"].device, 1).count_nonzero()) == 0
         again, _ = run_attention(c, num_splits=num_splits, fused_reduce=True)
         torch.testing.assert_close(again, expect, **TOL[torch.float32])
 
@@ -134,7 +134,7 @@ def test_paged_attention_fused_reduce_spec_verify_rows():
     for splits in (3, 4):
         out, expect = run_attention(c, num_splits=splits, fused_reduce=True)
         torch.testing.assert_close(out, expect, **TOL[torch.float32])
-    assert int(pa._semaphores(c["q"].device, 1).count_nonzero()) == 0
+    assert int(pa.arrival_counters(c["q"].device, 1).count_nonzero()) == 0
 
 
 MIXED = dict(q_lens=[1, 20, 1, 3, 33, 1, 0], seq_lens=[17, 20, 64, 50, 80, 1, 9])

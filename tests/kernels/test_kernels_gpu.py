@@ -147,14 +147,14 @@ def test_paged_attention_decode(hq, hkv, d, num_splits):
 @pytest.mark.parametrize("fused_reduce", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (16, 8)])
 def test_paged_attention_decode_fused_vs_kernel_reduce(hq, hkv, fused_reduce):
-    from kernels.paged_attention import _semaphores
+    from kernels.paged_attention import arrival_counters
 
     lens = decode_lens(40, max_len=4000, seed=5)
     c = make_attention_case([1] * len(lens), lens, hq, hkv, pad_tokens=3, bound=4096, seed=6)
     for splits in (None, 3, 16):
         check_attention(c, splits, fused_reduce=fused_reduce)
     torch.cuda.synchronize()
-    assert int(_semaphores(c["q"].device, 1).count_nonzero()) == 0  # all re-armed
+    assert int(arrival_counters(c["q"].device, 1).count_nonzero()) == 0  # all re-armed
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8)])

@@ -56,12 +56,12 @@ def test_every_rows_last_slice_picks_and_re_arms_its_counter():
     """One launch: each row's last slice to arrive picks (a row no slice picked would keep
     ``torch.empty``'s garbage, caught by the reference) and zeroes its arrival counter, so
     the next launch counts from 0 (a counter left at n would never pick again)."""
-    from kernels.attention_splits import _semaphores
+    from kernels.attention_splits import arrival_counters
 
     case = _case(vocab=1500)
     for _ in range(3):  # (the same counters, three launches)
         got, want = _draw(*case), _reference(*case)
-        assert int(_semaphores(case[0].device, 1, user="sampler").count_nonzero()) == 0
+        assert int(arrival_counters(case[0].device, 1, user="sampler").count_nonzero()) == 0
         for r in range(got.shape[0]):
             assert got[r] == want[r] or _near_tie(*case[:4], r, int(got[r]), int(want[r])), (r, got, want)
 
