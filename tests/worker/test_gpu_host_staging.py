@@ -53,3 +53,26 @@ def test_a_buffer_in_flight_is_never_reused_and_copies_never_wait():
     torch.cuda.synchronize()
     assert s.buffers_made == made
     assert all(torch.equal(o.cpu(), x) for o, x in zip(outs, srcs))
+
+
+def test_copies_into_one_fixed_buffer_arrive_in_stream_order():
+    """``copy_into`` (the input graphs' stage): copies into the same device buffer behind a busy
+    device, each read by a kernel enqueued before the next copy, see their own data (stream
+    order), never wait on the host, and a mismatched destination is refused."""
+    s = PinnedStaging(DEV)
+    stage = torch.zeros(1000, dtype=torch.int64, device=DEV)
+    seen = torch.zeros(16, 1000, dtype=torch.int64, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for i in range(16):
+        s.copy_into(torch.full((1000,), i, dtype=torch.int64), stage)
+        seen[i].copy_(stage)  # (a reader of this step's words, before the next copy)
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), torch.arange(16)[:, None].expand(16, 1000)), "a copy overwrote unread words"
+    assert host_s < 0.02, f"16 copies took {host_s * 1e3:.1f} ms: a copy waited for the device"
+    with pytest.raises(ValueError, match="must match"):
+        s.copy_into(torch.zeros(10, dtype=torch.int64), stage)
+    with pytest.raises(ValueError, match="must match"):
+        s.copy_into(torch.zeros(1000, dtype=torch.int32), stage)
