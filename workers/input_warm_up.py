@@ -36,7 +36,11 @@ def warm_input_forms(max_model_len: int, max_blocks: int, vocab: int, block_size
     qsl, q_lens, capacity = torch.tensor([0, 1], **i64), torch.ones(1, **i64), torch.full((1,), block_size, **i64)
     table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     launches = 0
-    for form in ("eager", "decode graph", "mixed graph"):
+    # (a decode graph's step that sets its lengths: its steps replay their input graph,
+    # workers.input_graphs, so only one that does not fit the stage launches this form; a mixed
+    # step sampling nothing takes the decode graph's form, the same variant)
+    forms = ("eager", "decode graph", "decode graph, lengths", "mixed graph")
+    for form in forms:
         out = pad = None
         if form != "eager":
             slots = torch.empty(2, **i64)  # (a bucket of two tokens and two requests)
@@ -48,13 +52,14 @@ def warm_input_forms(max_model_len: int, max_blocks: int, vocab: int, block_size
                 2,
                 2,
                 torch.zeros(2, max_blocks, dtype=torch.int32, device=device),
-                **(logits if form == "mixed graph" else dict(seq_rows=2, seq_len=1)),
+                **(dict(seq_rows=2, seq_len=1) if form.startswith("decode") else logits),
             )
-        for placing in (True, False):
+        commit = form == "decode graph, lengths"
+        for placing in (True, False) if not commit else (False,):
             place = st.placement(staged, words, torch.zeros(1, **i64)) if placing else None
             prepare_inputs_triton(
                 None, rows, qsl, 1, q_lens, capacity, st.token_ids, table, block_size,
-                out=out, num_computed=st.num_computed, pad=pad, place=place,
+                out=out, num_computed=st.num_computed, pad=pad, place=place, commit_lengths=commit,
             )  # fmt: skip
             launches += 1
     st.place(staged, words)  # the placement's own launch: steps whose input kernel sets their lengths

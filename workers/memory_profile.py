@@ -111,6 +111,6 @@ def graph_output_bytes(r) -> int:
         draft_row = r.spec.draft_arch.hidden_size * elt
         total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, draft_q, draft_row, False)
         total += mixed_graph_output_bytes(max_tokens + sched.max_num_seqs, draft_row)
-    else:  # the input graphs' stage (workers.input_graphs)
+    if r.spec is None:  # the input graphs' stage (workers.input_graphs; not with drafts)
         total += 8 * input_stage_words(sched.max_num_seqs, r.max_blocks_per_req, mixed_logits_rows(r), max_tokens)
     return total

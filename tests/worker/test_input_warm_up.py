@@ -39,12 +39,32 @@ def recorder(monkeypatch):
 def _warm_keys(rec, st) -> set:
     from workers.input_warm_up import warm_input_forms
 
-    assert warm_input_forms(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 7
+    assert warm_input_forms(st.max_model_len, st.block_table_cpu.shape[1], st.vocab, BS, CPU) == 8
     keys = rec.variants()
     rec.calls.clear()
-    # eager, decode graph, mixed graph, each placing and not (and the placement kernel's own launch)
-    assert len(keys) == 6
+    # eager, decode graph, mixed graph, each placing and not, the decode graph's setting its
+    # rows' lengths (and the placement kernel's own launch)
+    assert len(keys) == 7
     return keys
+
+
+def test_a_decode_graph_step_setting_its_lengths_is_warmed(recorder):
+    """One token a row replaying a decode graph, its input kernel setting the rows' lengths, by
+    the launch (a step too large for the input graphs' stage): the scratch requests' steps no
+    longer launch that form (they replay their input graphs)."""
+    from workers.cuda_graphs import DecodeGraphs
+    from workers.device_state import DeviceState
+    from workers.step_inputs import build_step_inputs
+
+    st = DeviceState(6, 256, 32, 97, CPU)
+    st.add_many([NewRequest.of(0, list(range(1, 14)), [], GREEDY, [0, 1])])
+    _old(st)
+    warm = _warm_keys(recorder, st)
+    graphs = DecodeGraphs(None, None, 6, 256, BS, 32, CPU, True)
+    rows = [ScheduledRow(0, 1, 14, [], True), ScheduledRow(1, 1, 12, [], True), ScheduledRow(2, 1, 23, [], True)]
+    inp = build_step_inputs(StepPlan(2, rows=rows), st, BS, True, graphs=graphs, commit_lengths=True)
+    assert inp.graph_key is not None and inp.lengths_committed
+    assert recorder.calls and recorder.variants() <= warm
 
 
 def test_a_step_placing_before_its_input_kernel_is_warmed(recorder, monkeypatch):
