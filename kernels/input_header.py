@@ -24,15 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.input_prep import _prepare_inputs_kernel
+from kernels.input_prep import _prepare_inputs_kernel, search_halvings
 
 HEADER_WORDS = 24  # (even: the segments after it start on 16 bytes)
 SEGMENTS = ("rows", "qsl_in", "q_lens", "capacity", "block_table", "logits_src", "staged", "new_j")
-
-
-def search_halvings(n_tokens: int, n_reqs: int) -> int:
-    """The input kernel's bisection steps (``n_iter``): enough to find each token's request."""
-    return (min(n_reqs, n_tokens - n_reqs + 1) - 1).bit_length() if n_reqs else 0
 
 
 def header_words(

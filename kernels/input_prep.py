@@ -262,6 +262,11 @@ def _prepare_program(
             tl.store(logits_dst_ptr + i, tl.load(logits_src_ptr + i, mask=i < n_logits, other=0), mask=i < n_logits)
 
 
+def search_halvings(n_tokens: int, n_reqs: int) -> int:
+    """The input kernel's bisection steps (``n_iter``): enough to find each token's request."""
+    return (min(n_reqs, n_tokens - n_reqs + 1) - 1).bit_length() if n_reqs else 0
+
+
 def _check_commit_lengths(commit_lengths: bool, by_row: bool, n_tokens: int, rows) -> None:
     """``commit_lengths`` writes each row's ``num_computed``: it must be what the starts are
     read from, and each row's only token must read it (no other lane of the launch does)."""
@@ -373,7 +378,7 @@ def prepare_inputs_triton(
         qsl_out,
         n_tokens,
         n_reqs,
-        (min(n_reqs, n_tokens - n_reqs + 1) - 1).bit_length(),  # the search's halvings
+        search_halvings(n_tokens, n_reqs),
         block_table.shape[1],
         token_ids.stride(0),
         block_table.stride(0),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from workers.cuda_graphs import DecodeGraphs
 from workers.draft_graphs import ProposeGraphs
+from workers.input_graphs import build_input_graphs, builds_input_graphs
 from workers.mixed_graphs import MixedGraphs, max_step_tokens
 
 
@@ -50,9 +51,7 @@ def capture_cuda_graphs(r) -> None:
         )
         proposer.propose_graphs.capture()
     _capture_mixed(r)
-    if r.spec is None:  # (a draft model's windows read a step's staged words: workers.input_graphs)
-        from workers.input_graphs import build_input_graphs
-
+    if builds_input_graphs(r):
         n = r.cfg.scheduler.max_num_seqs
         r.input_graphs = build_input_graphs(
             r.state, r.block_size, r.graphs, r.mixed_graphs, n, r.max_blocks_per_req, r.device

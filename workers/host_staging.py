@@ -52,37 +52,34 @@ class PinnedStaging:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a CPU tensor) on the device; the copy is enqueued on the current stream."""
         t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        if out.numel() == 0:
+            return out
         if torch.cuda.is_current_stream_capturing():  # a graph would replay the buffer's later contents
             raise RuntimeError("PinnedStaging.copy inside a CUDA graph capture")
-        with self._lock:
-            slot = self._slot(nbytes) if nbytes <= MAX_STAGED_BYTES else None
-            if slot is None:
-                return t.pin_memory().to(self.device, non_blocking=True)
-            buf, arr, event = slot
-            arr[:nbytes] = t.view(-1).view(torch.uint8).numpy()
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            out.copy_(buf[:nbytes], non_blocking=True)
-            event.record(torch.cuda.current_stream(self.device))  # (the copy's stream: the device's)
-        return out.view(t.dtype).view(t.shape)
+        self._stage(t, out)
+        return out
 
     def copy_into(self, t: torch.Tensor, dst: torch.Tensor) -> None:
         """``t`` (a CPU tensor) copied into ``dst`` (contiguous, on the device, of its dtype and
         size): a fixed buffer, which only stream order protects (``workers.input_graphs``)."""
-        nbytes = t.numel() * t.element_size()
         if dst.dtype != t.dtype or dst.numel() != t.numel() or not dst.is_contiguous():
             raise ValueError("PinnedStaging.copy_into: the destination must match the source")
+        self._stage(t.contiguous(), dst)
+
+    def _stage(self, t: torch.Tensor, dst: torch.Tensor) -> None:
+        """Contiguous ``t`` into contiguous ``dst`` of its size, through a free pinned buffer (or
+        torch's pinned allocator where none is free or ``t`` is large)."""
+        nbytes = t.numel() * t.element_size()
         with self._lock:
             slot = self._slot(nbytes) if nbytes <= MAX_STAGED_BYTES else None
             if slot is None:
                 dst.copy_(t.pin_memory(), non_blocking=True)
                 return
             buf, arr, event = slot
-            arr[:nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
-            dst.view(torch.uint8).copy_(buf[:nbytes], non_blocking=True)
-            event.record(torch.cuda.current_stream(self.device))
+            arr[:nbytes] = t.view(-1).view(torch.uint8).numpy()
+            dst.view(-1).view(torch.uint8).copy_(buf[:nbytes], non_blocking=True)
+            event.record(torch.cuda.current_stream(self.device))  # (the copy's stream: the device's)
 
 
 _staging: dict[torch.device, PinnedStaging] = {}

@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from kernels.input_header import HEADER_WORDS, commit_lengths_from_header, prepare_inputs_from_header
+from workers.cuda_graphs import capture_graph
 from workers.host_staging import staging_for
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,12 @@ PLACE_TOKENS = 4096  # staged tokens a mixed graph's launch places at least (mor
 class InputShape:
     """What a step of one input graph must match: its padded token count, for a mixed graph
     how many staged tokens its launch can place (0: it places none), and whether the input
-    kernel sets the rows' lengths (one token a row); ``commits_after``: a second kernel of
-    the graph sets them (the step's ``num_computed`` are then its new lengths either way)."""
+    kernel sets the rows' lengths (one token a row; else a second kernel of the graph does:
+    after any input graph the step's ``num_computed`` hold its new lengths)."""
 
     pad_tokens: int
     place_tokens: int
     commit_lengths: bool
-    commits_after: bool = False
 
 
 def stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int, option_words: int, place_tokens: int) -> int:
@@ -60,6 +60,12 @@ def place_tokens(bucket: int) -> int:
     """Staged tokens the input graph of a mixed graph's token bucket places: its bucket, and at
     least ``PLACE_TOKENS`` (a new request's prompt may be longer than its first chunk)."""
     return max(bucket, PLACE_TOKENS)
+
+
+def builds_input_graphs(runner) -> bool:
+    """Whether a runner that captures graphs captures input graphs too: not with speculative
+    decoding (a draft model's windows read a step's staged words: the module docstring)."""
+    return runner.spec is None
 
 
 def input_stage_words(max_num_seqs: int, max_blocks: int, logits_rows: int, max_tokens: int) -> int:
@@ -103,7 +109,7 @@ class InputGraphs:
         Without ``commit_lengths`` a second kernel sets the rows' lengths after it."""
         st = self.st
         state = (st.prompt_len, st.prompt_mask, st.output_counts, st.option_table) if place else None
-        self.shapes[key] = InputShape(pad_tokens, place, commit_lengths, not commit_lengths)
+        self.shapes[key] = InputShape(pad_tokens, place, commit_lengths)
         inputs = partial(
             prepare_inputs_from_header,
             self.stage,
@@ -134,13 +140,8 @@ class InputGraphs:
         self.stage[:HEADER_WORDS].zero_()
         pool = None  # (one pool for all: they allocate nothing)
         for key, launch in self._launch.items():
-            launch()  # (compiles the variant outside the capture)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                launch()
+            g, _, _ = capture_graph(launch, pool)  # (its warm-up launch compiles the variant)
             pool = g.pool()
-            g.replay()  # (a graph's first launch uploads it: not inside a step)
             self.graphs[key] = g
         torch.cuda.synchronize()
         logger.info("captured %d input-kernel CUDA graphs in %.2f s", len(self.graphs), time.perf_counter() - t0)

@@ -11,7 +11,7 @@ from metadata.attention_metadata import AttentionMetadata
 from workers import kv_cache
 from workers.cuda_graphs import decode_graph_output_bytes
 from workers.graph_capture import mixed_logits_rows
-from workers.input_graphs import input_stage_words
+from workers.input_graphs import builds_input_graphs, input_stage_words
 from workers.mixed_graphs import max_step_tokens, mixed_graph_output_bytes
 from workers.pipeline import scratch_model
 
@@ -111,6 +111,6 @@ def graph_output_bytes(r) -> int:
         draft_row = r.spec.draft_arch.hidden_size * elt
         total += decode_graph_output_bytes(sched.max_num_seqs, r.spec.max_position, draft_q, draft_row, False)
         total += mixed_graph_output_bytes(max_tokens + sched.max_num_seqs, draft_row)
-    if r.spec is None:  # the input graphs' stage (workers.input_graphs; not with drafts)
+    if builds_input_graphs(r):  # the input graphs' stage
         total += 8 * input_stage_words(sched.max_num_seqs, r.max_blocks_per_req, mixed_logits_rows(r), max_tokens)
     return total

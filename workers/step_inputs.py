@@ -179,9 +179,9 @@ def build_window(
     if graph_pad is not None and graph_pad.logits_dst is not None:
         graph_pad = graph_pad._replace(logits_src=back[0])
     committed = commit_lengths
-    if shape is not None:  # the captured input kernel, over the stage's step
+    if shape is not None:  # the captured input kernel, over the stage's step (it sets the lengths)
         input_graph[0].run(input_graph[1])
-        committed = commit_lengths or shape.commits_after
+        committed = True
         positions, input_ids, seq_lens, slot_mapping = out
         qsl_d = graph_pad.qsl[: n_reqs + 1]
     else:
