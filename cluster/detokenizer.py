@@ -2,53 +2,130 @@
 
 from __future__ import annotations
 
+import json
+
 _CONTEXT = 5  # prompt tokens kept as left context so spacing decodes correctly
+# ``tokenizers`` decoders whose text for a token after the first depends on that token alone
+# (per-token rules, or ByteLevel's bytes joined before one UTF-8 decode). Not BPEDecoder (its
+# end-of-word suffix reads differently on the last token) nor CTC (it merges repeats).
+_CONTEXT_FREE_DECODERS = frozenset({"ByteLevel", "WordPiece", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"})
+
+
+def _decoder_types(config: dict | None) -> set[str]:
+    if not config:
+        return set()
+    if config.get("type") == "Sequence":
+        return set().union(*(_decoder_types(d) for d in config.get("decoders", [])), {"Sequence"})
+    return {config.get("type", "?")}
+
+
+class TokenTexts:
+    """Decodes shared by every sequence of one tokenizer and ``skip_special_tokens`` value
+    (decoding is a pure function of the ids): each token's text alone (``single``) and, where
+    the tokenizer's decoder is context-free (``_CONTEXT_FREE_DECODERS``), the text a token
+    adds after any other (``after``): steady decoding then costs a dictionary lookup a token
+    instead of a decode. A token qualifies when two probe tokens give it the same non-empty
+    text without U+FFFD (a byte token of a longer UTF-8 character never does)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        # a fast tokenizer's Rust backend decodes the same text without transformers' per-call
+        # Python wrapping (about 4x less driver time per token at large batch sizes)
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.single: dict[int, str] = {}
+        self._after: dict[int, str] | None = None
+        self._probes: list[tuple[int, str]] = []
+        if self.backend is not None:
+            decoder = self.backend.decoder  # (its own JSON: the whole tokenizer's is megabytes)
+            types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+            if types and types - {"Sequence"} <= _CONTEXT_FREE_DECODERS:
+                self._probes = self._find_probes()
+                self._after = {} if len(self._probes) == 2 else None
+
+    def decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip)
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def text(self, token_id: int) -> str:
+        t = self.single.get(token_id)
+        if t is None:
+            t = self.single[token_id] = self.decode([token_id])
+        return t
+
+    @property
+    def context_free(self) -> bool:
+        return self._after is not None
+
+    def after(self, token_id: int) -> str:
+        """The text ``token_id`` adds after another token; "" where that depends on context
+        (then the window decode decides)."""
+        t = self._after.get(token_id)
+        if t is None:
+            texts = []
+            for p, p_text in self._probes:
+                full = self.decode([p, token_id])
+                texts.append(full[len(p_text) :] if full.startswith(p_text) else "")
+            t = texts[0] if texts[0] == texts[1] and "\ufffd" not in texts[0] else ""
+            self._after[token_id] = t
+        return t
+
+    def _find_probes(self) -> list[tuple[int, str]]:
+        """Two plain tokens (their text alone: ASCII letters or digits) to decode a token after."""
+        probes = []
+        for i in range(min(self.backend.get_vocab_size(), 4096)):
+            t = self.decode([i])
+            if t.isascii() and t.isalnum():
+                probes.append((i, t))
+                if len(probes) == 2:
+                    break
+        return probes
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     Decodes only a short window (``prefix_offset`` .. end) per token and holds back
-    text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
+    text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes. In steady
+    decoding (the last token emitted alone) a context-free token's text is looked up instead
+    (``TokenTexts.after``).
     """
 
-    def __init__(
-        self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, token_text: dict[int, str] | None = None
-    ):
-        """``token_text``: a cache of single-token decodes to share between the sequences of
-        one tokenizer and ``skip_special_tokens`` value (decoding is a pure function of ids)."""
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, texts: TokenTexts | None = None):
+        """``texts``: the decodes shared between the sequences of one tokenizer and
+        ``skip_special_tokens`` value (made here when not given)."""
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
-        # a fast tokenizer's Rust backend decodes the same text without transformers' per-call
-        # Python wrapping (about 4x less driver time per token at large batch sizes)
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._token_text = token_text if token_text is not None else {}
-
-    def _decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip)
-        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+        self.texts = texts if texts is not None else TokenTexts(tokenizer, skip_special_tokens)
+        if bool(self.texts.skip) != bool(skip_special_tokens):
+            raise ValueError("IncrementalDetokenizer: texts decode with another skip_special_tokens")
 
     def add(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)
+        texts = self.texts
+        # steady: the last token was emitted alone, and nothing is held back since
+        if texts.context_free and self.read_offset - self.prefix_offset == 1 == len(self.ids) - self.read_offset:
+            delta = texts.after(token_id)
+            if delta and texts.after(self.ids[self.prefix_offset]):
+                self.prefix_offset = self.read_offset
+                self.read_offset += 1
+                self.text += delta
+                return delta
         return self._emit(final)
 
     def flush(self) -> str:
         return self._emit(True)
 
     def _emit(self, final: bool) -> str:
+        texts = self.texts
         if self.read_offset - self.prefix_offset == 1:  # steady decoding: the previous token alone
-            t = self.ids[self.prefix_offset]
-            prefix = self._token_text.get(t)
-            if prefix is None:
-                prefix = self._token_text[t] = self._decode([t])
+            prefix = texts.text(self.ids[self.prefix_offset])
         else:
-            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+            prefix = texts.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = texts.decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset

@@ -10,7 +10,7 @@ whose tokens are dropped when they arrive.
 
 from __future__ import annotations
 
-from cluster.detokenizer import IncrementalDetokenizer, find_stop
+from cluster.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from cluster.request import Request
 from cluster.scheduler import Scheduler, StepUpdate
@@ -25,15 +25,15 @@ class OutputProcessor:
         # characters of text a sequence holds back while streaming: what could still turn out
         # to start one of its stop strings
         self._hold: dict[str, int] = {}
-        # single-token decodes, shared by every sequence (per skip_special_tokens): in steady
-        # decoding one of the two windows a token is decoded in is one token long
-        self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        # decodes shared by every sequence (per skip_special_tokens), made on first use
+        self._texts: dict[bool, TokenTexts] = {}
 
     def add(self, req: Request) -> None:
         skip = req.params.skip_special_tokens
-        self.detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, skip, self._token_text[bool(skip)]
-        )
+        texts = self._texts.get(bool(skip))
+        if texts is None:
+            texts = self._texts[bool(skip)] = TokenTexts(self.tokenizer, bool(skip))
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip, texts)
         self._hold[req.request_id] = max((len(s) - 1 for s in req.params.stop or ()), default=0)
 
     def release(self, req: Request) -> None:

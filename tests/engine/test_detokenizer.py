@@ -196,3 +196,86 @@ def test_engine_stop_string_in_byte_level_text(demo_llm):
         assert c.token_ids == ids[:n_tok]
         expected = full[: first + (len(stop) if include else 0)]
         assert c.text == texts["s1"] == expected
+
+
+def _llama2_style_tokenizer():
+    """SentencePiece-style pieces ("▁" for a space) with byte fallback, decoded as Llama 2's
+    tokenizer.json does: Replace, ByteFallback, Fuse, Strip."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "▁the", "▁cat", "s", "a", "é", "中", "▁sat", ".", "▁▁", "ed"]
+    tok = Tokenizer(models.WordLevel(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _bpe_suffix_tokenizer():
+    """A decoder whose text depends on the neighbours (BPEDecoder: the end-of-word suffix reads
+    as a space except on the last token)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a</w>": 1, "b": 2, "c</w>": 3, "1": 4, "2": 5}, unk_token="<unk>"))
+    tok.decoder = decoders.BPEDecoder(suffix="</w>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.fixture(scope="module", params=["byte-level", "word-piece", "llama2-style", "bpe-suffix", "smollm2-gguf"])
+def any_tok(request, demo_tok, word_tok):
+    if request.param == "byte-level":
+        return demo_tok
+    if request.param == "word-piece":
+        return word_tok
+    if request.param == "llama2-style":
+        return _llama2_style_tokenizer()
+    if request.param == "bpe-suffix":
+        return _bpe_suffix_tokenizer()
+    from cluster.model_source import default_model_path, load_tokenizer
+
+    return load_tokenizer(default_model_path(), None)
+
+
+def test_looked_up_token_texts_stream_as_window_decodes(any_tok):
+    """The steady-state lookup (``TokenTexts.after``) gives every delta the window decode
+    gives, token by token: random ids (special, byte and partial-character tokens among
+    them), with and without skipping special tokens, final or not."""
+    from cluster.detokenizer import TokenTexts
+
+    rng = random.Random(2)
+    vocab = len(any_tok)
+    texts = [any_tok.encode(t, add_special_tokens=False) for t in TEXTS + ["the cat sat. the cats", "a1 b2 c"]]
+    for skip in (True, False):
+        looked_up, decoded = TokenTexts(any_tok, skip), TokenTexts(any_tok, skip)
+        decoded._after = None  # every token through the window decode
+        for trial in range(60):
+            out = list(rng.choice(texts)) if trial % 3 == 0 else []
+            out += [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+            a = IncrementalDetokenizer(any_tok, prompt, skip, looked_up)
+            b = IncrementalDetokenizer(any_tok, prompt, skip, decoded)
+            for i, t in enumerate(out):
+                final = i == len(out) - 1 and trial % 2 == 0
+                assert a.add(t, final) == b.add(t, final), (skip, trial, out[: i + 1])
+            assert a.flush() == b.flush() and a.text == b.text
+    # the lookup is used where the decoder is context-free, never where it is not
+    context_free = type(any_tok.backend_tokenizer.decoder).__name__ != "BPEDecoder"
+    assert looked_up.context_free == context_free
+    assert any(looked_up._after.values()) if context_free else looked_up._after is None
+
+
+def test_steady_decoding_decodes_each_distinct_token_a_few_times(demo_tok):
+    from cluster.detokenizer import TokenTexts
+
+    texts = TokenTexts(demo_tok, True)
+    calls = []
+    decode = texts.decode
+    texts.decode = lambda ids: calls.append(ids) or decode(ids)
+    out = demo_tok.encode("the same few words, the same few words " * 20)
+    d = IncrementalDetokenizer(demo_tok, demo_tok.encode("x"), True, texts)
+    assert "".join(d.add(t) for t in out) == demo_tok.decode(out)
+    assert len(calls) <= 3 * len(set(out)) + 4 < len(out)  # window decodes would be one a token at least
