@@ -146,11 +146,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, budget)
+            upper = req.num_tokens_upper  # (fixed until _row adds the row's placeholders)
+            n = self._num_new_tokens(req, budget, upper)
             if n == 0:
                 i += 1
                 continue
-            k = self.drafts.num_drafts(req, budget) if self._decodes(req, n) else 0
+            k = self.drafts.num_drafts(req, budget) if self._decodes(req, n, upper) else 0
             target = req.num_computed_tokens + n + k
             alloc = self.drafts.alloc_tokens(req, target) if k or self.drafts.kv_lookahead else target
             new_blocks: list[int] = []
@@ -164,7 +165,7 @@ class Scheduler:
                 if req.status != RequestStatus.RUNNING:
                     break  # req preempted itself: nothing else left to preempt
                 new_blocks = self.blocks.allocate(req, alloc)
-            rows.append(self._row(req, n, new_blocks, step, k))
+            rows.append(self._row(req, n, new_blocks, step, k, upper))
             budget -= n
             i += 1
 
@@ -215,8 +216,10 @@ class Scheduler:
             self._last_step_id = plan.step_id
         return step
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        remaining = req.num_tokens_upper - req.num_computed_tokens
+    def _num_new_tokens(self, req: Request, budget: int, upper: int | None = None) -> int:
+        """``upper``: ``req.num_tokens_upper`` where the caller has it."""
+        upper = req.num_tokens_upper if upper is None else upper
+        remaining = upper - req.num_computed_tokens
         if remaining <= 0:
             return 0
         if remaining > budget and not self.cfg.scheduler.enable_chunked_prefill and not req.output_token_ids:
@@ -224,21 +227,24 @@ class Scheduler:
             # outgrow the budget, so it is chunked: otherwise it could never run again
             return 0
         n = min(remaining, budget)
-        samples = req.num_computed_tokens + n >= req.num_tokens_upper
-        if samples and (req.num_outputs_upper >= req.max_tokens or req.num_tokens_upper >= self.max_model_len):
+        samples = req.num_computed_tokens + n >= upper
+        if samples and (req.num_outputs_upper >= req.max_tokens or upper >= self.max_model_len):
             return 0  # its last token is already confirmed or in flight
         return n
 
-    def _decodes(self, req: Request, n: int) -> bool:
+    def _decodes(self, req: Request, n: int, upper: int) -> bool:
         """This row is a decode step: its one new token is the last sampled one."""
-        return n == 1 and req.num_computed_tokens + 1 >= req.num_tokens_upper and bool(req.output_token_ids)
+        return n == 1 and req.num_computed_tokens + 1 >= upper and bool(req.output_token_ids)
 
-    def _row(self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep, k: int = 0) -> ScheduledRow:
-        """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted."""
+    def _row(
+        self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep, k: int = 0, upper: int | None = None
+    ) -> ScheduledRow:
+        """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted.
+        ``upper``: ``req.num_tokens_upper`` where the caller has it."""
         drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
         req.num_computed_tokens += n + k
         step.row_requests.append(req)
-        samples = req.num_computed_tokens >= req.num_tokens_upper
+        samples = req.num_computed_tokens >= (req.num_tokens_upper if upper is None else upper)
         if samples:
             req.num_placeholders += 1 + k
             step.sampled[req.handle] = req
