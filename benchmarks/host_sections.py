@@ -162,6 +162,23 @@ _TEXT = (
 )
 
 
+def sampled_ids(tok, n: int) -> tuple[list[int], str]:
+    """At least ``n`` token ids for the driver cells and where they come from: ``"text"`` (real
+    text encoded), or ``"vocabulary"`` where the tokenizer knows too little of it (a random-weight
+    shape's word-level tokenizer reads it as unknown tokens, which decode to nothing: a
+    detokenizer's window would then only grow), its non-special ids in a fixed shuffled order."""
+    import random
+
+    ids = tok.encode(_TEXT * (1 + 40 * n // len(_TEXT)), add_special_tokens=False)
+    unknown = sum(i == tok.unk_token_id for i in ids) if tok.unk_token_id is not None else 0
+    if unknown * 2 <= len(ids):
+        return ids, "text"
+    special = set(tok.all_special_ids)
+    plain = [i for i in range(len(tok)) if i not in special]
+    random.Random(0).shuffle(plain)
+    return plain * (1 + n // len(plain)), "vocabulary"
+
+
 def driver_cells(
     tokenizer_dir: str, batch_sizes: list[int], prompt_len: int, steps: int, stop_strings: bool = True
 ) -> list[dict[str, Any]]:
@@ -180,7 +197,7 @@ def driver_cells(
     from metadata.wire import SampledRow, StepResult
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tok.encode(_TEXT * (1 + 40 * (prompt_len + steps) // len(_TEXT)))
+    ids, source = sampled_ids(tok, prompt_len + steps)
     cells = []
     for b in batch_sizes:
         if len(ids) < b + prompt_len + steps:
@@ -232,6 +249,7 @@ def driver_cells(
                 "prompt_len": prompt_len,
                 "decode_steps": len(times["update"]),
                 "stop_strings": stop_strings,
+                "sampled_tokens": source,
                 "schedule_us": med["schedule"],
                 "update_us": med["update"],
                 "outputs_us": med["outputs"],

@@ -74,4 +74,25 @@ def test_driver_sections_time_schedule_update_and_outputs(tmp_path):
         assert c["decode_steps"] == 4  # 5 tokens: the prefill samples the first
         assert c["schedule_us"] > 0 and c["update_us"] > 0 and c["outputs_us"] > 0
         assert c["to_next_plan_us"] == pytest.approx(c["schedule_us"] + c["update_us"])
+        assert c["sampled_tokens"] == "vocabulary"  # the word-level tokenizer knows no real text
     assert "update_from_result" in host_sections.driver_table(cells)
+
+
+def test_driver_cells_sample_ids_that_decode_to_text(tmp_path):
+    """Real text where the tokenizer knows it, else the tokenizer's own plain ids: never
+    unknown tokens, which decode to nothing."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.host_sections import sampled_ids
+    from cluster.demo_model import ensure_demo_model
+    from tests.checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path, 64)
+    word = AutoTokenizer.from_pretrained(tmp_path)
+    ids, source = sampled_ids(word, 500)
+    assert source == "vocabulary" and len(ids) >= 500
+    assert word.unk_token_id not in ids and not set(ids) & set(word.all_special_ids)
+    assert len(word.decode(ids[:50], skip_special_tokens=True).split()) == 50
+    byte_level = AutoTokenizer.from_pretrained(ensure_demo_model())
+    ids, source = sampled_ids(byte_level, 500)
+    assert source == "text" and len(ids) >= 500
