@@ -220,7 +220,9 @@ def _bpe_suffix_tokenizer():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a</w>": 1, "b": 2, "c</w>": 3, "1": 4, "2": 5}, unk_token="<unk>"))
+    tok = Tokenizer(
+        models.WordLevel(vocab={"<unk>": 0, "a</w>": 1, "b": 2, "c</w>": 3, "1": 4, "2": 5}, unk_token="<unk>")
+    )
     tok.decoder = decoders.BPEDecoder(suffix="</w>")
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
