@@ -54,6 +54,14 @@ class EngineCore:
         source = resolve_model(cfg)  # checkpoint dir or .gguf file, default SmolLM2-135M-Instruct
         self.model_dir, self.arch, self.tokenizer = source.path, source.arch, source.tokenizer
         self.eos_token_ids, self.served_model_name = source.eos_token_ids, source.served_name
+        self.generation = source.generation
+        if source.generation.source is not None:
+            logger.info(
+                "%s: stop tokens %s, request defaults %s (generation_config='vllm' ignores it)",
+                source.generation.source,
+                list(self.eos_token_ids),
+                source.generation.sampling,
+            )
         arch = self.arch
         limit = arch.max_position_embeddings
         if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:

@@ -24,6 +24,7 @@ from cluster.request_stream import EngineUnavailable, Overloaded
 from cluster.input_processor import InvalidRequestError
 from cluster.openai_protocol import MAX_REQUEST_ID_CHARS, clip, valid_request_id
 from cluster.prompt_preprocessor import PromptPreprocessor
+from cluster.generation_config import GenerationDefaults
 from cluster.proto import pb2, pb2_grpc
 from metadata.sampling_params import SamplingParams, SamplingParamsError
 
@@ -49,7 +50,9 @@ _FIELDS = (
 )
 
 
-def sampling_from_proto(sp) -> SamplingParams:
+def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The fields ``sp`` sets; the rest from ``defaults`` (the model's generation config), else
+    the engine's."""
     kw = {}
     for name in _FIELDS:
         if sp.HasField(name):
@@ -63,7 +66,7 @@ def sampling_from_proto(sp) -> SamplingParams:
     if sp.stop_token_ids:
         kw["stop_token_ids"] = list(sp.stop_token_ids)
     try:
-        return SamplingParams(**kw)
+        return (defaults or GenerationDefaults()).params(**kw)
     except SamplingParamsError as exc:
         raise InvalidRequestError(str(exc), str(exc).split(" ")[0]) from None
 
@@ -141,12 +144,14 @@ class GenerationService(pb2_grpc.GenerationServicer):
         api_key: str | None = None,
         aliases: tuple[str, ...] = (),
         preprocessor: PromptPreprocessor | None = None,
+        generation: GenerationDefaults | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.api_key = api_key
         self._pre = preprocessor
+        self.generation = generation  # the model's generation config: defaults of unset fields
 
     @property
     def preprocessor(self) -> PromptPreprocessor:
@@ -204,7 +209,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
         prompt = request.text if which == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
-            params = sampling_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling, self.generation)
             prompt = await self.preprocessor.prompt(prompt)
             # a max_tokens the client set past the context is refused, the default is cut
             stream = await self.engine.add_request(
@@ -299,10 +304,12 @@ async def start_grpc(
     api_key: str | None,
     aliases: tuple[str, ...] = (),
     preprocessor: PromptPreprocessor | None = None,
+    generation: GenerationDefaults | None = None,
 ):
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    _add_generation_service(GenerationService(engine, model_name, api_key, aliases, preprocessor), server)
+    service = GenerationService(engine, model_name, api_key, aliases, preprocessor, generation)
+    _add_generation_service(service, server)
     health = _Health(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from cluster.async_engine import AsyncEngine
+from cluster.generation_config import GenerationDefaults
 from cluster.request_stream import EngineUnavailable, Overloaded, RequestStream
 from cluster.input_processor import InvalidRequestError
 from cluster.metrics import CONTENT_TYPE
@@ -113,6 +114,7 @@ class OpenAIServer:
         *,
         preprocessor: PromptPreprocessor | None = None,
         max_logprobs: int = 20,
+        generation: GenerationDefaults | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
@@ -120,6 +122,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.metrics = metrics
         self.max_logprobs = max_logprobs
+        self.generation = generation  # the model's generation config: defaults of omitted fields
         self.created = now()
         self._pre = preprocessor
         self._tt: TokenText | None = None
@@ -301,7 +304,7 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, CompletionRequest)
         self._check_model(req.model)
-        params = completion_params(req, self.max_logprobs)
+        params = completion_params(req, self.max_logprobs, self.generation)
         prompts = parse_completion_prompts(req.prompt)
         try:
             prompts = [await self.preprocessor.prompt(p) for p in prompts]
@@ -357,7 +360,7 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, ChatCompletionRequest)
         self._check_model(req.model)
-        params = chat_params(req, self.max_logprobs)
+        params = chat_params(req, self.max_logprobs, self.generation)
         try:
             prompt = await self.preprocessor.chat(
                 chat_messages(req),

@@ -7,6 +7,8 @@ import itertools
 from typing import Any, Sequence
 
 from cluster.engine import EngineCore
+from cluster.generation_config import GenerationDefaults, load_generation_defaults
+from cluster.model_source import default_model_path
 from cluster.outputs import RequestOutput
 from metadata.config import EngineConfig
 from metadata.sampling_params import SamplingParams
@@ -26,6 +28,19 @@ class LLM:
         else:
             self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        self._generation: GenerationDefaults | None = None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request runs with when no sampling params are given: the engine's defaults,
+        those the model's ``generation_config.json`` names in their place (as in vLLM;
+        ``generation_config='vllm'`` ignores the file)."""
+        if self._generation is None:
+            if self.engine is not None:
+                self._generation = self.engine.generation
+            else:
+                path = self.config.model.model or default_model_path()
+                self._generation = load_generation_defaults(self.config, path)
+        return self._generation.params()
 
     def get_tokenizer(self):
         if self.data_parallel is not None:
@@ -79,7 +94,7 @@ class LLM:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if self.data_parallel is not None:
             return self.data_parallel.generate(prompts, params, use_tqdm)
         # Validate everything before anything runs: one bad prompt fails the call, cleanly.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cache_dir import syncless_cache_dir
+from cluster.generation_config import GenerationDefaults, load_generation_defaults
 from metadata.config import EngineConfig
 from workers.models.arch import ModelArch, ModelLoadError, load_arch
 from workers.models.gguf_arch import is_gguf
@@ -41,6 +42,8 @@ class ModelSource:
     tokenizer: Any
     served_name: str
     eos_token_ids: tuple[int, ...]
+    """The model's own (config.json, else the tokenizer's), then its generation config's."""
+    generation: GenerationDefaults
 
 
 def default_model_path() -> str:
@@ -138,5 +141,9 @@ def resolve_model(cfg: EngineConfig) -> ModelSource:
         raise ModelLoadError(f"{path}: no *.safetensors files (only safetensors checkpoints load)")
     tok = load_tokenizer(path, m.tokenizer)
     eos = arch.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
+    generation = load_generation_defaults(cfg, str(path))
+    eos = tuple(dict.fromkeys((*eos, *generation.eos_token_ids)))
     name = m.served_model_name or (m.model if m.model is not None else DEFAULT_MODEL_NAME)
-    return ModelSource(path=str(path), arch=arch, tokenizer=tok, served_name=name, eos_token_ids=tuple(eos))
+    return ModelSource(
+        path=str(path), arch=arch, tokenizer=tok, served_name=name, eos_token_ids=eos, generation=generation
+    )

@@ -14,7 +14,10 @@ from typing import Any
 
 import msgspec
 
+from cluster.generation_config import GenerationDefaults
 from metadata.sampling_params import MAX_INT32, SamplingParams, SamplingParamsError
+
+NO_DEFAULTS = GenerationDefaults()
 
 _ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -198,7 +201,15 @@ def parse_completion_prompts(prompt: Any) -> list[Any]:
     )
 
 
-def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def to_sampling_params(
+    req: _SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: GenerationDefaults | None = None,
+) -> SamplingParams:
+    """The request's fields; those it leaves out take ``defaults`` (the model's generation
+    config: ``cluster.generation_config``), else the engine's."""
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
     if req.logit_bias:
@@ -225,23 +236,33 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens
     try:
-        return SamplingParams(**kw)
+        return (defaults or NO_DEFAULTS).params(**kw)
     except SamplingParamsError as exc:
         msg = str(exc)
         raise APIError(400, msg, msg.split(" ")[0]) from None
 
 
-def completion_params(req: CompletionRequest, max_logprobs: int = 20) -> SamplingParams:
+def _default_max_tokens(defaults: GenerationDefaults | None, otherwise: int | None) -> int | None:
+    """An absent max_tokens: the generation config's max_new_tokens, else ``otherwise``."""
+    return (defaults or NO_DEFAULTS).sampling.get("max_tokens", otherwise)
+
+
+def completion_params(
+    req: CompletionRequest, max_logprobs: int = 20, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}", "logprobs")
-    return to_sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens, logprobs=req.logprobs)
+    max_tokens = _default_max_tokens(defaults, 16) if req.max_tokens is None else req.max_tokens
+    return to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, defaults=defaults)
 
 
-def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
+def chat_params(
+    req: ChatCompletionRequest, max_logprobs: int = 20, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
     if req.tools:
         raise APIError(400, "tools are not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -259,7 +280,10 @@ def chat_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingP
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and not 1 <= max_tokens <= MAX_INT32:
         raise APIError(400, f"{name} must be an integer in [1, {MAX_INT32}], got {max_tokens}", name)
-    return to_sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(defaults, None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults)
 
 
 def max_tokens_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:

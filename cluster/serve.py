@@ -392,8 +392,18 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
 
         stats = asyncio.ensure_future(StatsLogger(metrics, engine).run(args.log_stats_interval))
     metrics.log_requests = not args.disable_log_requests
+    from cluster.generation_config import load_generation_defaults
+
+    generation = load_generation_defaults(cfg, info["model_path"])  # (the engine checked it at start-up)
     app = OpenAIServer(
-        engine, name, api_key, metrics, model_aliases(cfg), preprocessor=pre, max_logprobs=args.max_logprobs
+        engine,
+        name,
+        api_key,
+        metrics,
+        model_aliases(cfg),
+        preprocessor=pre,
+        max_logprobs=args.max_logprobs,
+        generation=generation,
     ).app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
@@ -403,7 +413,14 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
         await site.start()
         http_port = runner.addresses[0][1] if runner.addresses else args.http_port
         grpc_server, grpc_port, health = await start_grpc(
-            engine, name, args.host, args.grpc_port, api_key, model_aliases(cfg), preprocessor=pre
+            engine,
+            name,
+            args.host,
+            args.grpc_port,
+            api_key,
+            model_aliases(cfg),
+            preprocessor=pre,
+            generation=generation,
         )
         engine.on_state_change(lambda: asyncio.ensure_future(health.refresh()))
         logger.info("OpenAI-compatible HTTP API listening on http://%s:%d/v1", args.host, http_port)

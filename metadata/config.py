@@ -36,6 +36,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quantized at load, an FP8 checkpoint (``weight_scale`` tensors, as llm-compressor and
     vLLM write them) loads as is. The embedding, LM head and a draft model stay unquantized.
     None: the checkpoint's dtype (an FP8 checkpoint then turns it on)."""
+    generation_config: str = "auto"
+    """'auto': the checkpoint's ``generation_config.json``, where it has one: its
+    ``eos_token_id`` join the stop tokens and its sampling values (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens) become the defaults of requests that leave them
+    out, as in vLLM; 'vllm': neither (the engine's own defaults); or a directory holding one."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """'safetensors': the checkpoint's own weights (its safetensors files, or the GGUF file's
     tensors); 'dummy' initialises random weights on the device from the shapes alone
@@ -194,6 +199,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.model.max_model_len is not None:
             _range("max_model_len", self.model.max_model_len, 1, 1 << 24)
         _range("seed", self.model.seed, 0, (1 << 63) - 1)
+        if not self.model.generation_config.strip():
+            raise ConfigError(
+                "generation_config must be 'auto', 'vllm' or a directory holding a generation_config.json"
+            )
         if not 0.0 <= self.launch_wait_probe_ms <= 10_000.0:
             raise ConfigError(f"launch_wait_probe_ms must be in [0, 10000], got {self.launch_wait_probe_ms}")
         _range("tensor_parallel_size", self.parallel.tensor_parallel_size, 1, 1024)

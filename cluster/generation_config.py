@@ -1,0 +1,85 @@
+"""A checkpoint's ``generation_config.json``: the EOS ids and the sampling defaults it names.
+
+``ModelConfig.generation_config`` picks the file: 'auto' (default) the one beside the
+checkpoint, where it has one (a GGUF file has none); 'vllm' none (the engine's own defaults,
+as vLLM names that choice); or a directory holding one. As in vLLM, its ``eos_token_id`` join
+the model's stop tokens (Llama 3 Instruct's ``config.json`` names only ``<|end_of_text|>``;
+its turns end with ``<|eot_id|>``, which only the generation config names), and its
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
+``max_new_tokens`` (as ``max_tokens``) become the defaults of requests that leave them out:
+an OpenAI API field a request omits, ``LLM.generate`` / ``chat`` without sampling params.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from metadata.config import EngineConfig
+from metadata.sampling_params import SamplingParams, SamplingParamsError
+from workers.models.arch import ModelLoadError
+from workers.models.gguf_arch import is_gguf
+
+# generation_config.json key -> SamplingParams field
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a generation config adds: stop tokens and per-request sampling defaults."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None  # the file read (None: none)
+
+    def params(self, **given: Any) -> SamplingParams:
+        """``SamplingParams`` of ``given`` (the fields a request set), the defaults filling the rest."""
+        return SamplingParams(**{**self.sampling, **given})
+
+
+def load_generation_defaults(cfg: EngineConfig, model_path: str) -> GenerationDefaults:
+    """The defaults ``cfg.model.generation_config`` names for the checkpoint at ``model_path``."""
+    choice = cfg.model.generation_config
+    if choice == "vllm":
+        return GenerationDefaults()
+    if choice == "auto":
+        if is_gguf(model_path):
+            return GenerationDefaults()
+        f = Path(model_path) / "generation_config.json"
+        if not f.is_file():
+            return GenerationDefaults()
+    else:
+        f = Path(choice) / "generation_config.json"
+        if not f.is_file():
+            raise ModelLoadError(
+                f"generation_config {choice!r}: no generation_config.json there "
+                "(expected 'auto', 'vllm' or a directory holding one)"
+            )
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{f}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{f}: expected a JSON object")
+    eos = data.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+        raise ModelLoadError(f"{f}: eos_token_id must be a token id or a list of them, got {data['eos_token_id']!r}")
+    sampling = {ours: data[key] for key, ours in SAMPLING_KEYS.items() if data.get(key) is not None}
+    try:  # types (an int where a float goes is converted), then ranges: SamplingParams' own checks
+        checked = msgspec.convert(sampling, SamplingParams)
+    except (msgspec.ValidationError, SamplingParamsError) as exc:
+        raise ModelLoadError(f"{f}: {exc}") from None
+    sampling = {k: getattr(checked, k) for k in sampling}
+    return GenerationDefaults(tuple(dict.fromkeys(eos)), sampling, str(f))
