@@ -98,10 +98,37 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        # the text so far, as the pieces it grew by (appending to one string copies it whole:
+        # at batch 256 and thousands of tokens a row, megabytes a step) and its length
+        self._parts: list[str] = []
+        self.length = 0
         self.texts = texts if texts is not None else TokenTexts(tokenizer, skip_special_tokens)
         if bool(self.texts.skip) != bool(skip_special_tokens):
             raise ValueError("IncrementalDetokenizer: texts decode with another skip_special_tokens")
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (joined on reading)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def since(self, pos: int) -> str:
+        """``text[pos:]``, joining only the pieces it spans."""
+        parts, start, i = self._parts, self.length, len(self._parts)
+        while i and start > pos:
+            i -= 1
+            start -= len(parts[i])
+        return "".join(parts[i:])[pos - start :]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` characters (a stop string was found)."""
+        text = self.text[:n]
+        self._parts, self.length = [text] if text else [], len(text)
+
+    def _append(self, delta: str) -> None:
+        self._parts.append(delta)
+        self.length += len(delta)
 
     def add(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)
@@ -112,7 +139,7 @@ class IncrementalDetokenizer:
             if delta and texts.after(self.ids[self.prefix_offset]):
                 self.prefix_offset = self.read_offset
                 self.read_offset += 1
-                self.text += delta
+                self._append(delta)
                 return delta
         return self._emit(final)
 
@@ -130,7 +157,7 @@ class IncrementalDetokenizer:
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
+            self._append(delta)
             return delta
         return ""
 

@@ -60,10 +60,13 @@ class OutputProcessor:
                 else:
                     new = detok.add(tok, final=reason is not None)
                 if stops and seq.start + i + 1 >= params.min_tokens:
-                    hit = find_stop(detok.text, len(new), stops)
+                    # (the text a stop string could overlap: the new characters and a stop's length before)
+                    lo = max(0, detok.length - len(new) - self._hold[req.request_id])  # (longest stop - 1)
+                    hit = find_stop(detok.since(lo), len(new), stops)
                     if hit is not None:
                         pos, s = hit
-                        detok.text = detok.text[: pos + len(s) if params.include_stop_str_in_output else pos]
+                        pos += lo
+                        detok.truncate(pos + len(s) if params.include_stop_str_in_output else pos)
                         reason, stop_reason = "stop", s
                         update.num_new_tokens -= scheduler.finish_at_stop_string(req, seq.start + i + 1, s)
                         if i < last:
@@ -71,8 +74,8 @@ class OutputProcessor:
                             lps = lps[: i + 1] if lps else lps
                         break
             hold = 0 if reason is not None else self._hold[req.request_id]
-            upto = max(req.emitted_chars, len(detok.text) - hold)
-            text = detok.text[req.emitted_chars : upto]
+            upto = max(req.emitted_chars, detok.length - hold)
+            text = detok.since(req.emitted_chars)[: upto - req.emitted_chars]
             req.emitted_chars = upto
             deltas.append(StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason, stop_reason))
         return deltas

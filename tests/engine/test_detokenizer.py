@@ -281,3 +281,20 @@ def test_steady_decoding_decodes_each_distinct_token_a_few_times(demo_tok):
     d = IncrementalDetokenizer(demo_tok, demo_tok.encode("x"), True, texts)
     assert "".join(d.add(t) for t in out) == demo_tok.decode(out)
     assert len(calls) <= 3 * len(set(out)) + 4 < len(out)  # window decodes would be one a token at least
+
+
+def test_text_kept_as_pieces_reads_as_one_string(demo_tok):
+    """``since`` and ``truncate`` over the pieces the text grew by equal slicing the whole."""
+    rng = random.Random(3)
+    for _ in range(200):
+        d = IncrementalDetokenizer(demo_tok, [], True)
+        whole = ""
+        for _ in range(rng.randrange(0, 12)):
+            piece = "".join(rng.choice("ab€🙂") for _ in range(rng.randrange(0, 4)))
+            d._append(piece)
+            whole += piece
+            pos = rng.randrange(0, len(whole) + 2)
+            assert d.since(pos) == whole[pos:] and d.length == len(whole)
+        cut = rng.randrange(0, len(whole) + 1)
+        d.truncate(cut)
+        assert d.text == whole[:cut] and d.length == cut and d.since(0) == whole[:cut]
