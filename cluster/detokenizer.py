@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 _CONTEXT = 5  # prompt tokens kept as left context so spacing decodes correctly
+_PIECES = 64  # text pieces kept apart before they are joined (copying the text once every 64 tokens)
 # ``tokenizers`` decoders whose text for a token after the first depends on that token alone
 # (per-token rules, or ByteLevel's bytes joined before one UTF-8 decode). Not BPEDecoder (its
 # end-of-word suffix reads differently on the last token) nor CTC (it merges repeats).
@@ -127,8 +128,11 @@ class IncrementalDetokenizer:
         self._parts, self.length = [text] if text else [], len(text)
 
     def _append(self, delta: str) -> None:
-        self._parts.append(delta)
+        parts = self._parts
+        parts.append(delta)
         self.length += len(delta)
+        if len(parts) >= _PIECES:  # (a str object a token would cost more memory than the text)
+            self._parts = ["".join(parts)]
 
     def add(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)
