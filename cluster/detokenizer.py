@@ -25,8 +25,8 @@ class TokenTexts:
     (decoding is a pure function of the ids): each token's text alone (``single``) and, where
     the tokenizer's decoder is context-free (``_CONTEXT_FREE_DECODERS``), the text a token
     adds after any other (``after``): steady decoding then costs a dictionary lookup a token
-    instead of a decode. A token qualifies when two probe tokens give it the same non-empty
-    text without U+FFFD (a byte token of a longer UTF-8 character never does)."""
+    instead of a decode. A token qualifies when its text after a plain probe token is non-empty
+    and holds no U+FFFD (a byte token of a longer UTF-8 character never qualifies)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool):
         self.tok = tokenizer
@@ -36,13 +36,13 @@ class TokenTexts:
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.single: dict[int, str] = {}
         self._after: dict[int, str] | None = None
-        self._probes: list[tuple[int, str]] = []
+        self._probe: tuple[int, str] | None = None
         if self.backend is not None:
             decoder = self.backend.decoder  # (its own JSON: the whole tokenizer's is megabytes)
             types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
             if types and types - {"Sequence"} <= _CONTEXT_FREE_DECODERS:
-                self._probes = self._find_probes()
-                self._after = {} if len(self._probes) == 2 else None
+                self._probe = self._find_probe()
+                self._after = {} if self._probe is not None else None
 
     def decode(self, ids: list[int]) -> str:
         if self.backend is not None:
@@ -64,24 +64,21 @@ class TokenTexts:
         (then the window decode decides)."""
         t = self._after.get(token_id)
         if t is None:
-            texts = []
-            for p, p_text in self._probes:
-                full = self.decode([p, token_id])
-                texts.append(full[len(p_text) :] if full.startswith(p_text) else "")
-            t = texts[0] if texts[0] == texts[1] and "\ufffd" not in texts[0] else ""
+            p, p_text = self._probe
+            full = self.decode([p, token_id])
+            t = full[len(p_text) :] if full.startswith(p_text) else ""
+            if "\ufffd" in t:
+                t = ""
             self._after[token_id] = t
         return t
 
-    def _find_probes(self) -> list[tuple[int, str]]:
-        """Two plain tokens (their text alone: ASCII letters or digits) to decode a token after."""
-        probes = []
+    def _find_probe(self) -> tuple[int, str] | None:
+        """A plain token (its text alone: ASCII letters or digits) to decode a token after."""
         for i in range(min(self.backend.get_vocab_size(), 4096)):
             t = self.decode([i])
             if t.isascii() and t.isalnum():
-                probes.append((i, t))
-                if len(probes) == 2:
-                    break
-        return probes
+                return i, t
+        return None
 
 
 class IncrementalDetokenizer:
