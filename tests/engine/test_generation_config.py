@@ -124,13 +124,13 @@ def test_offline_generation_stops_at_its_eos_and_defaults_to_its_sampling(ray_lo
         )
     finally:
         llm.shutdown()
-    llm = LLM(model=str(d), max_model_len=64, num_kv_blocks=32, generation_config="vllm")
-    try:
-        assert llm.get_default_sampling_params() == SamplingParams()
-        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-        assert out[0].outputs[0].token_ids == ref and out[0].outputs[0].finish_reason == "length"
-    finally:
-        llm.shutdown()
+    # 'vllm': the checkpoint's own EOS (config.json) only, the engine's own defaults
+    from cluster.model_source import resolve_model
+
+    cfg = EngineConfig.from_options(model=str(d), generation_config="vllm")
+    source = resolve_model(cfg)
+    assert source.eos_token_ids == (1,) and source.generation.params() == SamplingParams()
+    assert resolve_model(EngineConfig.from_options(model=str(d))).eos_token_ids == (1, ref[i])
 
 
 def test_the_http_api_fills_omitted_fields_from_the_file(ray_local, tmp_path, ckpt_dir):
