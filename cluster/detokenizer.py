@@ -10,20 +10,31 @@ _PIECES = 64  # text pieces kept apart before they are joined (copying the text 
 # (per-token rules, or ByteLevel's bytes joined before one UTF-8 decode). Not BPEDecoder (its
 # end-of-word suffix reads differently on the last token) nor CTC (it merges repeats).
 _CONTEXT_FREE_DECODERS = frozenset({"ByteLevel", "WordPiece", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"})
+_JOINING_DECODERS = frozenset({"ByteLevel", "Fuse"})  # (what follows them sees one string)
 
 
-def _decoder_types(config: dict | None) -> set[str]:
+def context_free(config: dict | None) -> bool:
+    """Whether a decoder (its JSON) gives each token after the first a text of its own. In a
+    ``Sequence``, a decoder after a joining one (Fuse, ByteLevel) acts on the whole text, so
+    only Llama 2's ``Strip(start <= 1, stop = 0)`` (the text's first space) may follow."""
     if not config:
-        return set()
-    if config.get("type") == "Sequence":
-        return set().union(*(_decoder_types(d) for d in config.get("decoders", [])), {"Sequence"})
-    return {config.get("type", "?")}
+        return False
+    steps = config.get("decoders", []) if config.get("type") == "Sequence" else [config]
+    joined = False
+    for d in steps:
+        kind = d.get("type") if isinstance(d, dict) else None
+        if kind not in _CONTEXT_FREE_DECODERS:
+            return False
+        if joined and not (kind == "Strip" and d.get("start", 0) <= 1 and d.get("stop", 0) == 0):
+            return False
+        joined = joined or kind in _JOINING_DECODERS
+    return bool(steps)
 
 
 class TokenTexts:
     """Decodes shared by every sequence of one tokenizer and ``skip_special_tokens`` value
     (decoding is a pure function of the ids): each token's text alone (``single``) and, where
-    the tokenizer's decoder is context-free (``_CONTEXT_FREE_DECODERS``), the text a token
+    the tokenizer's decoder is context-free (``context_free``), the text a token
     adds after any other (``after``): steady decoding then costs a dictionary lookup a token
     instead of a decode. A token qualifies when its text after a plain probe token is non-empty
     and holds no U+FFFD (a byte token of a longer UTF-8 character never qualifies)."""
@@ -38,9 +49,11 @@ class TokenTexts:
         self._after: dict[int, str] | None = None
         self._probe: tuple[int, str] | None = None
         if self.backend is not None:
-            decoder = self.backend.decoder  # (its own JSON: the whole tokenizer's is megabytes)
-            types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
-            if types and types - {"Sequence"} <= _CONTEXT_FREE_DECODERS:
+            try:  # (the decoder's own JSON: the whole tokenizer's is megabytes)
+                config = json.loads(self.backend.decoder.__getstate__())
+            except Exception:  # noqa: BLE001 - no decoder, or a custom one: not known to be context-free
+                config = None
+            if context_free(config):
                 self._probe = self._find_probe()
                 self._after = {} if self._probe is not None else None
 

@@ -82,6 +82,7 @@ class EngineCore:
             cfg.scheduler.max_num_batched_tokens,
             cfg.scheduler.enable_chunked_prefill,
             cfg.model.seed,
+            source.generation.params(),
         )
         self.async_scheduling = cfg.scheduler.async_scheduling
         self.in_flight: deque[tuple[ScheduledStep, list]] = deque()

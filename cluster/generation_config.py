@@ -1,13 +1,14 @@
 """A checkpoint's ``generation_config.json``: the EOS ids and the sampling defaults it names.
 
-``ModelConfig.generation_config`` picks the file: 'auto' (default) the one beside the
-checkpoint, where it has one (a GGUF file has none); 'vllm' none (the engine's own defaults,
-as vLLM names that choice); or a directory holding one. As in vLLM, its ``eos_token_id`` join
-the model's stop tokens (Llama 3 Instruct's ``config.json`` names only ``<|end_of_text|>``;
-its turns end with ``<|eot_id|>``, which only the generation config names), and its
-``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
-``max_new_tokens`` (as ``max_tokens``) become the defaults of requests that leave them out:
-an OpenAI API field a request omits, ``LLM.generate`` / ``chat`` without sampling params.
+As in vLLM: the file beside the checkpoint (a GGUF file has none) names ``eos_token_id``
+that join the model's stop tokens (the original Llama 3 Instruct's ``config.json`` names only
+``<|end_of_text|>``; its turns end with ``<|eot_id|>``, which only the generation config
+adds). With ``ModelConfig.generation_config`` 'auto' (default) its ``temperature``, ``top_p``,
+``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``) also
+become the defaults of what a request leaves out: a chat or gRPC field it omits (completions
+keep 16 tokens, as in vLLM), ``LLM.generate`` / ``chat`` and the engine's ``add_request``
+without sampling params. 'vllm': the engine's own sampling defaults (the EOS ids still
+apply); a directory: the file there, for both.
 """
 
 from __future__ import annotations
@@ -51,9 +52,7 @@ class GenerationDefaults:
 def load_generation_defaults(cfg: EngineConfig, model_path: str) -> GenerationDefaults:
     """The defaults ``cfg.model.generation_config`` names for the checkpoint at ``model_path``."""
     choice = cfg.model.generation_config
-    if choice == "vllm":
-        return GenerationDefaults()
-    if choice == "auto":
+    if choice in ("auto", "vllm"):
         if is_gguf(model_path):
             return GenerationDefaults()
         f = Path(model_path) / "generation_config.json"
@@ -77,6 +76,8 @@ def load_generation_defaults(cfg: EngineConfig, model_path: str) -> GenerationDe
     if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
         raise ModelLoadError(f"{f}: eos_token_id must be a token id or a list of them, got {data['eos_token_id']!r}")
     sampling = {ours: data[key] for key, ours in SAMPLING_KEYS.items() if data.get(key) is not None}
+    if choice == "vllm":  # (the stop tokens only)
+        sampling = {}
     try:  # types (an int where a float goes is converted), then ranges: SamplingParams' own checks
         checked = msgspec.convert(sampling, SamplingParams)
     except (msgspec.ValidationError, SamplingParamsError) as exc:

@@ -48,7 +48,11 @@ class InputProcessor:
         max_num_batched_tokens: int,
         chunked_prefill: bool,
         seed: int,
+        default_params: SamplingParams | None = None,
     ):
+        """``default_params``: what a request without sampling params runs with (the engine's
+        defaults, or those the model's generation config names: ``cluster.generation_config``)."""
+        self.default_params = default_params if default_params is not None else SamplingParams()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -110,7 +114,7 @@ class InputProcessor:
         OpenAI's and vLLM's servers refuse it (an API client asked for that many tokens;
         an implicit default is still cut)."""
         if params is None:
-            params = SamplingParams()
+            params = self.default_params
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
         try:

@@ -33,7 +33,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request runs with when no sampling params are given: the engine's defaults,
         those the model's ``generation_config.json`` names in their place (as in vLLM;
-        ``generation_config='vllm'`` ignores the file)."""
+        ``generation_config='vllm'``: the engine's own)."""
         if self._generation is None:
             if self.engine is not None:
                 self._generation = self.engine.generation

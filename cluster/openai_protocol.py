@@ -256,7 +256,7 @@ def completion_params(
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}", "logprobs")
-    max_tokens = _default_max_tokens(defaults, 16) if req.max_tokens is None else req.max_tokens
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # (OpenAI's default, as vLLM keeps it)
     return to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, defaults=defaults)
 
 

@@ -37,10 +37,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vLLM write them) loads as is. The embedding, LM head and a draft model stay unquantized.
     None: the checkpoint's dtype (an FP8 checkpoint then turns it on)."""
     generation_config: str = "auto"
-    """'auto': the checkpoint's ``generation_config.json``, where it has one: its
-    ``eos_token_id`` join the stop tokens and its sampling values (temperature, top_p, top_k,
-    min_p, repetition_penalty, max_new_tokens) become the defaults of requests that leave them
-    out, as in vLLM; 'vllm': neither (the engine's own defaults); or a directory holding one."""
+    """As in vLLM: the checkpoint's ``generation_config.json`` (where it has one) adds its
+    ``eos_token_id`` to the stop tokens, and with 'auto' its sampling values (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens) become the defaults of fields a
+    request leaves out (completions keep 16 tokens); 'vllm': the engine's own sampling
+    defaults; or a directory holding a generation_config.json to read instead."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """'safetensors': the checkpoint's own weights (its safetensors files, or the GGUF file's
     tensors); 'dummy' initialises random weights on the device from the shapes alone

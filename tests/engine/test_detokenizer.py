@@ -227,19 +227,42 @@ def _bpe_suffix_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-@pytest.fixture(scope="module", params=["byte-level", "word-piece", "llama2-style", "bpe-suffix", "smollm2-gguf"])
+def _fused_then_replaced_tokenizer():
+    """A Replace acting on the fused text (after Fuse it sees one string): two spaces made one
+    across a token boundary, so a token's text depends on its neighbour."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1, "b ": 2, " b": 3, "c": 4, " ": 5}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("  ", " ")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+# tokenizer -> whether its decoder is context-free (the lookup on)
+TOKENIZERS = {
+    "byte-level": True,
+    "word-piece": True,
+    "llama2-style": True,
+    "bpe-suffix": False,
+    "fused-then-replaced": False,
+    "smollm2-gguf": True,
+}
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
 def any_tok(request, demo_tok, word_tok):
-    if request.param == "byte-level":
-        return demo_tok
-    if request.param == "word-piece":
-        return word_tok
-    if request.param == "llama2-style":
-        return _llama2_style_tokenizer()
-    if request.param == "bpe-suffix":
-        return _bpe_suffix_tokenizer()
+    made = {
+        "byte-level": lambda: demo_tok,
+        "word-piece": lambda: word_tok,
+        "llama2-style": _llama2_style_tokenizer,
+        "bpe-suffix": _bpe_suffix_tokenizer,
+        "fused-then-replaced": _fused_then_replaced_tokenizer,
+    }
+    if request.param in made:
+        return request.param, made[request.param]()
     from cluster.model_source import default_model_path, load_tokenizer
 
-    return load_tokenizer(default_model_path(), None)
+    return request.param, load_tokenizer(default_model_path(), None)
 
 
 def test_looked_up_token_texts_stream_as_window_decodes(any_tok):
@@ -248,6 +271,7 @@ def test_looked_up_token_texts_stream_as_window_decodes(any_tok):
     them), with and without skipping special tokens, final or not."""
     from cluster.detokenizer import TokenTexts
 
+    name, any_tok = any_tok
     rng = random.Random(2)
     vocab = len(any_tok)
     texts = [any_tok.encode(t, add_special_tokens=False) for t in TEXTS + ["the cat sat. the cats", "a1 b2 c"]]
@@ -265,9 +289,22 @@ def test_looked_up_token_texts_stream_as_window_decodes(any_tok):
                 assert a.add(t, final) == b.add(t, final), (skip, trial, out[: i + 1])
             assert a.flush() == b.flush() and a.text == b.text
     # the lookup is used where the decoder is context-free, never where it is not
-    context_free = type(any_tok.backend_tokenizer.decoder).__name__ != "BPEDecoder"
-    assert looked_up.context_free == context_free
-    assert any(looked_up._after.values()) if context_free else looked_up._after is None
+    assert looked_up.context_free == TOKENIZERS[name]
+    assert any(looked_up._after.values()) if TOKENIZERS[name] else looked_up._after is None
+
+
+def test_a_custom_decoder_is_not_taken_for_context_free():
+    """A decoder whose JSON cannot be read (a custom Python one) takes the window decode."""
+    from types import SimpleNamespace
+
+    from cluster.detokenizer import TokenTexts
+
+    class Custom:
+        def __getstate__(self):
+            raise Exception("Custom PyDecoder cannot be serialized")
+
+    tok = SimpleNamespace(backend_tokenizer=SimpleNamespace(decoder=Custom()))
+    assert not TokenTexts(tok, True).context_free
 
 
 def test_steady_decoding_decodes_each_distinct_token_a_few_times(demo_tok):

@@ -45,7 +45,8 @@ def test_the_file_names_stop_tokens_and_request_defaults(tmp_path, ckpt_dir):
     assert isinstance(g.sampling["temperature"], float)  # (an int where a float goes: converted)
     p = g.params(top_k=3, seed=1)  # what a request sets wins; the rest are the file's
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) == (0.0, 0.9, 3, 5, 1)
-    assert _load(d, "vllm") == GenerationDefaults()
+    vllm = _load(d, "vllm")  # the stop tokens still, not the sampling values
+    assert vllm.eos_token_ids == (7, 1) and vllm.sampling == {} and vllm.params().temperature == 1.0
     other = _with_generation_config(ckpt_dir(), tmp_path / "other", eos_token_id=3)
     assert _load(d, str(other)).eos_token_ids == (3,)  # a directory named instead
     plain = _load(ckpt_dir())  # transformers' save_pretrained writes one: the config's EOS, no sampling
@@ -92,7 +93,8 @@ def test_api_requests_take_the_defaults_for_what_they_omit():
     cmpl = msgspec.convert({"prompt": "hi", "temperature": 0, "max_tokens": 3}, CompletionRequest)
     p = completion_params(cmpl, defaults=g)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 3)
-    assert completion_params(msgspec.convert({"prompt": "hi"}, CompletionRequest)).max_tokens == 16
+    bare = msgspec.convert({"prompt": "hi"}, CompletionRequest)
+    assert completion_params(bare, defaults=g).max_tokens == 16  # (OpenAI's default; vLLM keeps it)
     p = sampling_from_proto(pb2.SamplingParams(top_p=0.5), g)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.5, 20, 7)
 
@@ -117,6 +119,12 @@ def test_offline_generation_stops_at_its_eos_and_defaults_to_its_sampling(ray_lo
         assert llm.get_default_sampling_params().temperature == 0.0
         out = llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].outputs[0]
         assert out.token_ids == ref[: i + 1] and out.finish_reason == "stop"  # greedy, stopped there
+        engine = llm.engine  # below LLM: a request without params takes the file's defaults too
+        engine.add_request("bare", {"prompt_token_ids": PROMPT})
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.output("bare").outputs[0].token_ids == ref[: i + 1]
+        engine.release("bare")
         explicit = SamplingParams(temperature=0, max_tokens=12)  # the stop tokens hold for any params
         assert (
             llm.generate([{"prompt_token_ids": PROMPT}], explicit, use_tqdm=False)[0].outputs[0].token_ids
@@ -124,13 +132,11 @@ def test_offline_generation_stops_at_its_eos_and_defaults_to_its_sampling(ray_lo
         )
     finally:
         llm.shutdown()
-    # 'vllm': the checkpoint's own EOS (config.json) only, the engine's own defaults
+    # 'vllm': the file's stop tokens still, the engine's own sampling defaults
     from cluster.model_source import resolve_model
 
-    cfg = EngineConfig.from_options(model=str(d), generation_config="vllm")
-    source = resolve_model(cfg)
-    assert source.eos_token_ids == (1,) and source.generation.params() == SamplingParams()
-    assert resolve_model(EngineConfig.from_options(model=str(d))).eos_token_ids == (1, ref[i])
+    source = resolve_model(EngineConfig.from_options(model=str(d), generation_config="vllm"))
+    assert source.eos_token_ids == (1, ref[i]) and source.generation.params() == SamplingParams()
 
 
 def test_the_http_api_fills_omitted_fields_from_the_file(ray_local, tmp_path, ckpt_dir):
