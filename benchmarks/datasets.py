@@ -72,11 +72,28 @@ def random_requests(
     return reqs
 
 
+def text_prompt_len(text: str, tokenizer, where: str) -> int:
+    """Tokens in a text prompt (words without a tokenizer). A text the tokenizer reads mostly as
+    unknown tokens is refused: a random-weight ``--shape`` has a synthetic word-level tokenizer,
+    so every such prompt would reach the model as the same run of ``<unk>`` (and hit the prefix
+    cache)."""
+    if tokenizer is None:
+        return len(text.split())
+    ids = tokenizer.encode(text)  # (as the server counts it: with the special tokens it adds)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if ids and unk is not None and 2 * sum(i == unk for i in ids) > len(ids):
+        raise SystemExit(
+            f"{where}: the tokenizer reads this text as unknown tokens (a random-weight --shape's tokenizer "
+            "knows only its own words); give token-id prompts (--dataset random, or prompt_token_ids in the JSONL)"
+        )
+    return len(ids)
+
+
 def fixed_requests(
     n: int, input_len: int, output_len: int, vocab_size: int, prompt: str | None, tokenizer=None
 ) -> list[SampleRequest]:
     if prompt is not None:
-        p_len = len(tokenizer.encode(prompt)) if tokenizer is not None else len(prompt.split())
+        p_len = text_prompt_len(prompt, tokenizer, "--prompt")
         return [SampleRequest(prompt, p_len, output_len) for _ in range(n)]
     ids = [3 + (i * 7919) % max(1, vocab_size - 3) for i in range(input_len)]
     return [SampleRequest({"prompt_token_ids": list(ids)}, input_len, output_len) for _ in range(n)]
@@ -99,7 +116,7 @@ def jsonl_requests(path: str, n: int | None, output_len: int, tokenizer=None) ->
             reqs.append(SampleRequest({"prompt_token_ids": ids}, len(ids), o_len))
         elif isinstance(row.get("prompt"), str):
             text = row["prompt"]
-            p_len = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
+            p_len = text_prompt_len(text, tokenizer, f"{path}:{lineno}")
             reqs.append(SampleRequest(text, p_len, o_len))
         else:
             raise SystemExit(f'{path}:{lineno}: needs "prompt" (text) or "prompt_token_ids"')

@@ -128,6 +128,10 @@ def test_jsonl_dataset(tmp_path):
     data.write_text('{"text": "no prompt"}\n')
     with pytest.raises(SystemExit, match="needs"):
         jsonl_requests(str(data), None, 5, tok)
+    # real text to a random-weight shape: its word-level tokenizer knows none of it (all <unk>)
+    data.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n")
+    with pytest.raises(SystemExit, match=r"prompts.jsonl:1: the tokenizer reads this text as unknown tokens"):
+        jsonl_requests(str(data), None, 5, tok)
 
 
 def test_random_and_fixed_datasets():
@@ -145,6 +149,21 @@ def test_random_and_fixed_datasets():
     assert len({tuple(r.token_ids) for r in f}) == 1 and f[0].prompt_len == 12 and f[0].expected_output_len == 5
     t = fixed_requests(2, 0, 4, 512, "w5 w6 w7")
     assert t[0].prompt == "w5 w6 w7" and t[0].prompt_len == 3
+
+
+def test_a_text_prompt_a_shape_cannot_read_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.datasets import fixed_requests
+    from benchmarks.shapes import write_shape
+    from cluster.demo_model import ensure_demo_model
+
+    shape_tok = AutoTokenizer.from_pretrained(write_shape(tmp_path / "tiny", "tiny"))
+    with pytest.raises(SystemExit, match="--prompt: the tokenizer reads this text as unknown tokens"):
+        fixed_requests(2, 0, 4, 512, "The capital of France is", shape_tok)
+    assert fixed_requests(2, 0, 4, 512, "w5 w6 w7", shape_tok)[0].prompt_len == 3  # its own words
+    real = AutoTokenizer.from_pretrained(ensure_demo_model())  # (byte-level: reads any text)
+    assert fixed_requests(1, 0, 4, 512, "The capital of France is", real)[0].prompt_len > 0
 
 
 class FakeOpenAIServer:
