@@ -57,9 +57,9 @@ class EngineCore:
         self.generation = source.generation
         if source.generation.source is not None:
             logger.info(
-                "%s: stop tokens %s, request defaults %s (generation_config='vllm' ignores it)",
+                "%s: stop tokens %s, request defaults %s",
                 source.generation.source,
-                list(self.eos_token_ids),
+                list(source.generation.eos_token_ids),
                 source.generation.sampling,
             )
         arch = self.arch
@@ -83,6 +83,7 @@ class EngineCore:
             cfg.scheduler.enable_chunked_prefill,
             cfg.model.seed,
             source.generation.params(),
+            source.generation.eos_token_ids,
         )
         self.async_scheduling = cfg.scheduler.async_scheduling
         self.in_flight: deque[tuple[ScheduledStep, list]] = deque()

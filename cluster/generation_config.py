@@ -1,7 +1,8 @@
 """A checkpoint's ``generation_config.json``: the EOS ids and the sampling defaults it names.
 
 As in vLLM: the file beside the checkpoint (a GGUF file has none) names ``eos_token_id``
-that join the model's stop tokens (the original Llama 3 Instruct's ``config.json`` names only
+that become stop tokens of every request (``Request.extra_stop_ids``: ``stop_reason`` names
+the token; ``ignore_eos`` ignores them) (the original Llama 3 Instruct's ``config.json`` names only
 ``<|end_of_text|>``; its turns end with ``<|eot_id|>``, which only the generation config
 adds). With ``ModelConfig.generation_config`` 'auto' (default) its ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``) also

@@ -49,10 +49,14 @@ class InputProcessor:
         chunked_prefill: bool,
         seed: int,
         default_params: SamplingParams | None = None,
+        extra_stop_ids: tuple[int, ...] = (),
     ):
         """``default_params``: what a request without sampling params runs with (the engine's
-        defaults, or those the model's generation config names: ``cluster.generation_config``)."""
+        defaults, or those the model's generation config names: ``cluster.generation_config``);
+        ``extra_stop_ids``: the generation config's EOS ids past the model's own (stop tokens of
+        every request that does not ignore EOS)."""
         self.default_params = default_params if default_params is not None else SamplingParams()
+        self.extra_stop_ids = tuple(t for t in extra_stop_ids if t not in eos_token_ids)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -161,7 +165,8 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary", "stop_token_ids")
-        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        extra = () if params.ignore_eos else self.extra_stop_ids
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else [*self.eos_token_ids, *extra])
         out = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
@@ -190,6 +195,7 @@ class InputProcessor:
                     options=opts,
                     max_tokens=max_tokens,
                     eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                    extra_stop_ids=extra,
                     logprobs=[] if params.logprobs is not None else None,
                 )
             )

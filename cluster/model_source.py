@@ -42,7 +42,8 @@ class ModelSource:
     tokenizer: Any
     served_name: str
     eos_token_ids: tuple[int, ...]
-    """The model's own (config.json, else the tokenizer's), then its generation config's."""
+    """The model's own (config.json, else the tokenizer's); its generation config may add more
+    (``generation.eos_token_ids``: stop tokens of every request)."""
     generation: GenerationDefaults
 
 
@@ -140,9 +141,8 @@ def resolve_model(cfg: EngineConfig) -> ModelSource:
     if m.load_format == "safetensors" and not is_gguf(path) and not any(Path(path).glob("*.safetensors")):
         raise ModelLoadError(f"{path}: no *.safetensors files (only safetensors checkpoints load)")
     tok = load_tokenizer(path, m.tokenizer)
-    eos = arch.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
+    eos = tuple(arch.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ()))
     generation = load_generation_defaults(cfg, str(path))
-    eos = tuple(dict.fromkeys((*eos, *generation.eos_token_ids)))
     name = m.served_model_name or (m.model if m.model is not None else DEFAULT_MODEL_NAME)
     return ModelSource(
         path=str(path), arch=arch, tokenizer=tok, served_name=name, eos_token_ids=eos, generation=generation

@@ -42,6 +42,9 @@ class Request:
     options: SamplingOptions
     max_tokens: int
     eos_token_ids: tuple[int, ...]
+    extra_stop_ids: tuple[int, ...] = ()
+    """Stop tokens the model's generation config adds (``cluster.generation_config``): they
+    finish a request as its ``stop_token_ids`` do, naming the token (as vLLM reports them)."""
     arrival: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None

@@ -329,7 +329,7 @@ class Scheduler:
             if n_out >= params.min_tokens:
                 if tok in req.eos_token_ids:
                     reason = "stop"
-                elif tok in params.stop_token_ids:
+                elif tok in params.stop_token_ids or tok in req.extra_stop_ids:
                     reason, stop_reason = "stop", tok
             if reason is None and (n_out >= req.max_tokens or n_out >= room):
                 reason = "length"

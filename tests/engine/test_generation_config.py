@@ -119,6 +119,7 @@ def test_offline_generation_stops_at_its_eos_and_defaults_to_its_sampling(ray_lo
         assert llm.get_default_sampling_params().temperature == 0.0
         out = llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].outputs[0]
         assert out.token_ids == ref[: i + 1] and out.finish_reason == "stop"  # greedy, stopped there
+        assert out.stop_reason == ref[i]  # named, as vLLM names the generation config's EOS ids
         engine = llm.engine  # below LLM: a request without params takes the file's defaults too
         engine.add_request("bare", {"prompt_token_ids": PROMPT})
         while engine.has_unfinished():
@@ -130,13 +131,15 @@ def test_offline_generation_stops_at_its_eos_and_defaults_to_its_sampling(ray_lo
             llm.generate([{"prompt_token_ids": PROMPT}], explicit, use_tqdm=False)[0].outputs[0].token_ids
             == ref[: i + 1]
         )
+        unstopped = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # (as the model's own EOS)
+        assert llm.generate([{"prompt_token_ids": PROMPT}], unstopped, use_tqdm=False)[0].outputs[0].token_ids == ref
     finally:
         llm.shutdown()
     # 'vllm': the file's stop tokens still, the engine's own sampling defaults
     from cluster.model_source import resolve_model
 
     source = resolve_model(EngineConfig.from_options(model=str(d), generation_config="vllm"))
-    assert source.eos_token_ids == (1, ref[i]) and source.generation.params() == SamplingParams()
+    assert source.generation.eos_token_ids == (ref[i],) and source.generation.params() == SamplingParams()
 
 
 def test_the_http_api_fills_omitted_fields_from_the_file(ray_local, tmp_path, ckpt_dir):
