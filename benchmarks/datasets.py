@@ -72,6 +72,13 @@ def random_requests(
     return reqs
 
 
+def mostly_unknown(tokenizer, ids: list[int]) -> bool:
+    """Whether more than half of ``ids`` are the tokenizer's unknown token: how a random-weight
+    ``--shape``'s synthetic word-level tokenizer (it knows only its own words) reads real text."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return bool(ids) and unk is not None and 2 * sum(i == unk for i in ids) > len(ids)
+
+
 def text_prompt_len(text: str, tokenizer, where: str) -> int:
     """Tokens in a text prompt (words without a tokenizer). A text the tokenizer reads mostly as
     unknown tokens is refused: a random-weight ``--shape`` has a synthetic word-level tokenizer,
@@ -80,8 +87,7 @@ def text_prompt_len(text: str, tokenizer, where: str) -> int:
     if tokenizer is None:
         return len(text.split())
     ids = tokenizer.encode(text)  # (as the server counts it: with the special tokens it adds)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if ids and unk is not None and 2 * sum(i == unk for i in ids) > len(ids):
+    if mostly_unknown(tokenizer, ids):
         raise SystemExit(
             f"{where}: the tokenizer reads this text as unknown tokens (a random-weight --shape's tokenizer "
             "knows only its own words); give token-id prompts (--dataset random, or prompt_token_ids in the JSONL)"

@@ -169,9 +169,10 @@ def sampled_ids(tok, n: int) -> tuple[list[int], str]:
     detokenizer's window would then only grow), its non-special ids in a fixed shuffled order."""
     import random
 
+    from benchmarks.datasets import mostly_unknown
+
     ids = tok.encode(_TEXT * (1 + 40 * n // len(_TEXT)), add_special_tokens=False)
-    unknown = sum(i == tok.unk_token_id for i in ids) if tok.unk_token_id is not None else 0
-    if unknown * 2 <= len(ids):
+    if not mostly_unknown(tok, ids):
         return ids, "text"
     special = set(tok.all_special_ids)
     plain = [i for i in range(len(tok)) if i not in special]

@@ -50,6 +50,9 @@ class GenerationDefaults:
         return SamplingParams(**{**self.sampling, **given})
 
 
+NO_GENERATION_DEFAULTS = GenerationDefaults()  # (no file: the engine's own defaults)
+
+
 def load_generation_defaults(cfg: EngineConfig, model_path: str) -> GenerationDefaults:
     """The defaults ``cfg.model.generation_config`` names for the checkpoint at ``model_path``."""
     choice = cfg.model.generation_config

@@ -24,7 +24,7 @@ from cluster.request_stream import EngineUnavailable, Overloaded
 from cluster.input_processor import InvalidRequestError
 from cluster.openai_protocol import MAX_REQUEST_ID_CHARS, clip, valid_request_id
 from cluster.prompt_preprocessor import PromptPreprocessor
-from cluster.generation_config import GenerationDefaults
+from cluster.generation_config import NO_GENERATION_DEFAULTS, GenerationDefaults
 from cluster.proto import pb2, pb2_grpc
 from metadata.sampling_params import SamplingParams, SamplingParamsError
 
@@ -66,7 +66,7 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
     if sp.stop_token_ids:
         kw["stop_token_ids"] = list(sp.stop_token_ids)
     try:
-        return (defaults or GenerationDefaults()).params(**kw)
+        return (defaults or NO_GENERATION_DEFAULTS).params(**kw)
     except SamplingParamsError as exc:
         raise InvalidRequestError(str(exc), str(exc).split(" ")[0]) from None
 

@@ -165,8 +165,8 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary", "stop_token_ids")
-        extra = () if params.ignore_eos else self.extra_stop_ids
-        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else [*self.eos_token_ids, *extra])
+        eos, extra = ((), ()) if params.ignore_eos else (self.eos_token_ids, self.extra_stop_ids)
+        stop_ids = [*params.stop_token_ids, *eos, *extra]
         out = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
@@ -194,7 +194,7 @@ class InputProcessor:
                     params=params,
                     options=opts,
                     max_tokens=max_tokens,
-                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                    eos_token_ids=eos,
                     extra_stop_ids=extra,
                     logprobs=[] if params.logprobs is not None else None,
                 )

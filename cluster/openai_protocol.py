@@ -14,10 +14,8 @@ from typing import Any
 
 import msgspec
 
-from cluster.generation_config import GenerationDefaults
+from cluster.generation_config import NO_GENERATION_DEFAULTS, GenerationDefaults
 from metadata.sampling_params import MAX_INT32, SamplingParams, SamplingParamsError
-
-NO_DEFAULTS = GenerationDefaults()
 
 _ERROR_TYPES = {
     400: ("invalid_request_error", None),
@@ -236,15 +234,10 @@ def to_sampling_params(
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens
     try:
-        return (defaults or NO_DEFAULTS).params(**kw)
+        return (defaults or NO_GENERATION_DEFAULTS).params(**kw)
     except SamplingParamsError as exc:
         msg = str(exc)
         raise APIError(400, msg, msg.split(" ")[0]) from None
-
-
-def _default_max_tokens(defaults: GenerationDefaults | None, otherwise: int | None) -> int | None:
-    """An absent max_tokens: the generation config's max_new_tokens, else ``otherwise``."""
-    return (defaults or NO_DEFAULTS).sampling.get("max_tokens", otherwise)
 
 
 def completion_params(
@@ -280,8 +273,8 @@ def chat_params(
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and not 1 <= max_tokens <= MAX_INT32:
         raise APIError(400, f"{name} must be an integer in [1, {MAX_INT32}], got {max_tokens}", name)
-    if max_tokens is None:
-        max_tokens = _default_max_tokens(defaults, None)
+    if max_tokens is None:  # the generation config's max_new_tokens, else up to the context
+        max_tokens = (defaults or NO_GENERATION_DEFAULTS).sampling.get("max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults)
 

@@ -177,7 +177,8 @@ class Scheduler:
                 break
             hit = self.blocks.lookup(req)
             req.num_computed_tokens = len(hit) * self.blocks.block_size
-            n = self._num_new_tokens(req, budget)
+            upper = req.num_tokens_upper
+            n = self._num_new_tokens(req, budget, upper)
             alloc = self.drafts.alloc_tokens(req, req.num_computed_tokens + n)
             # retained cached blocks are only evicted to avoid preemption or an idle engine
             evict_retained = not self.running
@@ -201,7 +202,7 @@ class Scheduler:
                     num_cached_tokens=req.num_computed_tokens,
                 )
             )
-            rows.append(self._row(req, n, [], step))
+            rows.append(self._row(req, n, [], step, 0, upper))
             budget -= n
 
         plan = step.plan
@@ -216,9 +217,8 @@ class Scheduler:
             self._last_step_id = plan.step_id
         return step
 
-    def _num_new_tokens(self, req: Request, budget: int, upper: int | None = None) -> int:
-        """``upper``: ``req.num_tokens_upper`` where the caller has it."""
-        upper = req.num_tokens_upper if upper is None else upper
+    def _num_new_tokens(self, req: Request, budget: int, upper: int) -> int:
+        """``upper``: ``req.num_tokens_upper`` (read once a row by the caller)."""
         remaining = upper - req.num_computed_tokens
         if remaining <= 0:
             return 0
@@ -237,14 +237,14 @@ class Scheduler:
         return n == 1 and req.num_computed_tokens + 1 >= upper and bool(req.output_token_ids)
 
     def _row(
-        self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep, k: int = 0, upper: int | None = None
+        self, req: Request, n: int, new_blocks: list[int], step: ScheduledStep, k: int, upper: int
     ) -> ScheduledRow:
         """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted.
-        ``upper``: ``req.num_tokens_upper`` where the caller has it."""
+        ``upper``: ``req.num_tokens_upper`` before the row (its placeholders are added here)."""
         drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
         req.num_computed_tokens += n + k
         step.row_requests.append(req)
-        samples = req.num_computed_tokens >= (req.num_tokens_upper if upper is None else upper)
+        samples = req.num_computed_tokens >= upper
         if samples:
             req.num_placeholders += 1 + k
             step.sampled[req.handle] = req
