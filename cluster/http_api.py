@@ -333,7 +333,8 @@ class OpenAIServer:
             for o in out.outputs:
                 lp = None
                 if params.logprobs is not None and o.logprobs is not None:
-                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, ctx.tt, 0)
+                    offset, before = self._echoed(ctx, s, out.prompt_logprobs)
+                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, ctx.tt, offset, before)
                 text = (self._prompt_text(s) + o.text) if req.echo else o.text
                 choices.append(
                     {
@@ -415,6 +416,15 @@ class OpenAIServer:
             }
         )
 
+    @staticmethod
+    def _echoed(ctx: StreamContext, s: RequestStream, prompt_lps) -> tuple[int, dict | None]:
+        """The text offset and logprobs object the completion's own tokens continue: an echoed
+        prompt's (``prompt_lps``: its logprobs; None: nothing echoed, offset 0)."""
+        if prompt_lps is None:
+            return 0, None
+        obj, offset = completion_logprobs(s.prompt_token_ids, prompt_lps, ctx.tt, 0)
+        return offset, obj
+
     def _prompt_text(self, s: RequestStream) -> str:
         if s.prompt is not None:
             return s.prompt
@@ -427,10 +437,13 @@ class OpenAIServer:
         key = (i, index)
         if ctx.echo and key not in ctx.started:
             text = self._prompt_text(s) + text
-        ctx.started.add(key)
         lp = None
         if lps is not None:
-            lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, ctx.tt, ctx.offsets.get(key, 0))
+            offset, before = ctx.offsets.get(key, 0), None
+            if key not in ctx.started:
+                offset, before = self._echoed(ctx, s, s.prompt_logprobs if ctx.echo else None)
+            lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, ctx.tt, offset, before)
+        ctx.started.add(key)
         choice = {
             "index": i * ctx.n + index,
             "text": text,

@@ -183,6 +183,7 @@ class InputProcessor:
                 min_tokens=params.min_tokens,
                 min_tokens_stop_ids=stop_ids,
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
+                num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
             )
             out.append(
                 Request(
@@ -197,6 +198,7 @@ class InputProcessor:
                     eos_token_ids=eos,
                     extra_stop_ids=extra,
                     logprobs=[] if params.logprobs is not None else None,
+                    prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 )
             )
         return out

@@ -205,6 +205,7 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     defaults: GenerationDefaults | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's fields; those it leaves out take ``defaults`` (the model's generation
     config: ``cluster.generation_config``), else the engine's."""
@@ -228,6 +229,7 @@ def to_sampling_params(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
     }
@@ -245,12 +247,14 @@ def completion_params(
 ) -> SamplingParams:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}", "logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # (OpenAI's default, as vLLM keeps it)
-    return to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, defaults=defaults)
+    # echo with logprobs: the prompt tokens' logprobs lead the choice's (as OpenAI and vLLM return them)
+    prompt_lp = req.logprobs if req.echo else None
+    return to_sampling_params(
+        req, max_tokens=max_tokens, logprobs=req.logprobs, defaults=defaults, prompt_logprobs=prompt_lp
+    )
 
 
 def chat_params(
@@ -352,15 +356,21 @@ class TokenText:
 
 
 def completion_logprobs(
-    token_ids: list[int], lps: list[dict[int, float]], tt: TokenText, offset: int
+    token_ids: list[int],
+    lps: list[dict[int, float] | None],
+    tt: TokenText,
+    offset: int,
+    before: dict[str, list] | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """OpenAI legacy logprobs object for these tokens; returns it and the next text offset."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    """OpenAI legacy logprobs object for these tokens; returns it and the next text offset.
+    A None entry (a prompt's first token) has no logprob and no top logprobs. ``before``:
+    an object of earlier tokens (the echoed prompt's) these continue."""
+    out = before or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, lp in zip(token_ids, lps):
         s = tt(tid)
         out["tokens"].append(s)
-        out["token_logprobs"].append(lp.get(tid))
-        out["top_logprobs"].append({tt(t): v for t, v in lp.items()})
+        out["token_logprobs"].append(lp.get(tid) if lp is not None else None)
+        out["top_logprobs"].append({tt(t): v for t, v in lp.items()} if lp is not None else None)
         out["text_offset"].append(offset)
         offset += len(s)
     return out, offset

@@ -77,7 +77,10 @@ class OutputProcessor:
             upto = max(req.emitted_chars, detok.length - hold)
             text = detok.since(req.emitted_chars)[: upto - req.emitted_chars]
             req.emitted_chars = upto
-            deltas.append(StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason, stop_reason))
+            delta = StreamDelta(req.parent_id, req.index, list(tokens), text, lps or None, reason, stop_reason)
+            if seq.start == 0:  # (complete by the first token: the last prompt chunk's step sampled it)
+                delta.prompt_logprobs = req.prompt_logprobs
+            deltas.append(delta)
         return deltas
 
     def request_output(self, request_id: str, reqs: list[Request]) -> RequestOutput:
@@ -103,4 +106,5 @@ class OutputProcessor:
             metrics=RequestMetrics(
                 first.arrival, first.first_token_time, first.last_token_time, sum(r.num_preemptions for r in reqs)
             ),
+            prompt_logprobs=first.prompt_logprobs,
         )

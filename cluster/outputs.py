@@ -36,6 +36,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # (SamplingParams.prompt_logprobs)
 
 
 @dataclass
@@ -50,3 +51,4 @@ class StreamDelta:
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on a sequence's first delta

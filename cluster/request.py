@@ -48,6 +48,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``params.prompt_logprobs``: one entry a prompt token, the first None (as vLLM);
+    complete once it is as long as the prompt (filled chunk by chunk by the scheduler)."""
     cumulative_logprob: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -75,6 +78,11 @@ class Request:
     def num_tokens_upper(self) -> int:
         """Prompt + confirmed outputs + in-flight samples: what the KV cache must hold."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all of them known yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_known_tokens(self) -> int:

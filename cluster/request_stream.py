@@ -47,6 +47,7 @@ class RequestStream:
         self.finished = False
         self.error: str | None = None
         self.last_token_time: dict[int, float] = {}
+        self.prompt_logprobs: list | None = None  # (SamplingParams.prompt_logprobs: from the first delta)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -65,6 +66,8 @@ class RequestStream:
         if item.finish_reason == "error":
             self.error = item.error or self.failure
             raise EngineUnavailable(self.error)
+        if item.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = item.prompt_logprobs
         return item
 
     async def result(self) -> RequestOutput:

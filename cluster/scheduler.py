@@ -37,6 +37,8 @@ class ScheduledStep:
     plan: StepPlan
     sampled: dict[int, Request] = field(default_factory=dict)  # handle -> request sampling this step
     row_requests: list[Request] = field(default_factory=list)  # the request of each of plan.rows
+    prompt_starts: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    """handle -> (request, first position) of each row in ``plan.prompt_logprob_handles``"""
 
     @property
     def empty(self) -> bool:
@@ -175,7 +177,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a sample still in flight: wait for it
                 break
-            hit = self.blocks.lookup(req)
+            # (prompt logprobs need every prompt token's hidden state: no prefix-cache hit)
+            hit = self.blocks.lookup(req) if not req.wants_prompt_logprobs else []
             req.num_computed_tokens = len(hit) * self.blocks.block_size
             upper = req.num_tokens_upper
             n = self._num_new_tokens(req, budget, upper)
@@ -242,6 +245,9 @@ class Scheduler:
         """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted.
         ``upper``: ``req.num_tokens_upper`` before the row (its placeholders are added here)."""
         drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
+        if req.prompt_logprobs is not None and req.wants_prompt_logprobs:
+            step.prompt_starts[req.handle] = (req, req.num_computed_tokens)
+            step.plan.prompt_logprob_handles.append(req.handle)
         req.num_computed_tokens += n + k
         step.row_requests.append(req)
         samples = req.num_computed_tokens >= upper
@@ -285,6 +291,8 @@ class Scheduler:
         for handle, req in step.sampled.items():
             if handle not in returned and not req.finished:
                 req.num_placeholders -= 1 + drafts.get(handle, 0)  # the worker produced nothing for it
+        for chunk in result.prompt_logprobs:  # (before the first sampled token: it may finish the request)
+            self._add_prompt_logprobs(step, chunk)
         kv_written: dict[int, int] = {}
         for row in result.outputs:
             req = step.sampled.get(row.handle)
@@ -305,6 +313,21 @@ class Scheduler:
             update.num_new_tokens += len(update.sequences[-1].token_ids)
         self._commit_blocks(step, kv_written)
         return update
+
+    @staticmethod
+    def _add_prompt_logprobs(step: ScheduledStep, chunk) -> None:
+        """A row's prompt logprobs: entry j scores the token after position ``start + j``; the
+        ones already known (a recompute after preemption) and past the prompt are skipped."""
+        req, start = step.prompt_starts[chunk.handle]
+        got, prompt = req.prompt_logprobs, req.prompt_token_ids
+        for j, e in enumerate(chunk.entries):
+            pos = start + j + 1
+            if pos >= len(prompt):
+                break
+            if pos == len(got):
+                lp = {prompt[pos]: e.sampled_logprob}
+                lp.update(zip(e.top_token_ids, e.top_logprobs))
+                got.append(lp)
 
     def _append_tokens(self, req: Request, row, now: float) -> SequenceUpdate:
         """Append a row's tokens up to the first that finishes the request (the rest, accepted

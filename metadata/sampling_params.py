@@ -7,7 +7,7 @@ import math
 import msgspec
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPT_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_OPT_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 MAX_CACHE_SALT_LEN = 1024
@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """Per prompt token after the first: its logprob, rank and the top this-many (vLLM's
+    ``prompt_logprobs``); such a request computes its whole prompt (no prefix-cache hit)."""
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Prefix-cache isolation: requests share cached KV blocks only with requests of the same salt."""
@@ -110,6 +113,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]", self.logprobs)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "in [0, 20]", self.prompt_logprobs)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"<{len(self.stop)} strings>")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

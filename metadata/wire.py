@@ -51,6 +51,7 @@ class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unkno
     min_tokens: int
     min_tokens_stop_ids: list[int]  # ids masked until min_tokens outputs exist
     num_logprobs: int  # -1 = none, 0 = sampled token only, k = sampled + top k
+    num_prompt_logprobs: int = -1  # the same for each prompt token (StepPlan.prompt_logprob_handles)
 
 
 class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -110,6 +111,9 @@ class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
     rows: list[ScheduledRow] = []
     finished_handles: list[int] = []  # finished or aborted: release the worker's row
     preempted_handles: list[int] = []  # preempted: release; may return as a NewRequest
+    prompt_logprob_handles: list[int] = []
+    """Rows whose every scheduled token's logits are wanted (prompt logprobs of the next
+    token, ``StepResult.prompt_logprobs``); a step with any runs eagerly."""
     shutdown: bool = False
 
 
@@ -124,6 +128,14 @@ class SampledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     handle: int
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One row's scheduled tokens, in order: for each, the logprob of the token after it in the
+    row's token table (``sampled_*``: the prompt's next token), and the row's top k."""
+
+    handle: int
+    entries: list[TokenLogprobs]
 
 
 class StepStats(msgspec.Struct, forbid_unknown_fields=True):
@@ -141,6 +153,7 @@ class StepResult(msgspec.Struct, forbid_unknown_fields=True):
 
     step_id: int
     outputs: list[SampledRow] = []
+    prompt_logprobs: list[PromptLogprobs] = []
     error: str | None = None
     rank: int = 0
     stats: StepStats = msgspec.field(default_factory=StepStats)

@@ -19,6 +19,7 @@ from workers.models.loader import load_model
 from workers.pending_step import PendingStep, PinnedPool
 from workers.memory_profile import profile_free_bytes
 from workers.pipeline import WHOLE_MODEL, PipelineComm, scratch_model
+from workers.prompt_logprobs import compute_prompt_logprobs
 from workers.sampler import commit_tokens, sample
 from workers.sampling_inputs import build_sampling_batch
 from workers.step_inputs import build_step_inputs, sampling_rows
@@ -392,11 +393,12 @@ class ModelRunner:
             staged,
             commit_lengths=self.spec is None and self.pp is None,  # (drafts, stages: the old lengths read)
             input_graphs=self.input_graphs,
+            eager=bool(plan.prompt_logprob_handles),
         )
         key = inp.graph_key
         self._decode_graph_step = key is not None
         marks.append(time.perf_counter())
-        raw_argmax = None
+        raw_argmax = prompt = None
         if key is not None:
             logits = self.graphs.run(inp, key)
             raw_argmax = self.graphs.last_greedy  # q = 1 graphs only: one logits row a sampling row
@@ -415,6 +417,8 @@ class ModelRunner:
             else:
                 hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
+            if plan.prompt_logprob_handles:
+                prompt = self._prompt_logprobs(plan, inp, hidden)
         seq_lens = inp.seq_lens  # (without a padded verify step's padding)
         self.padded_steps += inp.pads is not None
         if not inp.lengths_committed:  # (else the input kernel did)
@@ -424,7 +428,10 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.sync_draft_kv(st, inp)
             self._record_phases(key is None, marks)
-            return PendingStep(plan.step_id, self.tp.rank, t0)
+            pending = PendingStep(plan.step_id, self.tp.rank, t0, prompt=prompt)
+            if prompt is not None:
+                pending.start_copy(self.device, self._pinned)
+            return pending
         lazy = self.spec is None  # (options read where they live, unless a proposer or verifier reads them)
         s_rows, s_pos = sampling_rows(inp, seq_lens, wide=not lazy)
         batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=lazy)
@@ -443,7 +450,7 @@ class ModelRunner:
         if self.spec is not None:  # drafts for the next step, written where it reads its inputs
             self.spec.propose(st, inp, s_rows, known, batch)
         marks.append(time.perf_counter())
-        pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc)
+        pending = PendingStep(plan.step_id, self.tp.rank, t0, inp.handles, inp.opts, so, tokens, n_acc, prompt)
         pending.start_copy(self.device, self._pinned)
         marks.append(time.perf_counter())
         self._record_phases(key is None, marks)
@@ -451,6 +458,20 @@ class ModelRunner:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
         return pending
+
+    def _prompt_logprobs(self, plan: StepPlan, inp, hidden):
+        st = self.state
+        return compute_prompt_logprobs(
+            plan,
+            inp.q_lens,
+            inp.rows_cpu,
+            hidden,
+            inp.positions,
+            st.token_ids,
+            lambda row: max(st.sampling[row].num_prompt_logprobs, 0),
+            self.model.compute_logits,
+            self.cfg.scheduler.max_num_seqs,
+        )
 
     def _record_phases(self, mixed: bool, marks: list[float]) -> None:
         """``LAUNCH_PHASES``' ms from their boundaries (the phases past the last mark: 0)."""

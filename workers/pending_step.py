@@ -51,23 +51,38 @@ def pack_outputs(tokens: torch.Tensor, n_acc: torch.Tensor | None, so) -> tuple[
 class PendingStep:
     """A launched step whose sampled tokens are being copied to pinned host memory."""
 
-    def __init__(self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None, tokens=None, n_acc=None):
+    def __init__(
+        self, step_id: int, rank: int, t0: float, handles=None, opts=None, so=None, tokens=None, n_acc=None, prompt=None
+    ):
         self.step_id, self.rank, self.t0 = step_id, rank, t0
         self.handles, self.opts, self.so = handles or [], opts or [], so
         self.tokens, self.n_acc = tokens, n_acc  # [S, W] emitted tokens, [S] accepted drafts
+        self.prompt = prompt  # a PromptLogprobsPart (workers.prompt_logprobs), copied alike
+        self.prompt_host = None
         self.event = None
         self.pool: PinnedPool | None = None  # where host_packed returns once read
         self.launch_s = 0.0  # host time of launch(), set when it returns
         self.timeline = None  # (start, end, previous step's end) CUDA events
 
     def start_copy(self, device: torch.device, pool: PinnedPool) -> None:
-        packed, self.sizes = pack_outputs(self.tokens, self.n_acc, self.so)
+        """The step's outputs (sampled tokens, prompt logprobs: whichever it has) on their way
+        to pinned host memory, behind one event."""
+        packed = None
+        if self.so is not None:
+            packed, self.sizes = pack_outputs(self.tokens, self.n_acc, self.so)
         if device.type == "cpu":
             self.host_packed = packed
+            self.prompt_host = self.prompt.packed if self.prompt is not None else None
             return
-        self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
-        self.pool = pool
-        self.host_packed.copy_(packed, non_blocking=True)
+        if self.prompt is not None:  # (rare: an eager step; its own buffer, not pooled)
+            self.prompt_host = torch.empty(self.prompt.packed.shape, dtype=torch.float64, pin_memory=True)
+            self.prompt_host.copy_(self.prompt.packed, non_blocking=True)
+        if packed is not None:
+            self.host_packed, self.event = pool.take(packed.numel(), packed.dtype)
+            self.pool = pool
+            self.host_packed.copy_(packed, non_blocking=True)
+        else:
+            self.event = torch.cuda.Event()
         self.event.record()
 
     def ready(self) -> bool:
@@ -80,6 +95,8 @@ class PendingStep:
             with allow_sync("the sampled tokens' copy to pinned host memory"):
                 self.event.synchronize()  # the step's one deliberate wait
         out = StepResult(step_id=self.step_id, rank=self.rank)
+        if self.prompt is not None:
+            out.prompt_logprobs = self.prompt.entries(self.prompt_host)
         if self.so is not None:
             host = list(torch.split(self.host_packed, self.sizes))
             width = self.tokens.shape[1]

@@ -291,6 +291,7 @@ def build_step_inputs(
     placement: StagedPlacement | None = None,
     commit_lengths: bool = False,
     input_graphs=None,
+    eager: bool = False,
 ) -> StepInputs:
     """``graphs`` (a ``DecodeGraphs``): pick the step's graph from host values first and build
     the inputs straight into its static buffers (``StepInputs.graph_key``).
@@ -304,7 +305,10 @@ def build_step_inputs(
     (``StepInputs.lengths_committed``; only where nothing reads the old lengths before the
     step would set them: no drafts, no pipeline stages). ``input_graphs`` (a
     ``workers.input_graphs.InputGraphs``): a step replaying a graph whose input kernel was
-    captured replays that too (``build_window``'s ``input_graph``)."""
+    captured replays that too (``build_window``'s ``input_graph``). ``eager``: no graph of
+    any kind, no padding (a step whose every token's hidden state is read: prompt logprobs)."""
+    if eager:
+        graphs = mixed = input_graphs = pad_query_lens = None
     if pad_query_lens is None and graphs is not None:
         pad_query_lens = graphs.query_lens
     # (comprehensions, not one loop of appends: this runs on every launch's critical path)

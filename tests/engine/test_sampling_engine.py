@@ -181,6 +181,42 @@ def test_logprobs_match_transformers(llm):
     assert no_lp.outputs[0].logprobs is None and no_lp.outputs[0].cumulative_logprob is None
 
 
+def _check_prompt_logprobs(got, q, ref, k):
+    """``got`` (a RequestOutput's prompt_logprobs) against transformers' ``ref`` log_softmax rows."""
+    assert len(got) == len(q) and got[0] is None
+    for i in range(1, len(q)):
+        lp, tok = got[i], q[i]
+        top = ref[i - 1].topk(k)
+        expected = {int(t): float(v) for t, v in zip(top.indices, top.values)}
+        expected[tok] = float(ref[i - 1, tok])
+        assert set(lp) == set(expected), i
+        for t, v in expected.items():
+            assert lp[t] == pytest.approx(v, abs=2e-4), (i, t)
+
+
+def test_prompt_logprobs_match_transformers(llm):
+    """Prompt logprobs of every prompt token after the first, over prompts chunked across steps
+    (64-token budget) beside a request without them, and again once the prompt is cached (a
+    request asking for them computes its whole prompt anyway)."""
+    hf = HF(llm.engine.model_dir)
+    prompts = [_prompt(7, 100), _prompt(8, 23), _prompt(9, 2)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=20, ignore_eos=True),
+    ]
+    plain = {"prompt_token_ids": _prompt(10, 40)}
+    for _ in range(2):  # the second time every prompt is in the prefix cache
+        outs = llm.generate(
+            [{"prompt_token_ids": q} for q in prompts] + [plain], params + [SamplingParams(max_tokens=3)]
+        )
+        for q, out, sp in zip(prompts, outs, params):
+            ref = hf.logits(q).log_softmax(-1)
+            _check_prompt_logprobs(out.prompt_logprobs, q, ref, sp.prompt_logprobs)
+            assert out.outputs[0].token_ids == hf.greedy(q, 2)
+        assert outs[-1].prompt_logprobs is None
+
+
 def test_eos_ignore_eos_and_min_tokens(llm, eos_setup):
     p0, g0, k, eos, hf = (eos_setup[x] for x in ("p0", "g0", "k", "eos", "hf"))
     assert llm.engine.eos_token_ids == (eos,)

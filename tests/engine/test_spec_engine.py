@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
 from cluster.engine import EngineCore
@@ -84,12 +86,30 @@ def test_greedy_spec_equals_transformers(ray_local, model, draft, greedy_ref, me
     else:
         spec.update(speculative_method=method)
     llm = _llm(model, **spec)
+    # (with a draft model, every other prompt's logprobs too: eager steps among the draft's)
+    scored = method == "draft"
     try:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            [
+                SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=i % 2 or None)
+                if scored
+                else SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+                for i in range(len(PROMPTS))
+            ],
         )
         assert [o.outputs[0].token_ids for o in outs] == greedy_ref
+        if scored:
+            hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+            for i, (p, o) in enumerate(zip(PROMPTS, outs)):
+                if i % 2 == 0:
+                    assert o.prompt_logprobs is None
+                    continue
+                with torch.no_grad():
+                    ref = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+                got = [lp[t] for t, lp in zip(p[1:], o.prompt_logprobs[1:])]
+                assert o.prompt_logprobs[0] is None
+                assert got == pytest.approx([float(ref[j, t]) for j, t in enumerate(p[1:])], abs=2e-4)
         st = llm.engine.stats
         drafted, accepted = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
         assert drafted > 0, "no row carried drafts"

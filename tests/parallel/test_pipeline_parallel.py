@@ -10,6 +10,8 @@ import random
 
 import pytest
 import ray
+import torch
+from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
 from metadata.config import ConfigError, EngineConfig
@@ -78,14 +80,14 @@ def one_worker(three_nodes, model):
     return _run(model, PROMPTS)["tokens"]
 
 
-def _run(model, prompts, rounds: int = 1, **options) -> dict:
+def _run(model, prompts, rounds: int = 1, params=GREEDY, **options) -> dict:
     """Greedy tokens of ``rounds`` identical generate calls, with the workers' info, stats and
-    nodes (from the state API) and the prefix cache's stats."""
+    nodes (from the state API), the prefix cache's stats and the last round's prompt logprobs."""
     llm = LLM(model=str(model), **COMMON, **options)
     try:
         tokens = None
         for _ in range(rounds):
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             got = [o.outputs[0].token_ids for o in outs]
             assert tokens is None or got == tokens  # a later round reads the cached prefixes
             tokens = got
@@ -100,6 +102,7 @@ def _run(model, prompts, rounds: int = 1, **options) -> dict:
             "stats": stats,
             "actor_nodes": actor_nodes,
             "prefix": eng.scheduler.prefix_cache_stats(),
+            "prompt_logprobs": [o.prompt_logprobs for o in outs],
         }
     finally:
         llm.shutdown()
@@ -135,9 +138,21 @@ def test_pp2_stages_on_distinct_nodes_equal_one_worker(model, one_worker):
 
 
 def test_pp2_tp2_each_tp_group_on_one_node(model, one_worker):
-    """Steps over 16 tokens also run as two overlapped micro-batches on every rank."""
-    run = _run(model, PROMPTS, pipeline_parallel_size=2, tensor_parallel_size=2, ubatch_token_threshold=16)
+    """Steps over 16 tokens also run as two overlapped micro-batches on every rank; prompt
+    logprobs (the last stage's, gathered over its TP ranks) equal transformers'."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
+    run = _run(
+        model, PROMPTS, params=params, pipeline_parallel_size=2, tensor_parallel_size=2, ubatch_token_threshold=16
+    )
     assert run["tokens"] == one_worker
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for p, got in zip(PROMPTS, run["prompt_logprobs"]):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+        assert len(got) == len(p) and got[0] is None
+        for i in range(1, len(p)):
+            assert got[i][p[i]] == pytest.approx(float(ref[i - 1, p[i]]), abs=2e-4)
+            assert set(ref[i - 1].topk(2).indices.tolist()) <= set(got[i])
     stages = _by_stage(run, tp=2)
     assert [len(s) for s in stages] == [1, 1], stages  # STRICT_PACK: a TP group shares a node
     assert stages[0] != stages[1], stages

@@ -146,6 +146,30 @@ def test_stop_string_and_logprobs_equal_offline(openai_client, offline, model_na
     assert all(len(top) >= 2 for top in c.logprobs.top_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt(openai_client, offline, model_name):
+    """echo + logprobs (how lm-eval scores a continuation): the prompt's tokens lead the
+    logprobs, the first without any, the rest equal to the offline prompt_logprobs; streamed
+    alike, in the first chunk."""
+    prompt = "w5 w6 w7 w8 w9"
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    (ref,) = offline.generate([prompt], params, use_tqdm=False)
+    n_prompt, tok = len(ref.prompt_token_ids), offline.get_tokenizer()
+    want = [None] + [lp[t] for t, lp in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    want += [lp[t] for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    kw = dict(model=model_name, prompt=prompt, temperature=0, max_tokens=2, logprobs=1, echo=True)
+    r = openai_client.completions.create(**kw, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+    assert lp.tokens[:n_prompt] == [tok.decode([t]) for t in ref.prompt_token_ids]
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and len(lp.tokens) == n_prompt + 2
+    assert r.choices[0].text == prompt + ref.outputs[0].text
+    chunks = list(openai_client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want[1:], abs=1e-5)
+
+
 def _chat_ref(offline, messages, params):
     tok = offline.get_tokenizer()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
