@@ -165,6 +165,10 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary", "stop_token_ids")
+        bias = params.logit_bias or {}
+        bad_bias = [t for t in bias if t >= self.vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary", "logit_bias")
         eos, extra = ((), ()) if params.ignore_eos else (self.eos_token_ids, self.extra_stop_ids)
         stop_ids = [*params.stop_token_ids, *eos, *extra]
         out = []
@@ -184,6 +188,8 @@ class InputProcessor:
                 min_tokens_stop_ids=stop_ids,
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
                 num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+                logit_bias_ids=list(bias),
+                logit_bias_values=[float(v) for v in bias.values()],
             )
             out.append(
                 Request(

@@ -199,6 +199,19 @@ def parse_completion_prompts(prompt: Any) -> list[Any]:
     )
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) keyed by int ids."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {shown!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def to_sampling_params(
     req: _SamplingFields,
     *,
@@ -211,8 +224,6 @@ def to_sampling_params(
     config: ``cluster.generation_config``), else the engine's."""
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
     kw: dict[str, Any] = {
         "n": req.n,
         "temperature": req.temperature,
@@ -232,6 +243,7 @@ def to_sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
+        "logit_bias": _logit_bias(req.logit_bias),
     }
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens

@@ -14,6 +14,7 @@ MAX_CACHE_SALT_LEN = 1024
 MAX_INT32 = (1 << 31) - 1  # top_k, min_tokens and max_tokens become device int tensors
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 
 
 class SamplingParamsError(ValueError):
@@ -41,6 +42,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Per prompt token after the first: its logprob, rank and the top this-many (vLLM's
     ``prompt_logprobs``); such a request computes its whole prompt (no prefix-cache hit)."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Added to the named tokens' logits before penalties and sampling (each in [-100, 100], as
+    OpenAI bounds them); logprobs stay those of the unbiased logits (vLLM's default)."""
     cache_salt: str | None = None
     """Prefix-cache isolation: requests share cached KV blocks only with requests of the same salt."""
 
@@ -123,6 +127,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop", "a list of non-empty strings", self.stop)
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
+        if self.logit_bias is not None:
+            self._validate_logit_bias(bad)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
         ):
@@ -131,6 +137,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"a non-empty string of at most {MAX_CACHE_SALT_LEN} characters, or None",
                 self.cache_salt if not isinstance(self.cache_salt, str) else f"<{len(self.cache_salt)} chars>",
             )
+
+    def _validate_logit_bias(self, bad) -> None:
+        lb = self.logit_bias
+        if not isinstance(lb, dict):
+            raise bad("logit_bias", "a mapping of token ids to biases", lb)
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"<{len(lb)} entries>")
+        for t, v in lb.items():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32:
+                raise bad("logit_bias", "keyed by token ids >= 0", t)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise SamplingParamsError(f"logit_bias must be numbers in [-100, 100], got {v!r:.40} for {t}")
 
     @property
     def greedy(self) -> bool:

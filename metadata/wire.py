@@ -52,6 +52,8 @@ class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unkno
     min_tokens_stop_ids: list[int]  # ids masked until min_tokens outputs exist
     num_logprobs: int  # -1 = none, 0 = sampled token only, k = sampled + top k
     num_prompt_logprobs: int = -1  # the same for each prompt token (StepPlan.prompt_logprob_handles)
+    logit_bias_ids: list[int] = []  # added to these ids' logits before sampling ...
+    logit_bias_values: list[float] = []  # ... these values
 
 
 class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

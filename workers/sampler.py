@@ -37,6 +37,7 @@ class SamplingBatch:
     sample_temperature: torch.Tensor | None = None  # float32 [R]: temperature, 1 where 0 (None: derived)
     option_words: tuple | None = None  # the divisor, temperature and seed word rows (DeviceState.sampler_words)
     option_rows: torch.Tensor | None = None  # int64 [>= R]: each row's device row, where not gathered
+    logit_bias: tuple | None = None  # (rows int64 [N], ids int64 [N], biases float32 [N]) added first
 
 
 @dataclass
@@ -130,6 +131,9 @@ def sample(
     the temperature sampler reads the option table, it also writes each row's token at
     ``commit[option_rows[r], positions[r]]`` (``SamplerOutput.committed``)."""
     raw = logits
+    if batch.logit_bias is not None:
+        r, ids, v = batch.logit_bias
+        logits = logits.index_put((r, ids), v, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.min_tokens_mask is not None:

@@ -60,7 +60,15 @@ def build_sampling_batch(
         mask.index_put_((idx[0], idx[1].clamp(max=st.vocab - 1)), st.true_value)
         out_len = s_pos - st.prompt_len[s_rows].long()  # outputs before this token (device)
         mask &= (out_len < min_tokens)[:, None]
+    bias = None
+    if flags["any_logit_bias"]:  # (row, id) pairs and their biases, in one copy
+        ri = [i for i, o in enumerate(opts) for _ in o.logit_bias_ids]
+        ids = [t for o in opts for t in o.logit_bias_ids]
+        vals = [v for o in opts for v in o.logit_bias_values]
+        dv = to_device(torch.tensor([ri, ids, vals], dtype=torch.float64), dev)
+        bias = (dv[0].long(), dv[1].long(), dv[2].float())
     return SamplingBatch(
+        logit_bias=bias,
         temperature=temperature,
         sample_temperature=sample_temperature,
         top_p=top_p,

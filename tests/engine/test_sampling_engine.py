@@ -217,6 +217,36 @@ def test_prompt_logprobs_match_transformers(llm):
         assert outs[-1].prompt_logprobs is None
 
 
+def test_logit_bias_matches_transformers(llm):
+    """Greedy under a bias (forbidding plain greedy's first token, favouring others) equals
+    transformers' argmax of the biased logits; logprobs stay the unbiased ones; sampled
+    tokens stay among three favoured by +100, beside an unbiased greedy request."""
+    hf = HF(llm.engine.model_dir)
+    q = _prompt(11, 12)
+    free = hf.greedy(q, 6)
+    bias = {free[0]: -100.0, 7: 3.0, 9: 2.5, free[1]: 1.5}
+    want = []
+    for _ in range(6):
+        lg = hf.logits(q + want)[-1]
+        for t, b in bias.items():
+            lg[t] += b
+        want.append(int(lg.argmax()))
+    favoured = {11: 100.0, 12: 100, 13: 99.5}
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias=bias, logprobs=0),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, logit_bias=favoured),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    biased, sampled, plain = llm.generate([{"prompt_token_ids": q}] * 3, params)
+    got = biased.outputs[0]
+    assert got.token_ids == want and want[0] != free[0]
+    raw = hf.logits(q + want).log_softmax(-1)[len(q) - 1 : -1]
+    for i, (tok, lp) in enumerate(zip(want, got.logprobs)):
+        assert lp[tok] == pytest.approx(float(raw[i, tok]), abs=2e-4)
+    assert set(sampled.outputs[0].token_ids) <= set(favoured) and len(set(sampled.outputs[0].token_ids)) > 1
+    assert plain.outputs[0].token_ids == free
+
+
 def test_eos_ignore_eos_and_min_tokens(llm, eos_setup):
     p0, g0, k, eos, hf = (eos_setup[x] for x in ("p0", "g0", "k", "eos", "hf"))
     assert llm.engine.eos_token_ids == (eos,)

@@ -71,7 +71,7 @@ SPECIFIC = {
     "cache_salt": ["s" * 2000, ""],
     "stop": [["x"] * 100, [""], [1]],
     "stop_token_ids": [[BIG], [-1], [999], list(range(2000))],
-    "logit_bias": [{"5": 1.0}],
+    "logit_bias": [{"x": 1.0}, {"5": 101}, {"999": 1.0}, {"9" * 5000: 1.0}, {str(i): 1 for i in range(2000)}],
     "suffix": ["tail"],
     "best_of": [3],
     "n": [0, 129],

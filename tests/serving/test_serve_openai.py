@@ -170,6 +170,23 @@ def test_echo_with_logprobs_scores_the_prompt(openai_client, offline, model_name
     assert streamed[0] is None and streamed[1:] == pytest.approx(want[1:], abs=1e-5)
 
 
+def test_logit_bias_equals_offline(openai_client, offline, model_name):
+    """OpenAI's logit_bias (string token ids) reaches the sampler as the offline API's does."""
+    prompt, bias = "w5 w6 w7", {7: 100.0, 9: -100.0}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias=bias)
+    (ref,) = offline.generate([prompt], params, use_tqdm=False)
+    assert ref.outputs[0].token_ids == [7] * 4
+    r = openai_client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=4,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == ref.outputs[0].text
+
+
 def _chat_ref(offline, messages, params):
     tok = offline.get_tokenizer()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
