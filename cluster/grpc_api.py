@@ -46,6 +46,7 @@ _FIELDS = (
     "include_stop_str_in_output",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 
@@ -65,6 +66,8 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
         kw["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         kw["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        kw["logit_bias"] = dict(sp.logit_bias)
     try:
         return (defaults or NO_GENERATION_DEFAULTS).params(**kw)
     except SamplingParamsError as exc:
@@ -230,6 +233,8 @@ class GenerationService(pb2_grpc.GenerationServicer):
                     msg = self._response(rid, d.index, d.token_ids, d.text, d.logprobs, d.finish_reason, d.stop_reason)
                     if first:
                         msg.prompt_token_ids.extend(stream.prompt_token_ids)
+                        if d.prompt_logprobs is not None:
+                            self._add_logprobs(msg.prompt_logprobs, stream.prompt_token_ids[1:], d.prompt_logprobs[1:])
                         first = False
                     if d.finish_reason:
                         finished.add(d.index)
@@ -267,11 +272,15 @@ class GenerationService(pb2_grpc.GenerationServicer):
             msg.stop_str = stop_reason
         elif isinstance(stop_reason, int):
             msg.stop_token_id = stop_reason
-        for tid, lp in zip(token_ids, logprobs or ()):
-            entry = msg.logprobs.add(token_id=tid, logprob=lp.get(tid, 0.0))
+        GenerationService._add_logprobs(msg.logprobs, token_ids, logprobs or ())
+        return msg
+
+    @staticmethod
+    def _add_logprobs(field, token_ids, logprobs) -> None:
+        for tid, lp in zip(token_ids, logprobs):
+            entry = field.add(token_id=tid, logprob=lp.get(tid, 0.0))
             for t, v in lp.items():
                 entry.top.add(token_id=t, logprob=v)
-        return msg
 
     async def Abort(self, request, context):
         await self._check_auth(context, request)

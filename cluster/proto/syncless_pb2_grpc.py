@@ -5,7 +5,7 @@ import warnings
 
 from cluster.proto import syncless_pb2 as cluster_dot_proto_dot_syncless__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -68,6 +68,16 @@ def test_generate_stream_equals_offline(stub, md, offline):
             "w50",
             SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
         ),
+        (  # prompt logprobs and a logit bias
+            pb2.GenerateRequest(
+                text="w60 w61 w62",
+                sampling=pb2.SamplingParams(
+                    temperature=0, max_tokens=3, prompt_logprobs=1, logit_bias={7: 100.0}, ignore_eos=True
+                ),
+            ),
+            "w60 w61 w62",
+            SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logit_bias={7: 100.0}, ignore_eos=True),
+        ),
     ]
     for req, prompt, params in cases:
         (ref,) = offline.generate([prompt], params, use_tqdm=False)
@@ -81,6 +91,12 @@ def test_generate_stream_equals_offline(stub, md, offline):
             assert got[o.index]["finish"] == [o.finish_reason]
         assert usage.prompt_tokens == len(ref.prompt_token_ids)
         assert usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+        if params.prompt_logprobs is not None:
+            scored = responses[0].prompt_logprobs
+            assert [e.token_id for e in scored] == ref.prompt_token_ids[1:]
+            want = [lp[t] for t, lp in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+            assert [e.logprob for e in scored] == pytest.approx(want, abs=1e-5)
+            assert all(not r.prompt_logprobs for r in responses[1:]) and ref.outputs[0].token_ids == [7] * 3
         if params.logprobs is not None:
             lps = [e.logprob for r in responses for e in r.logprobs]
             want = [lp[t] for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
@@ -141,6 +157,16 @@ def test_health_and_model_info(channel, stub, md, model_name):
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "max_tokens"),
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logprobs=50)), "INVALID_ARGUMENT", "logprobs"),
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(seed=-1)), "INVALID_ARGUMENT", "seed"),
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logit_bias={5: 200.0})),
+            "INVALID_ARGUMENT",
+            "logit_bias",
+        ),
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(prompt_logprobs=21)),
+            "INVALID_ARGUMENT",
+            "prompt_logprobs",
+        ),
         (
             pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(stop_token_ids=[999])),
             "INVALID_ARGUMENT",
