@@ -418,7 +418,7 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inp.logits_idx]) if inp.handles else None
             if plan.prompt_logprob_handles:
-                prompt = self._prompt_logprobs(plan, inp, hidden)
+                prompt = compute_prompt_logprobs(plan, inp, st, hidden, self.model.compute_logits, self.cfg.scheduler)
         seq_lens = inp.seq_lens  # (without a padded verify step's padding)
         self.padded_steps += inp.pads is not None
         if not inp.lengths_committed:  # (else the input kernel did)
@@ -458,20 +458,6 @@ class ModelRunner:
             pending.timeline = (start_ev, self._record_event(), self._last_end_ev)
             self._last_end_ev = pending.timeline[1]
         return pending
-
-    def _prompt_logprobs(self, plan: StepPlan, inp, hidden):
-        st = self.state
-        return compute_prompt_logprobs(
-            plan,
-            inp.q_lens,
-            inp.rows_cpu,
-            hidden,
-            inp.positions,
-            st.token_ids,
-            lambda row: max(st.sampling[row].num_prompt_logprobs, 0),
-            self.model.compute_logits,
-            self.cfg.scheduler.max_num_seqs,
-        )
 
     def _record_phases(self, mixed: bool, marks: list[float]) -> None:
         """``LAUNCH_PHASES``' ms from their boundaries (the phases past the last mark: 0)."""

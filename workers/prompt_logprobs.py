@@ -38,22 +38,14 @@ class PromptLogprobsPart:
         return out
 
 
-def compute_prompt_logprobs(
-    plan: StepPlan,
-    q_lens: list[int],
-    rows_cpu: list[int],
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    token_ids: torch.Tensor,
-    ks_of_row,
-    compute_logits,
-    slice_rows: int,
-) -> PromptLogprobsPart:
-    """Score each named row's scheduled tokens (``hidden``: the eager forward's, one row a
-    token in plan order; ``positions``: each token's position; ``token_ids``: the device
-    token table) ``slice_rows`` tokens at a time, so the logits never exceed what the
-    sampler's own ``[max_num_seqs, vocab]`` needs. ``ks_of_row(row)``: the top-k a device
-    row asked for. Every tensor-parallel rank runs this alike (``compute_logits`` gathers)."""
+def compute_prompt_logprobs(plan: StepPlan, inp, st, hidden: torch.Tensor, compute_logits, sched) -> PromptLogprobsPart:
+    """Score each named row's scheduled tokens (``inp``: the step's ``StepInputs``; ``st``: the
+    ``DeviceState`` whose token table holds each next token; ``hidden``: the eager forward's,
+    one row a token in plan order) ``sched.max_num_seqs`` tokens at a time, so the logits never
+    exceed what the sampler's own ``[max_num_seqs, vocab]`` needs. Every tensor-parallel rank
+    runs this alike (``compute_logits`` gathers)."""
+    q_lens, rows_cpu, positions, token_ids = inp.q_lens, inp.rows_cpu, inp.positions, st.token_ids
+    slice_rows = sched.max_num_seqs
     index = {r.handle: i for i, r in enumerate(plan.rows)}
     starts = [0]
     for q in q_lens:
@@ -62,7 +54,7 @@ def compute_prompt_logprobs(
     for h in plan.prompt_logprob_handles:
         i = index[h]
         spans.append((h, starts[i], starts[i + 1], rows_cpu[i]))
-    ks = [ks_of_row(row) for _, _, _, row in spans]
+    ks = [max(st.sampling[row].num_prompt_logprobs, 0) for _, _, _, row in spans]
     kmax = max(ks, default=0)
     chosen, ranks, top_ids, top_lps = [], [], [], []
     for _, s, e, row in spans:
