@@ -48,6 +48,7 @@ from cluster.openai_protocol import (
 )
 from cluster.prompt_preprocessor import PromptPreprocessor
 from cluster.sse_stream import StreamContext, stream_response
+from cluster.tool_calls import ToolCallStream, ToolRequestError, parse_tool_calls, plan_tools
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -115,6 +116,7 @@ class OpenAIServer:
         preprocessor: PromptPreprocessor | None = None,
         max_logprobs: int = 20,
         generation: GenerationDefaults | None = None,
+        tool_parser: str | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
@@ -122,6 +124,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.metrics = metrics
         self.max_logprobs = max_logprobs
+        self.tool_parser = tool_parser  # (--enable-auto-tool-choice: tool_choice="auto" is served)
         self.generation = generation  # the model's generation config: defaults of omitted fields
         self.created = now()
         self._pre = preprocessor
@@ -363,11 +366,18 @@ class OpenAIServer:
         self._check_model(req.model)
         params = chat_params(req, self.max_logprobs, self.generation)
         try:
+            tools, parse_tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        kwargs = chat_template_kwargs(req)
+        if tools is not None:
+            kwargs["tools"] = tools
+        try:
             prompt = await self.preprocessor.chat(
                 chat_messages(req),
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message,
-                kwargs=chat_template_kwargs(req),
+                kwargs=kwargs,
             )
         except InvalidRequestError as exc:
             raise engine_error(exc, "messages") from None
@@ -383,6 +393,7 @@ class OpenAIServer:
             self._token_text(req.return_tokens_as_token_ids),
         )
         ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        ctx.tool_streams = {} if parse_tools else None
         try:
             if req.stream:
                 return await stream_response(request, ctx, streams, self._chat_chunk, chat=True)
@@ -395,12 +406,18 @@ class OpenAIServer:
             lp = None
             if ctx.top_logprobs is not None and o.logprobs is not None:
                 lp = chat_logprobs(o.token_ids, o.logprobs, ctx.tt, ctx.top_logprobs)
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if parse_tools:
+                content, calls = parse_tool_calls(o.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
             choices.append(
                 {
                     "index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": o.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": o.stop_reason,
                 }
             )
@@ -460,6 +477,13 @@ class OpenAIServer:
         if lps is not None and ctx.top_logprobs is not None:
             lp = chat_logprobs(token_ids, lps, ctx.tt, ctx.top_logprobs)
         delta = {"content": text} if (text or finish is None) else {}
+        if ctx.tool_streams is not None:  # content outside calls as it comes, each call once closed
+            ts = ctx.tool_streams.setdefault(index, ToolCallStream())
+            content, calls = ts.feed(text, final=finish is not None)
+            delta = {"content": content} if (content or (finish is None and not calls)) else {}
+            if calls:
+                delta["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" and ts.num_calls else finish
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
         return ctx.chunk([choice])
 

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from cluster.generation_config import NO_GENERATION_DEFAULTS, GenerationDefaults
+from cluster.tool_calls import Tool, ToolCall, template_tool_calls
 from metadata.sampling_params import MAX_INT32, SamplingParams, SamplingParamsError
 
 _ERROR_TYPES = {
@@ -109,6 +110,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -120,7 +123,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM extra; refused unless --trust-request-chat-template
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
@@ -272,8 +275,6 @@ def completion_params(
 def chat_params(
     req: ChatCompletionRequest, max_logprobs: int = 20, defaults: GenerationDefaults | None = None
 ) -> SamplingParams:
-    if req.tools:
-        raise APIError(400, "tools are not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
     if req.top_logprobs is not None:
@@ -326,6 +327,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         msgs.append(msg)
     return msgs
 

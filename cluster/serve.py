@@ -26,6 +26,7 @@ import msgspec
 
 from metadata import config as mconfig
 from metadata.config import ConfigError, EngineConfig
+from cluster.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("cluster.serve")
 
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept a chat template in requests (chat_template, chat_template_kwargs.chat_template); "
         "templates always render sandboxed with size and time limits (default: off)",
     )
+    tools_help = "serve tool_choice='auto': parse the model's tool calls (needs --tool-call-parser)"
+    s.add_argument("--enable-auto-tool-choice", action="store_true", help=tools_help)
+    parser_help = "the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes)"
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, help=parser_help)
     s.add_argument(
         "--max-logprobs",
         type=int,
@@ -404,6 +409,7 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace, api_key: str | None
         preprocessor=pre,
         max_logprobs=args.max_logprobs,
         generation=generation,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     ).app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
@@ -452,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key = read_api_key(args)
         if not 0 <= args.max_logprobs <= 20:
             raise ConfigError(f"--max-logprobs must be in [0, 20], got {args.max_logprobs}")
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
         from cluster.prompt_preprocessor import load_chat_template
 
         load_chat_template(args.chat_template)

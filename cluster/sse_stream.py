@@ -31,6 +31,7 @@ class StreamContext:
         self.echo = echo
         self.created = now()
         self.top_logprobs: int | None = None
+        self.tool_streams: dict | None = None  # index -> ToolCallStream, where tool calls are parsed
         self.started: set = set()
         self.offsets: dict = {}
 

@@ -70,6 +70,7 @@ def test_help_one_default_and_a_description_per_flag():
         (["/a", "--model", "/b"], "the model is given twice"),
         (["--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
         (["--max-logprobs", "30"], "--max-logprobs must be in [0, 20]"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes)"),
         (["--chat-template", "no-such-file"], "neither a file nor a jinja template"),
     ],
 )

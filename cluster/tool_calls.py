@@ -1,0 +1,190 @@
+"""Tool calling on ``/v1/chat/completions``, as vLLM serves it with ``--enable-auto-tool-choice
+--tool-call-parser NAME``: the request's ``tools`` reach the chat template (its ``tools``
+variable, as in transformers' ``apply_chat_template``), and with ``tool_choice="auto"`` the
+parser turns the model's tool-call markup into OpenAI ``tool_calls`` (``finish_reason``
+``"tool_calls"``). Parsers:
+
+- ``hermes`` (Qwen 2.5 / 3, Hermes, and the many models trained on its format): each call is
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call is
+  the message's content. Markup that does not parse stays text.
+
+``tool_choice="required"`` or a named function would need constrained decoding and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import msgspec
+
+TOOL_CALL_PARSERS = ("hermes",)
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_START, _END = "<tool_call>", "</tool_call>"
+_CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
+
+
+class ToolFunction(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: ToolFunction
+
+
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """An assistant message's earlier call, sent back in a conversation."""
+
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ToolRequestError(ValueError):
+    """A request's tools or tool_choice cannot be served; ``field`` names the parameter."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -> tuple[list[dict] | None, bool]:
+    """The tools the chat template gets (None: none) and whether the output is parsed for calls
+    (``parser``: the server's ``--tool-call-parser`` where ``--enable-auto-tool-choice``)."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ToolRequestError("tool_choice needs tools", "tool_choice")
+        return None, False
+    if len(tools) > MAX_TOOLS:
+        raise ToolRequestError(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    for i, t in enumerate(tools):
+        if t.type != "function":
+            raise ToolRequestError(f"tools[{i}].type must be 'function', got {t.type[:40]!r}", "tools")
+        if not _NAME.match(t.function.name):
+            raise ToolRequestError(
+                f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '.' or '-', "
+                f"got {t.function.name[:70]!r}",
+                "tools",
+            )
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "required" or isinstance(choice, dict):
+        raise ToolRequestError(
+            "tool_choice 'required' or a named function is not supported: forcing a call needs "
+            "constrained decoding, which this server does not do; use 'auto' or 'none'",
+            "tool_choice",
+        )
+    if choice not in ("auto", "none"):
+        shown = f"{choice!r:.60}"
+        msg = f"tool_choice must be 'auto', 'none', 'required' or a function, got {shown}"
+        raise ToolRequestError(msg, "tool_choice")
+    if choice == "auto" and parser is None:
+        raise ToolRequestError(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice"
+        )
+    return [msgspec.to_builtins(t) for t in tools], choice == "auto"
+
+
+def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
+    """An assistant message's calls as chat templates read them: arguments as a mapping where
+    they are a JSON object (templates render them with ``tojson``), else the string."""
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c.function.arguments)
+        except ValueError:
+            args = c.function.arguments
+        out.append({"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": args}})
+    return out
+
+
+def _call(body: str) -> dict | None:
+    """One hermes call body as an OpenAI tool call, or None where it is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+    }
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output's (content, tool calls): the text itself and none where it holds no call
+    that parses (then the markup is left as it was)."""
+    if _START not in text:
+        return text, []
+    calls = []
+    for m in _CALLS.finditer(text):
+        call = _call((m.group(1) if m.group(1) is not None else m.group(2)).strip())
+        if call is None:
+            return text, []
+        calls.append(call)
+    return text[: text.index(_START)].strip() or None, calls
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (held back: a tag may follow)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Parses one streamed sequence: content outside calls goes out as it comes (less what may
+    begin a ``<tool_call>``), each call whole once it closes (or at the end, unclosed)."""
+
+    def __init__(self):
+        self.buf = ""
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        self.buf += text
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(_START)
+                if i < 0:
+                    keep = 0 if final else _partial_tag(self.buf, _START)
+                    content += self.buf[: len(self.buf) - keep]
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    break
+                content += self.buf[:i]
+                self.buf, self.in_call = self.buf[i + len(_START) :], True
+                continue
+            j = self.buf.find(_END)
+            if j < 0:
+                if final:  # an unclosed last call: a call if it parses, else text
+                    call = _call(self.buf.strip())
+                    calls += [call] if call else []
+                    content += "" if call else _START + self.buf
+                    self.buf = ""
+                break
+            body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(_END) :], False
+            call = _call(body.strip())
+            calls += [call] if call else []
+            content += "" if call else _START + body + _END
+        if (self.num_calls or calls) and not content.strip():
+            content = ""  # (the whitespace around calls)
+        for k, c in enumerate(calls):
+            c["index"] = self.num_calls + k
+        self.num_calls += len(calls)
+        return content, calls
