@@ -245,7 +245,12 @@ class Scheduler:
         """``k`` drafts ride on a decode row: ``n + k`` query tokens, all counted as if accepted.
         ``upper``: ``req.num_tokens_upper`` before the row (its placeholders are added here)."""
         drafts = self.drafts.host_drafts(req, k) if k and self.drafts.host_ngram else []
-        if req.prompt_logprobs is not None and req.wants_prompt_logprobs:
+        # (a row past the prompt's last scored position, as a first decode row scheduled ahead, is not)
+        if (
+            req.prompt_logprobs is not None
+            and req.wants_prompt_logprobs
+            and req.num_computed_tokens < len(req.prompt_token_ids) - 1
+        ):
             step.prompt_starts[req.handle] = (req, req.num_computed_tokens)
             step.plan.prompt_logprob_handles.append(req.handle)
         req.num_computed_tokens += n + k

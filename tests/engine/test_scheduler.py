@@ -191,3 +191,28 @@ def test_block_manager_accounting():
     assert r.block_ids == [] and bm.num_free == 10
     bm.check_all_free()
     assert bm.usage == 0.0
+
+
+def test_prompt_logprob_rows_are_the_prompts_only(make_engine, monkeypatch):
+    """Under async scheduling the first decode row is scheduled before the last prompt chunk's
+    scores arrive: only rows that still start inside the prompt ask the workers for scores
+    (each such step runs eagerly)."""
+    from cluster import SamplingParams
+
+    engine = make_engine(async_scheduling=True, **CONFIGS[1])  # a 7-token budget: chunked prompts
+    named: list[tuple[int, list[int]]] = []
+    submit = FakeExecutor.submit
+
+    def record(self, plan):
+        named.append((plan.step_id, list(plan.prompt_logprob_handles)))
+        return submit(self, plan)
+
+    monkeypatch.setattr(FakeExecutor, "submit", record)
+    engine.add_request("a", list(range(5, 25)), SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1))
+    engine.add_request("b", list(range(5, 15)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    scored = [step for step, handles in named if handles]
+    # 20 prompt tokens in chunks of at most 7 (shared with "b"): 3 to 4 scored steps, then none
+    assert 3 <= len(scored) <= 4 and scored == [s for s, _ in named[: len(scored)]], named
+    assert all(len(h) <= 1 for _, h in named)
