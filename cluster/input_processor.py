@@ -64,6 +64,16 @@ class InputProcessor:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self._rng = random.Random(seed)
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The structured-output compiler (``cluster.structured_output``), made on first use."""
+        if self._grammars is None:
+            from cluster.structured_output import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -169,6 +179,14 @@ class InputProcessor:
         bad_bias = [t for t in bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary", "logit_bias")
+        compiled = None
+        if params.structured_outputs is not None:
+            from cluster.structured_output import GrammarError
+
+            try:
+                compiled = self.grammars.compile(params.structured_outputs)
+            except GrammarError as exc:
+                raise InvalidRequestError(str(exc), "structured_outputs") from None
         eos, extra = ((), ()) if params.ignore_eos else (self.eos_token_ids, self.extra_stop_ids)
         stop_ids = [*params.stop_token_ids, *eos, *extra]
         out = []
@@ -205,6 +223,7 @@ class InputProcessor:
                     extra_stop_ids=extra,
                     logprobs=[] if params.logprobs is not None else None,
                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                    grammar=self.grammars.matcher(compiled, eos + extra) if compiled is not None else None,
                 )
             )
         return out

@@ -92,6 +92,8 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM extra)
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (vLLM extra)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # json / regex / choice / grammar (vLLM extra)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -125,7 +127,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: str | None = None  # vLLM extra; refused unless --trust-request-chat-template
     tools: list[Tool] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 def decode_request(body: bytes, typ: type) -> Any:
@@ -202,6 +203,26 @@ def parse_completion_prompts(prompt: Any) -> list[Any]:
     )
 
 
+def _structured_outputs(req: _SamplingFields) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` (json_object, json_schema) or vLLM's ``structured_outputs``."""
+    rf = req.response_format
+    kind = rf.get("type", "text") if rf else "text"
+    if kind != "text" and req.structured_outputs:
+        raise APIError(400, "set response_format or structured_outputs, not both", "response_format")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema (an object)", "response_format")
+        return {"json": schema}
+    if kind != "text":
+        msg = f"response_format type must be 'text', 'json_object' or 'json_schema', got {clip(str(kind), 40)!r}"
+        raise APIError(400, msg, "response_format")
+    return req.structured_outputs or None
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's ``logit_bias`` (token ids as JSON keys) keyed by int ids."""
     if not bias:
@@ -247,6 +268,7 @@ def to_sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
         "logit_bias": _logit_bias(req.logit_bias),
+        "structured_outputs": _structured_outputs(req),
     }
     kw = {k: v for k, v in kw.items() if v is not None}
     kw["max_tokens"] = max_tokens
@@ -275,8 +297,6 @@ def completion_params(
 def chat_params(
     req: ChatCompletionRequest, max_logprobs: int = 20, defaults: GenerationDefaults | None = None
 ) -> SamplingParams:
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")

@@ -52,6 +52,8 @@ class Request:
     """With ``params.prompt_logprobs``: one entry a prompt token, the first None (as vLLM);
     complete once it is as long as the prompt (filled chunk by chunk by the scheduler)."""
     cumulative_logprob: float = 0.0
+    grammar: object = None
+    """With ``params.structured_outputs``: its matcher (``cluster.structured_output.RequestGrammar``)."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_placeholders: int = 0

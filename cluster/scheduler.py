@@ -21,6 +21,7 @@ confirmed by a ``StepResult`` (token known, KV written by a finished step).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from cluster.request import Request, RequestStatus
 from cluster.spec_scheduling import DraftPlanner
 from metadata.config import EngineConfig
 from metadata.wire import NewRequest, ScheduledRow, StepPlan, StepResult, token_bytes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -233,6 +236,8 @@ class Scheduler:
         samples = req.num_computed_tokens + n >= upper
         if samples and (req.num_outputs_upper >= req.max_tokens or upper >= self.max_model_len):
             return 0  # its last token is already confirmed or in flight
+        if samples and req.grammar is not None and req.num_placeholders:
+            return 0  # constrained: its mask needs the token in flight (cluster.structured_output)
         return n
 
     def _decodes(self, req: Request, n: int, upper: int) -> bool:
@@ -259,7 +264,7 @@ class Scheduler:
         if samples:
             req.num_placeholders += 1 + k
             step.sampled[req.handle] = req
-        return ScheduledRow(
+        row = ScheduledRow(
             handle=req.handle,
             num_scheduled_tokens=n + k,
             seq_len_upper_bound=req.num_computed_tokens,
@@ -268,6 +273,10 @@ class Scheduler:
             num_draft_tokens=k,
             draft_token_ids=drafts,
         )
+        if samples and req.grammar is not None:
+            row.token_bitmask = req.grammar.bitmask()
+            step.plan.any_token_bitmask = True
+        return row
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -345,6 +354,10 @@ class Scheduler:
         n = 0
         for tok in row.token_ids:
             outs.append(tok)
+            if req.grammar is not None and reason is None and not req.grammar.accept(tok):
+                # (the mask allows only accepted tokens: a bug, reported, and the request ends here)
+                logger.error("request %s: token %d breaks its structured_outputs constraint", req.request_id, tok)
+                reason = "stop"
             if lps is not None:
                 tl = row.logprobs[n]
                 lp = {tok: tl.sampled_logprob}
@@ -359,6 +372,8 @@ class Scheduler:
                     reason = "stop"
                 elif tok in params.stop_token_ids or tok in req.extra_stop_ids:
                     reason, stop_reason = "stop", tok
+            if reason is None and req.grammar is not None and req.grammar.terminated:
+                reason = "stop"  # the constraint is complete (on one of the request's EOS ids)
             if reason is None and (n_out >= req.max_tokens or n_out >= room):
                 reason = "length"
             if reason is not None:

@@ -17,7 +17,7 @@ def speculation_eligible(req: Request) -> bool:
     """Penalties, logit bias, min_tokens masking and logprobs are computed per sampled position
     by the plain sampler; requests that use them decode without drafts (same outputs, no speedup)."""
     o = req.options
-    if o.num_logprobs >= 0 or o.logit_bias_ids:
+    if o.num_logprobs >= 0 or o.logit_bias_ids or req.grammar is not None:
         return False
     if o.repetition_penalty != 1.0 or o.presence_penalty or o.frequency_penalty:
         return False

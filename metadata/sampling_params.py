@@ -21,6 +21,48 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it."""
 
 
+MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex or grammar's text
+MAX_CHOICES = 1024
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on the output (vLLM's names): exactly one of a JSON schema (``json``, text
+    or a mapping), a ``regex``, a ``choice`` of strings, an EBNF ``grammar``, or any JSON
+    object (``json_object=True``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def validate(self) -> None:
+        given = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+                f" (got {', '.join(given) or 'none'})"
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not isinstance(value, list) or not 0 < len(value) <= MAX_CHOICES:
+                raise SamplingParamsError(f"structured_outputs choice must be a list of 1 to {MAX_CHOICES} strings")
+            if any(not isinstance(c, str) or not c or len(c) > MAX_GRAMMAR_CHARS for c in value):
+                raise SamplingParamsError("structured_outputs choice must be a list of non-empty strings")
+        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise SamplingParamsError(f"structured_outputs {kind} must be a non-empty string")
+        elif kind == "json" and not isinstance(value, (str, dict)):
+            raise SamplingParamsError("structured_outputs json must be a JSON schema (an object or its text)")
+        elif kind == "json_object" and value is not True:
+            raise SamplingParamsError("structured_outputs json_object must be true")
+        size = len(value) if isinstance(value, str) else len(msgspec.json.encode(value)) if kind == "json" else 0
+        if size > MAX_GRAMMAR_CHARS:
+            raise SamplingParamsError(f"structured_outputs {kind} must be at most {MAX_GRAMMAR_CHARS} characters")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
@@ -45,6 +87,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: dict[int, float] | None = None
     """Added to the named tokens' logits before penalties and sampling (each in [-100, 100], as
     OpenAI bounds them); logprobs stay those of the unbiased logits (vLLM's default)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrained decoding (``StructuredOutputsParams``; a mapping of its fields is taken too)."""
     cache_salt: str | None = None
     """Prefix-cache isolation: requests share cached KV blocks only with requests of the same salt."""
 
@@ -59,6 +103,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = msgspec.convert(self.structured_outputs, StructuredOutputsParams)
+            except msgspec.ValidationError as exc:
+                raise SamplingParamsError(f"structured_outputs: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -129,6 +178,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             self._validate_logit_bias(bad)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
+            self.structured_outputs.validate()
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
         ):

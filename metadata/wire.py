@@ -102,6 +102,7 @@ class ScheduledRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
     num_draft_tokens: int = 0  # speculative: the last this-many scheduled tokens are drafts
     draft_token_ids: list[int] = []  # host-proposed drafts (ngram_host); else drafts stay on the device
+    token_bitmask: bytes = b""  # a constrained sampling row: the ids allowed (int32 words, bit i = id i)
 
 
 class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
@@ -113,6 +114,7 @@ class StepPlan(msgspec.Struct, forbid_unknown_fields=True):
     rows: list[ScheduledRow] = []
     finished_handles: list[int] = []  # finished or aborted: release the worker's row
     preempted_handles: list[int] = []  # preempted: release; may return as a NewRequest
+    any_token_bitmask: bool = False  # some row carries a token_bitmask
     prompt_logprob_handles: list[int] = []
     """Rows whose every scheduled token's logits are wanted (prompt logprobs of the next
     token, ``StepResult.prompt_logprobs``); a step with any runs eagerly."""

@@ -432,9 +432,11 @@ class ModelRunner:
             if prompt is not None:
                 pending.start_copy(self.device, self._pinned)
             return pending
-        lazy = self.spec is None  # (options read where they live, unless a proposer or verifier reads them)
+        # (options read where they live, unless a proposer, a verifier or a token mask reads them)
+        masks = [plan.rows[i].token_bitmask for i in inp.sample_rows_cpu] if plan.any_token_bitmask else None
+        lazy = self.spec is None and masks is None
         s_rows, s_pos = sampling_rows(inp, seq_lens, wide=not lazy)
-        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=lazy)
+        batch = build_sampling_batch(inp.opts, st, s_rows, s_pos, inp.sample_device_rows, lazy=lazy, masks=masks)
         s_pos = batch.positions
         if inp.max_drafts:  # sampled, verified and committed (tokens, lengths, counts) on the device
             so, tokens, n_acc, known = self.spec.verify(logits, inp, batch, st, s_rows)

@@ -38,6 +38,7 @@ class SamplingBatch:
     option_words: tuple | None = None  # the divisor, temperature and seed word rows (DeviceState.sampler_words)
     option_rows: torch.Tensor | None = None  # int64 [>= R]: each row's device row, where not gathered
     logit_bias: tuple | None = None  # (rows int64 [N], ids int64 [N], biases float32 [N]) added first
+    allowed: torch.Tensor | None = None  # bool [R, V]: the ids a constrained row may take (structured outputs)
 
 
 @dataclass
@@ -134,6 +135,8 @@ def sample(
     if batch.logit_bias is not None:
         r, ids, v = batch.logit_bias
         logits = logits.index_put((r, ids), v, accumulate=True)
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.min_tokens_mask is not None:

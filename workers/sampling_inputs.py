@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from metadata.wire import SamplingOptions
@@ -16,13 +17,15 @@ def build_sampling_batch(
     s_pos: torch.Tensor,
     padded_rows: torch.Tensor | None = None,
     lazy: bool = False,
+    masks: list[bytes] | None = None,
 ) -> SamplingBatch:
     """``padded_rows``: ``s_rows`` padded to a multiple of 4 entries (``StepInputs.
     sample_device_rows``): new options are gathered from ``st.option_table``, else copied.
     ``lazy`` (with ``padded_rows``): a step that samples by temperature only gathers nothing;
     its batch points the temperature sampler at the table (``SamplingBatch.option_rows``).
     Only where nothing else reads the batch's options (no speculative decoding). ``s_pos``
-    may be int32 (the lengths as they are) where ``lazy``: other batches take it as int64."""
+    may be int32 (the lengths as they are) where ``lazy``: other batches take it as int64.
+    ``masks``: each sampling row's ``ScheduledRow.token_bitmask`` (b"": unconstrained)."""
     dev = st.device
     table = st.option_table if padded_rows is not None else None
     cached = st.option_tensors.get(opts, dev, table, padded_rows, lazy=lazy)
@@ -67,7 +70,9 @@ def build_sampling_batch(
         vals = [v for o in opts for v in o.logit_bias_values]
         dv = to_device(torch.tensor([ri, ids, vals], dtype=torch.float64), dev)
         bias = (dv[0].long(), dv[1].long(), dv[2].float())
+    allowed = allowed_tokens(masks, st.vocab, dev) if masks is not None else None
     return SamplingBatch(
+        allowed=allowed,
         logit_bias=bias,
         temperature=temperature,
         sample_temperature=sample_temperature,
@@ -83,3 +88,14 @@ def build_sampling_batch(
         min_tokens_mask=mask,
         max_num_logprobs=flags["max_num_logprobs"],
     )
+
+
+def allowed_tokens(masks: list[bytes], vocab: int, dev: torch.device) -> torch.Tensor:
+    """bool [R, vocab]: the ids each row's bitmask allows (every id where it has none), from
+    one copy of the int32 words, unpacked on the device."""
+    words = (vocab + 31) // 32
+    full = b"\xff" * (4 * words)
+    packed = np.frombuffer(b"".join(m or full for m in masks), dtype="<i4").reshape(len(masks), words)
+    w = to_device(torch.from_numpy(packed.astype(np.int64)), dev)
+    ids = torch.arange(vocab, device=dev)
+    return ((w[:, ids >> 5] >> (ids & 31)) & 1).bool()

@@ -80,7 +80,7 @@ class SpecDecoder:
         tokens [R, K + 1], num_accepted [R], known [R])``. Without penalties, min_tokens,
         logprobs, top-k, top-p or min-p the bonus tokens come from the verify launch itself."""
         plain = batch.penalties is None and batch.min_tokens_mask is None and batch.max_num_logprobs < 0
-        plain = plain and batch.logit_bias is None
+        plain = plain and batch.logit_bias is None and batch.allowed is None
         so = None
         if not (plain and not batch.any_top_k_top_p and not batch.any_min_p):
             so = sample(logits_all[inp.bonus_idx], batch)

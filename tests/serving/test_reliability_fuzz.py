@@ -87,7 +87,12 @@ SPECIFIC = {
     "chat_template_kwargs": [{"chat_template": "{{ 'a' * 30000000 }}"}, {"x": _deep()}],
     "chat_template": ["{{ 'a' * 30000000 }}"],
     "tools": [[{"type": "function"}]],
-    "response_format": [{"type": "json_object"}],
+    "response_format": [
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": 5}},
+    ],
+    "structured_outputs": [{"regex": "[0-9"}, {"choice": []}, {"regex": "a", "choice": ["b"]}, {"json": {"type": "x"}}],
     "tool_choice": [_deep()],
     "prompt": ["", [], [5, 999], [[5], []], "w5 " * 20_000],
     "messages": [

@@ -65,6 +65,16 @@ CASES = [
     (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_completion_tokens"),
     (CHAT, {"messages": MSG, "temperature": 9, "top_p": -1}, 400, "top_p", "top_p"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format", "'json_schema'"),
+    (CMPL, {"prompt": "w5", "response_format": {"type": "json_schema"}}, 400, "response_format", "schema"),
+    (
+        CHAT,
+        {"messages": MSG, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "w5"}},
+        400,
+        "response_format",
+        "not both",
+    ),
+    (CMPL, {"prompt": "w5", "structured_outputs": {"regex": "[0-9"}}, 400, "structured_outputs", "does not compile"),
     # too-long prompts (max_model_len 512)
     (CMPL, {"prompt": "w5 " * 600}, 400, "prompt", "max_model_len is 512"),
     (CMPL, {"prompt": [5] * 520}, 400, "prompt", "max_model_len is 512"),

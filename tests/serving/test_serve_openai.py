@@ -187,6 +187,24 @@ def test_logit_bias_equals_offline(openai_client, offline, model_name):
     assert r.choices[0].text == ref.outputs[0].text
 
 
+def test_structured_outputs_equal_offline(openai_client, offline, model_name):
+    """vLLM's structured_outputs (a choice; this word-level vocabulary can spell nothing else)
+    on chat and completions, equal to the offline API's."""
+    choice = {"choice": ["w7", "w9", "w11"]}
+    params = SamplingParams(temperature=0.9, seed=4, max_tokens=5, structured_outputs=choice)
+    (ref,) = offline.generate(["w5 w6"], params, use_tqdm=False)
+    assert ref.outputs[0].text.strip() in ("w7", "w9", "w11") and ref.outputs[0].finish_reason == "stop"
+    extra = {"structured_outputs": choice}
+    r = openai_client.completions.create(
+        model=model_name, prompt="w5 w6", temperature=0.9, seed=4, max_tokens=5, extra_body=extra
+    )
+    assert r.choices[0].text == ref.outputs[0].text
+    c = openai_client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "w5"}], temperature=0, max_tokens=5, extra_body=extra
+    )
+    assert c.choices[0].message.content.strip() in ("w7", "w9", "w11")
+
+
 def _chat_ref(offline, messages, params):
     tok = offline.get_tokenizer()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
