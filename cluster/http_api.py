@@ -48,7 +48,8 @@ from cluster.openai_protocol import (
 )
 from cluster.prompt_preprocessor import PromptPreprocessor
 from cluster.sse_stream import StreamContext, stream_response
-from cluster.tool_calls import ToolCallStream, ToolRequestError, parse_tool_calls, plan_tools
+from cluster.tool_calls import ToolRequestError, plan_tools
+from metadata.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -366,12 +367,16 @@ class OpenAIServer:
         self._check_model(req.model)
         params = chat_params(req, self.max_logprobs, self.generation)
         try:
-            tools, parse_tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
+            tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
         except ToolRequestError as exc:
             raise APIError(400, str(exc), exc.field) from None
+        if tools.constraint is not None:  # a forced call: the output follows its schema
+            if params.structured_outputs is not None:
+                raise APIError(400, "a forced tool_choice cannot be combined with response_format", "tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=tools.constraint)
         kwargs = chat_template_kwargs(req)
-        if tools is not None:
-            kwargs["tools"] = tools
+        if tools.template_tools is not None:
+            kwargs["tools"] = tools.template_tools
         try:
             prompt = await self.preprocessor.chat(
                 chat_messages(req),
@@ -393,7 +398,7 @@ class OpenAIServer:
             self._token_text(req.return_tokens_as_token_ids),
         )
         ctx.top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        ctx.tool_streams = {} if parse_tools else None
+        ctx.tools = tools if tools.mode is not None else None
         try:
             if req.stream:
                 return await stream_response(request, ctx, streams, self._chat_chunk, chat=True)
@@ -407,11 +412,8 @@ class OpenAIServer:
             if ctx.top_logprobs is not None and o.logprobs is not None:
                 lp = chat_logprobs(o.token_ids, o.logprobs, ctx.tt, ctx.top_logprobs)
             message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
-            if parse_tools:
-                content, calls = parse_tool_calls(o.text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls" if finish == "stop" else finish
+            if ctx.tools is not None:
+                message, finish = ctx.tools.message(o.text, finish)
             choices.append(
                 {
                     "index": o.index,
@@ -477,13 +479,13 @@ class OpenAIServer:
         if lps is not None and ctx.top_logprobs is not None:
             lp = chat_logprobs(token_ids, lps, ctx.tt, ctx.top_logprobs)
         delta = {"content": text} if (text or finish is None) else {}
-        if ctx.tool_streams is not None:  # content outside calls as it comes, each call once closed
-            ts = ctx.tool_streams.setdefault(index, ToolCallStream())
+        if ctx.tools is not None:  # content outside calls as it comes, each call once closed
+            ts = ctx.tool_streams.setdefault(index, ctx.tools.stream())
             content, calls = ts.feed(text, final=finish is not None)
             delta = {"content": content} if (content or (finish is None and not calls)) else {}
             if calls:
                 delta["tool_calls"] = calls
-            finish = "tool_calls" if finish == "stop" and ts.num_calls else finish
+            finish = "tool_calls" if finish == "stop" and ts.num_calls and ctx.tools.mode != "named" else finish
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
         return ctx.chunk([choice])
 

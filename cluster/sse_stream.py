@@ -31,7 +31,8 @@ class StreamContext:
         self.echo = echo
         self.created = now()
         self.top_logprobs: int | None = None
-        self.tool_streams: dict | None = None  # index -> ToolCallStream, where tool calls are parsed
+        self.tools = None  # a cluster.tool_calls.ToolPlan whose output is read for tool calls
+        self.tool_streams: dict = {}  # index -> its streamed reader (ToolPlan.stream)
         self.started: set = set()
         self.offsets: dict = {}
 

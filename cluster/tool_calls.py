@@ -8,7 +8,9 @@ parser turns the model's tool-call markup into OpenAI ``tool_calls`` (``finish_r
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call is
   the message's content. Markup that does not parse stays text.
 
-``tool_choice="required"`` or a named function would need constrained decoding and is refused.
+``tool_choice="required"`` and a named function constrain the output with a JSON schema
+(structured outputs, as vLLM does): a JSON array of ``{"name", "parameters"}``, or the named
+function's arguments.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -60,13 +63,48 @@ class ToolRequestError(ValueError):
         self.field = field
 
 
-def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -> tuple[list[dict] | None, bool]:
-    """The tools the chat template gets (None: none) and whether the output is parsed for calls
-    (``parser``: the server's ``--tool-call-parser`` where ``--enable-auto-tool-choice``)."""
+@dataclass
+class ToolPlan:
+    """How one chat request uses its tools: ``template_tools`` (what the template gets), the
+    output's reading (``mode``: None, ``"auto"`` (the parser), ``"required"`` or ``"named"``),
+    and for the forced modes the JSON schema the output is constrained to (``constraint``)."""
+
+    template_tools: list[dict] | None = None
+    mode: str | None = None
+    name: str | None = None  # the named function
+    constraint: dict | None = None
+
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The choice's message and finish reason for the whole output ``text``."""
+        content, calls = self.read(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, ("tool_calls" if finish == "stop" and self.mode != "named" else finish)
+
+    def read(self, text: str) -> tuple[str | None, list[dict]]:
+        if self.mode == "auto":
+            return parse_tool_calls(text)
+        if self.mode == "named":  # the output is the function's arguments
+            return None, [_openai_call(self.name, text)]
+        try:  # required: a JSON array of {"name", "parameters"}
+            items = json.loads(text)
+            return None, [_openai_call(i["name"], i["parameters"]) for i in items]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+
+    def stream(self) -> "ToolCallStream | ForcedToolStream":
+        return ToolCallStream() if self.mode == "auto" else ForcedToolStream(self)
+
+
+def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -> ToolPlan:
+    """How the request's tools are served (``parser``: the server's ``--tool-call-parser``
+    where ``--enable-auto-tool-choice``). ``"required"`` and a named function constrain the
+    output to a JSON schema (structured outputs), as vLLM does; they need no parser."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolRequestError("tool_choice needs tools", "tool_choice")
-        return None, False
+        return ToolPlan()
     if len(tools) > MAX_TOOLS:
         raise ToolRequestError(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     for i, t in enumerate(tools):
@@ -78,13 +116,28 @@ def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -
                 f"got {t.function.name[:70]!r}",
                 "tools",
             )
+    listed = [msgspec.to_builtins(t) for t in tools]
     choice = "auto" if tool_choice is None else tool_choice
-    if choice == "required" or isinstance(choice, dict):
-        raise ToolRequestError(
-            "tool_choice 'required' or a named function is not supported: forcing a call needs "
-            "constrained decoding, which this server does not do; use 'auto' or 'none'",
-            "tool_choice",
-        )
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        fn = next((t.function for t in tools if t.function.name == name), None)
+        if choice.get("type") != "function" or fn is None:
+            raise ToolRequestError(
+                f"tool_choice must name one of the request's tools ({{'type': 'function', 'function': "
+                f"{{'name': ...}}}}), got {str(choice)[:80]}",
+                "tool_choice",
+            )
+        return ToolPlan(listed, "named", fn.name, _schema(fn))
+    if choice == "required":
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _schema(t.function)},
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
+        return ToolPlan(listed, "required", None, {"type": "array", "minItems": 1, "items": {"anyOf": items}})
     if choice not in ("auto", "none"):
         shown = f"{choice!r:.60}"
         msg = f"tool_choice must be 'auto', 'none', 'required' or a function, got {shown}"
@@ -93,7 +146,11 @@ def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -
         raise ToolRequestError(
             '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice"
         )
-    return [msgspec.to_builtins(t) for t in tools], choice == "auto"
+    return ToolPlan(listed, "auto" if choice == "auto" else None)
+
+
+def _schema(fn: ToolFunction) -> dict:
+    return fn.parameters if fn.parameters else {"type": "object"}
 
 
 def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
@@ -109,6 +166,14 @@ def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
     return out
 
 
+def _openai_call(name: str, args) -> dict:
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+    }
+
+
 def _call(body: str) -> dict | None:
     """One hermes call body as an OpenAI tool call, or None where it is not one."""
     try:
@@ -117,12 +182,7 @@ def _call(body: str) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {
-        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
-    }
+    return _openai_call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
@@ -188,3 +248,21 @@ class ToolCallStream:
             c["index"] = self.num_calls + k
         self.num_calls += len(calls)
         return content, calls
+
+
+class ForcedToolStream:
+    """A streamed forced call (``required`` / a named function): nothing until the output
+    ends, then its calls (or, where the output was cut short, its text)."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan, self.text, self.num_calls = plan, "", 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        self.text += text
+        if not final:
+            return "", []
+        content, calls = self.plan.read(self.text)
+        for k, c in enumerate(calls):
+            c["index"] = k
+        self.num_calls = len(calls)
+        return ("" if calls else content or ""), calls

@@ -50,16 +50,29 @@ def test_stream_parser_equals_whole_parse(text):
         assert calls[0]["function"]["name"] == "get_weather" and calls[0]["type"] == "function"
 
 
-def test_plan_tools_refusals():
+def test_plan_tools_modes_and_refusals():
     tools = [Tool(type="function", function=ToolFunction(name="get_weather", parameters={"type": "object"}))]
-    assert plan_tools(None, None, None) == (None, False)
-    assert plan_tools(tools, "none", None)[1] is False
-    got, parse = plan_tools(tools, None, "hermes")  # tools given: "auto" by default
-    assert parse and got[0]["function"]["name"] == "get_weather"
+    assert plan_tools(None, None, None).mode is None
+    assert plan_tools(tools, "none", None).mode is None and plan_tools(tools, "none", None).template_tools
+    auto = plan_tools(tools, None, "hermes")  # tools given: "auto" by default
+    assert auto.mode == "auto" and auto.template_tools[0]["function"]["name"] == "get_weather"
+    named = plan_tools(tools, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert (named.mode, named.constraint) == ("named", {"type": "object"})
+    assert named.message('{"city": "Oslo"}', "stop") == (
+        {"role": "assistant", "content": None, "tool_calls": [_with_id(named, "get_weather", '{"city": "Oslo"}')]},
+        "stop",
+    )
+    required = plan_tools(tools, "required", None)
+    assert required.constraint["minItems"] == 1
+    message, finish = required.message('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert required.message('[{"name": "get_w', "length") == (
+        {"role": "assistant", "content": '[{"name": "get_w'},
+        "length",
+    )
     for tl, choice, parser, field, text in [
         (tools, "auto", None, "tool_choice", "--enable-auto-tool-choice"),
-        (tools, "required", "hermes", "tool_choice", "constrained decoding"),
-        (tools, {"type": "function", "function": {"name": "x"}}, "hermes", "tool_choice", "named function"),
+        (tools, {"type": "function", "function": {"name": "other"}}, "hermes", "tool_choice", "one of the request"),
         (tools, "sometimes", "hermes", "tool_choice", "must be 'auto'"),
         (None, "auto", "hermes", "tool_choice", "needs tools"),
         ([Tool(type="retrieval", function=ToolFunction(name="x"))], None, "hermes", "tools", "'function'"),
@@ -68,6 +81,53 @@ def test_plan_tools_refusals():
         with pytest.raises(ToolRequestError, match=text) as info:
             plan_tools(tl, choice, parser)
         assert info.value.field == field
+
+
+def _with_id(plan, name, args):
+    """The call ``plan`` makes of ``args``, its (random) id taken from a fresh read."""
+    call = plan.read(args)[1][0]
+    assert call["function"] == {"name": name, "arguments": args}
+    return {**call, "id": ANY_ID}
+
+
+class _AnyId(str):
+    def __eq__(self, other):
+        return isinstance(other, str) and other.startswith("chatcmpl-tool-")
+
+    __hash__ = str.__hash__
+
+
+ANY_ID = _AnyId("chatcmpl-tool-*")
+
+
+def test_required_calls_decode_to_their_schema(ray_local):
+    """tool_choice='required': the output, constrained to the plan's schema on the byte-level
+    demo model, reads back as calls of the request's tools with arguments of their schemas."""
+    from cluster import LLM, SamplingParams
+    from cluster.demo_model import ensure_demo_model
+
+    params = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}
+    tools = [
+        Tool(type="function", function=ToolFunction(name="get_weather", parameters=params)),
+        Tool(type="function", function=ToolFunction(name="now")),
+    ]
+    plan = plan_tools(tools, "required", None)
+    llm = LLM(model=str(ensure_demo_model()), block_size=16, num_kv_blocks=64, max_model_len=256)
+    try:
+        sp = [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs={"json": plan.constraint})
+            for s in range(4)
+        ]
+        outs = llm.generate(["Call: "] * 4, sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for o in outs:
+        message, finish = plan.message(o.outputs[0].text, o.outputs[0].finish_reason)
+        assert finish == "tool_calls", o.outputs[0].text
+        for call in message["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] in ("get_weather", "now")
+            assert call["function"]["name"] == "now" or args["city"] in ("Oslo", "Rome")
 
 
 TEMPLATE = (
@@ -166,6 +226,12 @@ def test_server_returns_the_models_tool_call(tool_server, tool_model):
     assert r2.usage.prompt_tokens == r.usage.prompt_tokens + len(
         "assistant: call get_weather Paris tool: w40 w41".split()
     )
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(**kw, tool_choice="required")
+    # a named function: the output is constrained to its parameters' schema (an object; this
+    # vocabulary spells one: the call token), its arguments
+    named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "w10"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "w10" and json.loads(call.function.arguments) == CALL
+    assert named.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="one of the request's tools"):
+        client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "nope"}})
     client.close()
