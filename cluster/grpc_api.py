@@ -68,6 +68,10 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
         kw["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.logit_bias:
         kw["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("structured_outputs"):
+        so = sp.structured_outputs
+        given = {k: getattr(so, k) for k in ("json", "regex", "grammar", "json_object") if so.HasField(k)}
+        kw["structured_outputs"] = {**given, **({"choice": list(so.choice)} if so.choice else {})}
     try:
         return (defaults or NO_GENERATION_DEFAULTS).params(**kw)
     except SamplingParamsError as exc:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63luster/proto/syncless.proto\x12\x0bsyncless.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x84\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x1d\n\x10unlimited_tokens\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x03H\x10\x88\x01\x01\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.syncless.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_unlimited_tokensB\x12\n\x10_prompt_logprobs\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.syncless.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.syncless.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.syncless.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xc7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.syncless.v1.TokenLogprob\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.syncless.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x03\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.syncless.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x03\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t2\xe1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.syncless.v1.GenerateRequest\x1a\x1d.syncless.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.syncless.v1.AbortRequest\x1a\x1a.syncless.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .syncless.v1.GetModelInfoRequest\x1a\x16.syncless.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63luster/proto/syncless.proto\x12\x0bsyncless.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xc0\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x1d\n\x10unlimited_tokens\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x03H\x10\x88\x01\x01\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.syncless.v1.SamplingParams.LogitBiasEntry\x12:\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1e.syncless.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_unlimited_tokensB\x12\n\x10_prompt_logprobs\"\xa9\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x05 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x0e\n\x0c_json_object\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.syncless.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.syncless.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.syncless.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xc7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.syncless.v1.TokenLogprob\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.syncless.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x03\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.syncless.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x03\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t2\xe1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.syncless.v1.GenerateRequest\x1a\x1d.syncless.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.syncless.v1.AbortRequest\x1a\x1a.syncless.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .syncless.v1.GetModelInfoRequest\x1a\x16.syncless.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_SAMPLINGPARAMS']._serialized_start=71
-  _globals['_SAMPLINGPARAMS']._serialized_end=971
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=642
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=690
-  _globals['_GENERATEREQUEST']._serialized_start=974
-  _globals['_GENERATEREQUEST']._serialized_end=1143
-  _globals['_TOPLOGPROB']._serialized_start=1145
-  _globals['_TOPLOGPROB']._serialized_end=1192
-  _globals['_TOKENLOGPROB']._serialized_start=1194
-  _globals['_TOKENLOGPROB']._serialized_end=1281
-  _globals['_USAGE']._serialized_start=1283
-  _globals['_USAGE']._serialized_end=1362
-  _globals['_GENERATERESPONSE']._serialized_start=1365
-  _globals['_GENERATERESPONSE']._serialized_end=1692
-  _globals['_ABORTREQUEST']._serialized_start=1694
-  _globals['_ABORTREQUEST']._serialized_end=1728
-  _globals['_ABORTRESPONSE']._serialized_start=1730
-  _globals['_ABORTRESPONSE']._serialized_end=1762
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1764
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1785
-  _globals['_MODELINFO']._serialized_start=1788
-  _globals['_MODELINFO']._serialized_end=2016
-  _globals['_GENERATION']._serialized_start=2019
-  _globals['_GENERATION']._serialized_end=2244
+  _globals['_SAMPLINGPARAMS']._serialized_end=1031
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=702
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=750
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1034
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1203
+  _globals['_GENERATEREQUEST']._serialized_start=1206
+  _globals['_GENERATEREQUEST']._serialized_end=1375
+  _globals['_TOPLOGPROB']._serialized_start=1377
+  _globals['_TOPLOGPROB']._serialized_end=1424
+  _globals['_TOKENLOGPROB']._serialized_start=1426
+  _globals['_TOKENLOGPROB']._serialized_end=1513
+  _globals['_USAGE']._serialized_start=1515
+  _globals['_USAGE']._serialized_end=1594
+  _globals['_GENERATERESPONSE']._serialized_start=1597
+  _globals['_GENERATERESPONSE']._serialized_end=1924
+  _globals['_ABORTREQUEST']._serialized_start=1926
+  _globals['_ABORTREQUEST']._serialized_end=1960
+  _globals['_ABORTRESPONSE']._serialized_start=1962
+  _globals['_ABORTRESPONSE']._serialized_end=1994
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1996
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2017
+  _globals['_MODELINFO']._serialized_start=2020
+  _globals['_MODELINFO']._serialized_end=2248
+  _globals['_GENERATION']._serialized_start=2251
+  _globals['_GENERATION']._serialized_end=2476
 # @@protoc_insertion_point(module_scope)

@@ -78,6 +78,16 @@ def test_generate_stream_equals_offline(stub, md, offline):
             "w60 w61 w62",
             SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logit_bias={7: 100.0}, ignore_eos=True),
         ),
+        (  # a constrained output
+            pb2.GenerateRequest(
+                text="w70",
+                sampling=pb2.SamplingParams(
+                    temperature=0.7, seed=3, max_tokens=4, structured_outputs=pb2.StructuredOutputs(choice=["w8", "w9"])
+                ),
+            ),
+            "w70",
+            SamplingParams(temperature=0.7, seed=3, max_tokens=4, structured_outputs={"choice": ["w8", "w9"]}),
+        ),
     ]
     for req, prompt, params in cases:
         (ref,) = offline.generate([prompt], params, use_tqdm=False)
@@ -161,6 +171,13 @@ def test_health_and_model_info(channel, stub, md, model_name):
             pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logit_bias={5: 200.0})),
             "INVALID_ARGUMENT",
             "logit_bias",
+        ),
+        (
+            pb2.GenerateRequest(
+                text="w5", sampling=pb2.SamplingParams(structured_outputs=pb2.StructuredOutputs(regex="[0-9"))
+            ),
+            "INVALID_ARGUMENT",
+            "structured_outputs",
         ),
         (
             pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(prompt_logprobs=21)),
