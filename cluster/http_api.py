@@ -39,6 +39,8 @@ from cluster.openai_protocol import (
     completion_logprobs,
     completion_params,
     decode_request,
+    echo_only,
+    echoed_logprobs,
     max_tokens_field,
     model_card,
     new_id,
@@ -325,6 +327,7 @@ class OpenAIServer:
             req.echo,
             self._token_text(req.return_tokens_as_token_ids),
         )
+        ctx.echo_only = echo_only(req)
         try:
             if req.stream:
                 return await stream_response(request, ctx, streams, self._completion_chunk, chat=False)
@@ -335,11 +338,13 @@ class OpenAIServer:
         choices, n_out = [], 0
         for i, (s, out) in enumerate(zip(streams, outs)):
             for o in out.outputs:
-                lp = None
-                if params.logprobs is not None and o.logprobs is not None:
-                    offset, before = self._echoed(ctx, s, out.prompt_logprobs)
-                    lp, _ = completion_logprobs(o.token_ids, o.logprobs, ctx.tt, offset, before)
-                text = (self._prompt_text(s) + o.text) if req.echo else o.text
+                lp, tokens, lps, o_text = None, o.token_ids, o.logprobs, o.text
+                if ctx.echo_only:
+                    tokens, lps, o_text = [], [] if lps is not None else None, ""
+                if params.logprobs is not None and lps is not None:
+                    offset, before = echoed_logprobs(ctx.tt, s.prompt_token_ids, out.prompt_logprobs)
+                    lp, _ = completion_logprobs(tokens, lps, ctx.tt, offset, before)
+                text = (self._prompt_text(s) + o_text) if req.echo else o_text
                 choices.append(
                     {
                         "index": i * params.n + o.index,
@@ -349,7 +354,7 @@ class OpenAIServer:
                         "stop_reason": o.stop_reason,
                     }
                 )
-                n_out += len(o.token_ids)
+                n_out += len(tokens)
         n_prompt = sum(len(s.prompt_token_ids) for s in streams)
         return _json(
             {
@@ -435,15 +440,6 @@ class OpenAIServer:
             }
         )
 
-    @staticmethod
-    def _echoed(ctx: StreamContext, s: RequestStream, prompt_lps) -> tuple[int, dict | None]:
-        """The text offset and logprobs object the completion's own tokens continue: an echoed
-        prompt's (``prompt_lps``: its logprobs; None: nothing echoed, offset 0)."""
-        if prompt_lps is None:
-            return 0, None
-        obj, offset = completion_logprobs(s.prompt_token_ids, prompt_lps, ctx.tt, 0)
-        return offset, obj
-
     def _prompt_text(self, s: RequestStream) -> str:
         if s.prompt is not None:
             return s.prompt
@@ -454,13 +450,15 @@ class OpenAIServer:
         self, ctx: StreamContext, i: int, s: RequestStream, index: int, token_ids, text: str, lps, finish, stop_reason
     ) -> dict[str, Any]:
         key = (i, index)
+        if ctx.echo_only:  # (the one generated token is dropped)
+            token_ids, text, lps = [], "", [] if lps is not None else None
         if ctx.echo and key not in ctx.started:
             text = self._prompt_text(s) + text
         lp = None
         if lps is not None:
             offset, before = ctx.offsets.get(key, 0), None
             if key not in ctx.started:
-                offset, before = self._echoed(ctx, s, s.prompt_logprobs if ctx.echo else None)
+                offset, before = echoed_logprobs(ctx.tt, s.prompt_token_ids, s.prompt_logprobs if ctx.echo else None)
             lp, ctx.offsets[key] = completion_logprobs(token_ids, lps, ctx.tt, offset, before)
         ctx.started.add(key)
         choice = {

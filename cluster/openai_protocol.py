@@ -287,6 +287,8 @@ def completion_params(
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise APIError(400, f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {req.logprobs}", "logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # (OpenAI's default, as vLLM keeps it)
+    if echo_only(req):  # the prompt alone (with its logprobs): one token is generated and dropped
+        max_tokens = 1
     # echo with logprobs: the prompt tokens' logprobs lead the choice's (as OpenAI and vLLM return them)
     prompt_lp = req.logprobs if req.echo else None
     return to_sampling_params(
@@ -314,6 +316,12 @@ def chat_params(
         max_tokens = (defaults or NO_GENERATION_DEFAULTS).sampling.get("max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens=0``: the prompt alone comes back (with its logprobs), the
+    legacy OpenAI way to score a text, which vLLM serves too."""
+    return req.echo and req.max_tokens == 0
 
 
 def max_tokens_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -411,6 +419,15 @@ def completion_logprobs(
         out["text_offset"].append(offset)
         offset += len(s)
     return out, offset
+
+
+def echoed_logprobs(tt: TokenText, prompt_token_ids: list[int], prompt_lps) -> tuple[int, dict | None]:
+    """The text offset and logprobs object a completion's own tokens continue: an echoed
+    prompt's (``prompt_lps``: its prompt logprobs; None: nothing echoed, offset 0)."""
+    if prompt_lps is None:
+        return 0, None
+    obj, offset = completion_logprobs(prompt_token_ids, prompt_lps, tt, 0)
+    return offset, obj
 
 
 def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], tt: TokenText, top: int) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class StreamContext:
         self.echo = echo
         self.created = now()
         self.top_logprobs: int | None = None
+        self.echo_only = False  # (openai_protocol.echo_only: generated tokens are dropped)
         self.tools = None  # a cluster.tool_calls.ToolPlan whose output is read for tool calls
         self.tool_streams: dict = {}  # index -> its streamed reader (ToolPlan.stream)
         self.started: set = set()
@@ -78,7 +79,7 @@ async def stream_response(
     merged = merge_streams(streams)
     try:
         async for i, d in merged:
-            n_out += len(d.token_ids)
+            n_out += 0 if ctx.echo_only else len(d.token_ids)
             if d.finish_reason:
                 finished.add((i, d.index))
             await send(

@@ -168,6 +168,15 @@ def test_echo_with_logprobs_scores_the_prompt(openai_client, offline, model_name
     chunks = list(openai_client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(want[1:], abs=1e-5)
+    # max_tokens=0: the prompt alone, scored (the legacy OpenAI way), streamed alike
+    kw.update(max_tokens=0, stream_options=None)
+    r0 = openai_client.completions.create(**kw)
+    assert r0.choices[0].text == prompt and r0.usage.completion_tokens == 0
+    assert r0.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[1:n_prompt], abs=1e-5)
+    assert len(r0.choices[0].logprobs.tokens) == n_prompt
+    chunks = list(openai_client.completions.create(**{**kw, "stream_options": {"include_usage": True}}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert chunks[-1].usage.completion_tokens == 0
 
 
 def test_logit_bias_equals_offline(openai_client, offline, model_name):
