@@ -38,7 +38,7 @@ class SamplingBatch:
     option_words: tuple | None = None  # the divisor, temperature and seed word rows (DeviceState.sampler_words)
     option_rows: torch.Tensor | None = None  # int64 [>= R]: each row's device row, where not gathered
     logit_bias: tuple | None = None  # (rows int64 [N], ids int64 [N], biases float32 [N]) added first
-    allowed: torch.Tensor | None = None  # bool [R, V]: the ids a constrained row may take (structured outputs)
+    allowed: tuple | None = None  # (rows int64 [C], bool [C, V]): the ids constrained rows may take
 
 
 @dataclass
@@ -135,8 +135,9 @@ def sample(
     if batch.logit_bias is not None:
         r, ids, v = batch.logit_bias
         logits = logits.index_put((r, ids), v, accumulate=True)
-    if batch.allowed is not None:
-        logits = logits.masked_fill(~batch.allowed, float("-inf"))
+    if batch.allowed is not None:  # (structured outputs: only the constrained rows)
+        rows, allowed = batch.allowed
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.min_tokens_mask is not None:

@@ -90,12 +90,16 @@ def build_sampling_batch(
     )
 
 
-def allowed_tokens(masks: list[bytes], vocab: int, dev: torch.device) -> torch.Tensor:
-    """bool [R, vocab]: the ids each row's bitmask allows (every id where it has none), from
-    one copy of the int32 words, unpacked on the device."""
+def allowed_tokens(masks: list[bytes], vocab: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The constrained rows (those with a bitmask) and the ids each may take, bool [C, vocab],
+    from one copy of their int32 words (and the rows), unpacked on the device."""
+    rows = [i for i, m in enumerate(masks) if m]
+    if not rows:
+        return None
     words = (vocab + 31) // 32
-    full = b"\xff" * (4 * words)
-    packed = np.frombuffer(b"".join(m or full for m in masks), dtype="<i4").reshape(len(masks), words)
-    w = to_device(torch.from_numpy(packed.astype(np.int64)), dev)
-    ids = torch.arange(vocab, device=dev)
-    return ((w[:, ids >> 5] >> (ids & 31)) & 1).bool()
+    packed = np.frombuffer(b"".join(masks[i] for i in rows), dtype="<i4").reshape(len(rows), words)
+    host = np.concatenate([np.asarray(rows, dtype=np.int64), packed.astype(np.int64).ravel()])
+    dv = to_device(torch.from_numpy(host), dev)
+    w = dv[len(rows) :].view(len(rows), words).int()
+    ids = torch.arange(vocab, device=dev, dtype=torch.int32)
+    return dv[: len(rows)], ((w[:, ids >> 5] >> (ids & 31)) & 1).bool()
