@@ -20,13 +20,14 @@ from typing import Any, AsyncIterator
 from cluster.outputs import RequestOutput, StreamDelta
 from cluster.request_stream import EngineUnavailable, Overloaded, RequestStream, StreamEnd
 from metadata.config import EngineConfig
-from metadata.sampling_params import SamplingParams
+from metadata.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
 # Health hooks of an idle engine thread: how often it pings the workers (a death is noticed
 # without traffic), and the restart backoff after a failure (doubling up to the max).
 PROBE_INTERVAL_S = 1.0
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a constraint's compilation, before the request is refused
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 
@@ -127,6 +128,8 @@ class AsyncEngine:
             from cluster.input_processor import InvalidRequestError
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if params is not None and params.structured_outputs is not None:
+            await self._precompile(params)  # (off the engine thread: it then finds it cached)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         fut = self.loop.create_future()
@@ -149,6 +152,28 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    async def _precompile(self, params: SamplingParams) -> None:
+        """Compile a request's constraint in a worker thread, bounded in time, so the engine
+        thread never stalls on it (its own compile is then a cache hit); errors are 400s."""
+        from cluster.input_processor import InvalidRequestError
+        from cluster.structured_output import GrammarError
+
+        core = self.core
+        if core is None:
+            return  # (the engine thread compiles it then)
+        try:
+            params.structured_outputs.validate()
+            grammars = core.inputs.grammars
+            await asyncio.wait_for(
+                self.loop.run_in_executor(None, grammars.compile, params.structured_outputs), GRAMMAR_COMPILE_TIMEOUT_S
+            )
+        except (GrammarError, SamplingParamsError) as exc:
+            raise InvalidRequestError(str(exc), "structured_outputs") from None
+        except asyncio.TimeoutError:
+            raise InvalidRequestError(
+                f"structured_outputs took longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile", "structured_outputs"
+            ) from None
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams | None = None
@@ -183,6 +208,8 @@ class AsyncEngine:
         if fut.done():
             return
         if exc is not None:
+            if isinstance(exc, StopIteration) or not isinstance(exc, Exception):  # (a future refuses these)
+                exc = RuntimeError(f"{type(exc).__name__}: {exc}")
             fut.set_exception(exc)
         else:
             fut.set_result(result)

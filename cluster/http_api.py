@@ -372,7 +372,7 @@ class OpenAIServer:
         self._check_model(req.model)
         params = chat_params(req, self.max_logprobs, self.generation)
         try:
-            tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
+            tools = plan_tools(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
         except ToolRequestError as exc:
             raise APIError(400, str(exc), exc.field) from None
         if tools.constraint is not None:  # a forced call: the output follows its schema

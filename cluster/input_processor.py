@@ -187,6 +187,11 @@ class InputProcessor:
                 compiled = self.grammars.compile(params.structured_outputs)
             except GrammarError as exc:
                 raise InvalidRequestError(str(exc), "structured_outputs") from None
+            if not self.grammars.matcher(compiled, ()).can_start():
+                raise InvalidRequestError(
+                    "structured_outputs: no token of this model's vocabulary can begin the constrained output",
+                    "structured_outputs",
+                )
         eos, extra = ((), ()) if params.ignore_eos else (self.eos_token_ids, self.extra_stop_ids)
         stop_ids = [*params.stop_token_ids, *eos, *extra]
         out = []

@@ -94,6 +94,10 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (vLLM extra)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # json / regex / choice / grammar (vLLM extra)
+    guided_json: Any = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -127,6 +131,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: str | None = None  # vLLM extra; refused unless --trust-request-chat-template
     tools: list[Tool] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def decode_request(body: bytes, typ: type) -> Any:
@@ -207,8 +212,12 @@ def _structured_outputs(req: _SamplingFields) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` (json_object, json_schema) or vLLM's ``structured_outputs``."""
     rf = req.response_format
     kind = rf.get("type", "text") if rf else "text"
-    if kind != "text" and req.structured_outputs:
-        raise APIError(400, "set response_format or structured_outputs, not both", "response_format")
+    guided = {k: getattr(req, "guided_" + k) for k in ("json", "regex", "choice", "grammar")}
+    guided = {k: v for k, v in guided.items() if v is not None}
+    if sum(map(bool, (kind != "text", req.structured_outputs, guided))) > 1:
+        raise APIError(400, "set one of response_format, structured_outputs and guided_*", "response_format")
+    if guided:
+        return guided
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":

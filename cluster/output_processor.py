@@ -50,6 +50,8 @@ class OutputProcessor:
             detok = self.detok[req.request_id]
             tokens, lps = seq.token_ids, seq.logprobs
             reason = stop_reason = None
+            if not tokens:  # (finished on a token it dropped: a constraint's dead end)
+                reason, stop_reason = seq.finish_reason, seq.stop_reason
             last = len(tokens) - 1
             stops = params.stop
             for i, tok in enumerate(tokens):

@@ -353,11 +353,14 @@ class Scheduler:
         reason = stop_reason = None
         n = 0
         for tok in row.token_ids:
-            outs.append(tok)
-            if req.grammar is not None and reason is None and not req.grammar.accept(tok):
-                # (the mask allows only accepted tokens: a bug, reported, and the request ends here)
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # (the mask allows only accepted tokens: a bug, reported; the token is dropped and
+                # the request ends before it)
                 logger.error("request %s: token %d breaks its structured_outputs constraint", req.request_id, tok)
                 reason = "stop"
+                self.finish(req, reason)
+                break
+            outs.append(tok)
             if lps is not None:
                 tl = row.logprobs[n]
                 lp = {tok: tl.sampled_logprob}

@@ -29,6 +29,10 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask.numpy().tobytes()
 
+    def can_start(self) -> bool:
+        """Whether any token may come first (a constraint this vocabulary cannot spell: none)."""
+        return any(self.bitmask())
+
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
 
@@ -47,6 +51,10 @@ class GrammarBackend:
         self._lock = threading.Lock()  # (requests may be added from several threads)
 
     def _compiler_for_tokenizer(self):
+        with self._lock:
+            return self._make_compiler()
+
+    def _make_compiler(self):
         if self._compiler is None:
             import xgrammar
 
@@ -59,23 +67,21 @@ class GrammarBackend:
     def compile(self, so: StructuredOutputsParams):
         """The compiled constraint (xgrammar caches compilations by their text); a schema, regex
         or grammar it cannot compile is a ``GrammarError`` naming what."""
-        with self._lock:
-            c = self._compiler_for_tokenizer()
-            try:
-                if so.json is not None:
-                    schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-                    return c.compile_json_schema(schema)
-                if so.json_object:
-                    return c.compile_builtin_json_grammar()
-                if so.regex is not None:
-                    return c.compile_regex(so.regex)
-                if so.choice is not None:  # each choice a quoted EBNF string
-                    return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in so.choice))
-                return c.compile_grammar(so.grammar)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(so, k))
-                msg = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-                raise GrammarError(f"structured_outputs {kind} does not compile: {msg}") from None
+        c = self._compiler_for_tokenizer()  # (xgrammar's compiler is thread-safe and caches by text)
+        kind = next((k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(so, k)), "json")
+        try:
+            if so.json is not None:
+                return c.compile_json_schema(so.json if isinstance(so.json, str) else json.dumps(so.json))
+            if so.json_object:
+                return c.compile_builtin_json_grammar()
+            if so.regex is not None:
+                return c.compile_regex(so.regex)
+            if so.choice is not None:  # each choice a quoted EBNF string
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in so.choice))
+            return c.compile_grammar(so.grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors vary by kind and version
+            msg = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(f"structured_outputs {kind} does not compile: {msg}") from None
 
     def matcher(self, compiled, stop_ids: tuple[int, ...]) -> RequestGrammar:
         """A fresh matcher; the grammar ends on one of ``stop_ids`` (the request's EOS ids)."""

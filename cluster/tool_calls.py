@@ -97,10 +97,13 @@ class ToolPlan:
         return ToolCallStream() if self.mode == "auto" else ForcedToolStream(self)
 
 
-def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -> ToolPlan:
+def plan_tools(
+    tools: list[Tool] | None, tool_choice: Any, parser: str | None, parallel: bool | None = None
+) -> ToolPlan:
     """How the request's tools are served (``parser``: the server's ``--tool-call-parser``
     where ``--enable-auto-tool-choice``). ``"required"`` and a named function constrain the
-    output to a JSON schema (structured outputs), as vLLM does; they need no parser."""
+    output to a JSON schema (structured outputs), as vLLM does; they need no parser.
+    ``parallel`` False (``parallel_tool_calls``): a required answer holds one call."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolRequestError("tool_choice needs tools", "tool_choice")
@@ -137,7 +140,10 @@ def plan_tools(tools: list[Tool] | None, tool_choice: Any, parser: str | None) -
             }
             for t in tools
         ]
-        return ToolPlan(listed, "required", None, {"type": "array", "minItems": 1, "items": {"anyOf": items}})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if parallel is False:
+            schema["maxItems"] = 1
+        return ToolPlan(listed, "required", None, schema)
     if choice not in ("auto", "none"):
         shown = f"{choice!r:.60}"
         msg = f"tool_choice must be 'auto', 'none', 'required' or a function, got {shown}"
@@ -208,45 +214,34 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 class ToolCallStream:
-    """Parses one streamed sequence: content outside calls goes out as it comes (less what may
-    begin a ``<tool_call>``), each call whole once it closes (or at the end, unclosed)."""
+    """Parses one streamed sequence as ``parse_tool_calls`` parses the whole: the text before
+    the first ``<tool_call>`` goes out as it comes (less what may begin the tag); from the tag
+    on, the rest is held and read at the end, as its calls or (where any call does not parse)
+    as text."""
 
     def __init__(self):
-        self.buf = ""
-        self.in_call = False
+        self.text = ""
+        self.sent = 0  # characters of ``text`` sent as content
+        self.held = False  # a tag was seen: the rest waits for the end
         self.num_calls = 0
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        self.buf += text
+        self.text += text
         content, calls = "", []
-        while True:
-            if not self.in_call:
-                i = self.buf.find(_START)
-                if i < 0:
-                    keep = 0 if final else _partial_tag(self.buf, _START)
-                    content += self.buf[: len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep :]
-                    break
-                content += self.buf[:i]
-                self.buf, self.in_call = self.buf[i + len(_START) :], True
-                continue
-            j = self.buf.find(_END)
-            if j < 0:
-                if final:  # an unclosed last call: a call if it parses, else text
-                    call = _call(self.buf.strip())
-                    calls += [call] if call else []
-                    content += "" if call else _START + self.buf
-                    self.buf = ""
-                break
-            body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(_END) :], False
-            call = _call(body.strip())
-            calls += [call] if call else []
-            content += "" if call else _START + body + _END
-        if (self.num_calls or calls) and not content.strip():
-            content = ""  # (the whitespace around calls)
+        if not self.held:
+            i = self.text.find(_START, self.sent)  # (a tag never starts before what was sent)
+            if i >= 0:
+                self.held, upto = True, i
+            else:
+                upto = len(self.text) - (0 if final else _partial_tag(self.text, _START))
+            content, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        if final and self.held:
+            calls = parse_tool_calls(self.text)[1]
+            if not calls:
+                content, self.sent = content + self.text[self.sent :], len(self.text)
         for k, c in enumerate(calls):
-            c["index"] = self.num_calls + k
-        self.num_calls += len(calls)
+            c["index"] = k
+        self.num_calls = len(calls)
         return content, calls
 
 

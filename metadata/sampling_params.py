@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
@@ -23,6 +24,29 @@ class SamplingParamsError(ValueError):
 
 MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex or grammar's text
 MAX_CHOICES = 1024
+MAX_GRAMMAR_NESTING = 64  # brackets deep
+MAX_GRAMMAR_COUNT = 4096  # {n,m} repetition bounds and schema lengths / item counts
+_REPEATS = re.compile(r"\{\s*(\d{1,12})\s*(?:,\s*(\d{0,12})\s*)?\}")  # {n}, {n,}, {n,m}
+_LENGTHS = re.compile(r'"(?:max|min)(?:Length|Items|Properties)"\s*:\s*(\d{1,12})')
+
+
+def _largest_count(text: str) -> int:
+    """The largest repetition bound or schema length / item count ``text`` names."""
+    counts = [int(n) for m in _REPEATS.findall(text) for n in m if n]
+    counts += [int(n) for n in _LENGTHS.findall(text)]
+    return max(counts, default=0)
+
+
+def _nesting(text: str) -> int:
+    """The deepest bracket nesting of ``text`` (any of ``[{(``)."""
+    depth = top = 0
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+            top = max(top, depth)
+        elif ch in "]})":
+            depth -= 1
+    return top
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -54,13 +78,21 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
                 raise SamplingParamsError("structured_outputs choice must be a list of non-empty strings")
         elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
             raise SamplingParamsError(f"structured_outputs {kind} must be a non-empty string")
-        elif kind == "json" and not isinstance(value, (str, dict)):
+        elif kind == "json" and (not isinstance(value, (str, dict)) or (isinstance(value, str) and not value.strip())):
             raise SamplingParamsError("structured_outputs json must be a JSON schema (an object or its text)")
         elif kind == "json_object" and value is not True:
             raise SamplingParamsError("structured_outputs json_object must be true")
-        size = len(value) if isinstance(value, str) else len(msgspec.json.encode(value)) if kind == "json" else 0
-        if size > MAX_GRAMMAR_CHARS:
+        text = value if isinstance(value, str) else msgspec.json.encode(value).decode() if kind == "json" else ""
+        if len(text) > MAX_GRAMMAR_CHARS:
             raise SamplingParamsError(f"structured_outputs {kind} must be at most {MAX_GRAMMAR_CHARS} characters")
+        # (what makes a compilation explode: deep nesting, huge repetition counts)
+        if _nesting(text) > MAX_GRAMMAR_NESTING:
+            raise SamplingParamsError(f"structured_outputs {kind} nests deeper than {MAX_GRAMMAR_NESTING} levels")
+        big = _largest_count(text) if kind != "choice" else 0
+        if big > MAX_GRAMMAR_COUNT:
+            raise SamplingParamsError(
+                f"structured_outputs {kind} holds a repetition count or length of {big}, above {MAX_GRAMMAR_COUNT}"
+            )
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -182,6 +214,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
             self.structured_outputs.validate()
+            if self.min_tokens:  # (a complete constraint allows only EOS, which min_tokens forbids)
+                raise bad("min_tokens", "0 with structured_outputs", self.min_tokens)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
         ):

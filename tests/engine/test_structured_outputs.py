@@ -114,3 +114,18 @@ def test_bad_constraints_are_refused(llm, constraint, error, text):
     with pytest.raises(error, match=text):
         llm.engine.add_request("bad", PROMPT, SamplingParams(max_tokens=4, structured_outputs=constraint))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kw,text",
+    [
+        (dict(structured_outputs={"json": " "}), "a JSON schema"),
+        (dict(structured_outputs={"regex": "[a-z ]{1,60000}"}), "above 4096"),
+        (dict(structured_outputs={"json": {"type": "string", "maxLength": 100000}}), "above 4096"),
+        (dict(structured_outputs={"json": json.loads('{"a":' * 70 + "1" + "}" * 70)}), "deeper than 64"),
+        (dict(structured_outputs={"choice": ["a"]}, min_tokens=2), "min_tokens must be 0 with structured_outputs"),
+    ],
+)
+def test_constraints_that_would_stall_or_break_are_refused(kw, text):
+    with pytest.raises(SamplingParamsError, match=text):
+        SamplingParams(max_tokens=4, **kw)

@@ -72,9 +72,21 @@ CASES = [
         {"messages": MSG, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "w5"}},
         400,
         "response_format",
-        "not both",
+        "set one of",
     ),
     (CMPL, {"prompt": "w5", "structured_outputs": {"regex": "[0-9"}}, 400, "structured_outputs", "does not compile"),
+    (CMPL, {"prompt": "w5", "structured_outputs": {"json": ""}}, 400, "structured_outputs", "a JSON schema"),
+    # (this word-level vocabulary cannot spell JSON)
+    (CMPL, {"prompt": "w5", "response_format": {"type": "json_object"}}, 400, "structured_outputs", "can begin"),
+    (CMPL, {"prompt": "w5", "guided_regex": "[a-z ]{1,60000}"}, 400, "structured_outputs", "above 4096"),
+    (CMPL, {"prompt": "w5", "guided_choice": ["w5"], "min_tokens": 2}, 400, "min_tokens", "0 with structured_outputs"),
+    (
+        CMPL,
+        {"prompt": "w5", "guided_choice": ["w5"], "structured_outputs": {"regex": "w5"}},
+        400,
+        "response_format",
+        "one of",
+    ),
     # too-long prompts (max_model_len 512)
     (CMPL, {"prompt": "w5 " * 600}, 400, "prompt", "max_model_len is 512"),
     (CMPL, {"prompt": [5] * 520}, 400, "prompt", "max_model_len is 512"),

@@ -212,6 +212,16 @@ def test_structured_outputs_equal_offline(openai_client, offline, model_name):
         model=model_name, messages=[{"role": "user", "content": "w5"}], temperature=0, max_tokens=5, extra_body=extra
     )
     assert c.choices[0].message.content.strip() in ("w7", "w9", "w11")
+    # vLLM's older field name, the same constraint
+    r2 = openai_client.completions.create(
+        model=model_name,
+        prompt="w5 w6",
+        temperature=0.9,
+        seed=4,
+        max_tokens=5,
+        extra_body={"guided_choice": choice["choice"]},
+    )
+    assert r2.choices[0].text == ref.outputs[0].text
 
 
 def _chat_ref(offline, messages, params):

@@ -22,6 +22,9 @@ TEXTS = [
     f"<tool_call>{json.dumps(CALL)}",  # unclosed at the end (EOS right after the JSON)
     "<tool_call>not json</tool_call> tail",  # not a call: text
     "a < b and <tool_ca is no tag",
+    f"<tool_call>{json.dumps(CALL)}</tool_call><tool_call>{{bad}}</tool_call>",  # one bad: all text
+    f"Sure.<tool_call>{json.dumps(CALL)}</tool_call>Done.",  # text after the calls: dropped
+    f"\n\n<tool_call>{json.dumps(CALL)}</tool_call>",
 ]
 
 
@@ -63,7 +66,8 @@ def test_plan_tools_modes_and_refusals():
         "stop",
     )
     required = plan_tools(tools, "required", None)
-    assert required.constraint["minItems"] == 1
+    assert required.constraint["minItems"] == 1 and "maxItems" not in required.constraint
+    assert plan_tools(tools, "required", None, parallel=False).constraint["maxItems"] == 1
     message, finish = required.message('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
     assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert required.message('[{"name": "get_w', "length") == (
