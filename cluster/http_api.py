@@ -477,13 +477,13 @@ class OpenAIServer:
         if lps is not None and ctx.top_logprobs is not None:
             lp = chat_logprobs(token_ids, lps, ctx.tt, ctx.top_logprobs)
         delta = {"content": text} if (text or finish is None) else {}
-        if ctx.tools is not None:  # content outside calls as it comes, each call once closed
+        if ctx.tools is not None:  # content before any call as it comes, the calls at the end
             ts = ctx.tool_streams.setdefault(index, ctx.tools.stream())
             content, calls = ts.feed(text, final=finish is not None)
             delta = {"content": content} if (content or (finish is None and not calls)) else {}
             if calls:
                 delta["tool_calls"] = calls
-            finish = "tool_calls" if finish == "stop" and ts.num_calls and ctx.tools.mode != "named" else finish
+            finish = ctx.tools.finish_reason(finish, ts.num_calls)
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
         return ctx.chunk([choice])
 

@@ -187,12 +187,15 @@ class InputProcessor:
                 compiled = self.grammars.compile(params.structured_outputs)
             except GrammarError as exc:
                 raise InvalidRequestError(str(exc), "structured_outputs") from None
-            if not self.grammars.matcher(compiled, ()).can_start():
-                raise InvalidRequestError(
-                    "structured_outputs: no token of this model's vocabulary can begin the constrained output",
-                    "structured_outputs",
-                )
         eos, extra = ((), ()) if params.ignore_eos else (self.eos_token_ids, self.extra_stop_ids)
+        grammars = None  # (one matcher a sequence)
+        if compiled is not None:
+            grammars = [self.grammars.matcher(compiled, eos + extra) for _ in range(params.n)]
+        if grammars and not grammars[0].can_start():
+            raise InvalidRequestError(
+                "structured_outputs: no token of this model's vocabulary can begin the constrained output",
+                "structured_outputs",
+            )
         stop_ids = [*params.stop_token_ids, *eos, *extra]
         out = []
         for i in range(params.n):
@@ -228,7 +231,7 @@ class InputProcessor:
                     extra_stop_ids=extra,
                     logprobs=[] if params.logprobs is not None else None,
                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                    grammar=self.grammars.matcher(compiled, eos + extra) if compiled is not None else None,
+                    grammar=grammars[i] if grammars else None,
                 )
             )
         return out

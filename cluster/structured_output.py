@@ -51,24 +51,21 @@ class GrammarBackend:
         self._lock = threading.Lock()  # (requests may be added from several threads)
 
     def _compiler_for_tokenizer(self):
-        with self._lock:
-            return self._make_compiler()
+        with self._lock:  # (made once; xgrammar's compiler itself is thread-safe)
+            if self._compiler is None:
+                import xgrammar
 
-    def _make_compiler(self):
-        if self._compiler is None:
-            import xgrammar
-
-            if self.tokenizer is None:
-                raise GrammarError("structured outputs need the model's tokenizer")
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+                if self.tokenizer is None:
+                    raise GrammarError("structured outputs need the model's tokenizer")
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
         """The compiled constraint (xgrammar caches compilations by their text); a schema, regex
         or grammar it cannot compile is a ``GrammarError`` naming what."""
-        c = self._compiler_for_tokenizer()  # (xgrammar's compiler is thread-safe and caches by text)
-        kind = next((k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(so, k)), "json")
+        c = self._compiler_for_tokenizer()  # (it caches compilations by their text)
+        kind = (so.given() or ["json"])[0]
         try:
             if so.json is not None:
                 return c.compile_json_schema(so.json if isinstance(so.json, str) else json.dumps(so.json))

@@ -80,7 +80,12 @@ class ToolPlan:
         if not calls:
             return {"role": "assistant", "content": text}, finish
         message = {"role": "assistant", "content": content, "tool_calls": calls}
-        return message, ("tool_calls" if finish == "stop" and self.mode != "named" else finish)
+        return message, self.finish_reason(finish, len(calls))
+
+    def finish_reason(self, finish: str | None, num_calls: int) -> str | None:
+        """``"tool_calls"`` where the output stopped on calls (a named function's answer keeps
+        ``"stop"``, as OpenAI's)."""
+        return "tool_calls" if finish == "stop" and num_calls and self.mode != "named" else finish
 
     def read(self, text: str) -> tuple[str | None, list[dict]]:
         if self.mode == "auto":

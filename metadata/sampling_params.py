@@ -60,10 +60,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
     grammar: str | None = None
     json_object: bool | None = None
 
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def given(self) -> list[str]:
+        """The constraint fields set (exactly one once validated)."""
+        return [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+
     def validate(self) -> None:
-        given = [
-            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
-        ]
+        given = self.given()
         if len(given) != 1:
             raise SamplingParamsError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"

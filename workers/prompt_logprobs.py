@@ -6,6 +6,7 @@ forward and copied to the host with the step's sampled tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -47,9 +48,7 @@ def compute_prompt_logprobs(plan: StepPlan, inp, st, hidden: torch.Tensor, compu
     q_lens, rows_cpu, positions, token_ids = inp.q_lens, inp.rows_cpu, inp.positions, st.token_ids
     slice_rows = sched.max_num_seqs
     index = {r.handle: i for i, r in enumerate(plan.rows)}
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
+    starts = [0, *accumulate(q_lens)]
     spans = []  # (handle, first token, end, device row)
     for h in plan.prompt_logprob_handles:
         i = index[h]
