@@ -18,7 +18,6 @@ from workers.models.layers import (
     VocabParallelEmbedding,
     shard_rows,
 )
-from workers.models.rope import cos_sin_cache
 from workers.pipeline import WHOLE_MODEL, PipelineStage
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -204,11 +203,9 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype)
         self.tie_embeddings()
-        self.register_buffer(
-            "cos_sin",
-            cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32),
-            persistent=False,
-        )
+        # the loader fills the rope table (``rope.cos_sin_cache``) once the model has its device:
+        # computed here, under the loader's meta device, it would cost a second of torch imports
+        self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32), persistent=False)
 
     def tie_embeddings(self) -> None:
         """With tied embeddings, the LM head shares the embedding's weight where the stage
