@@ -205,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_embeddings()
         # the loader fills the rope table (``rope.cos_sin_cache``) once the model has its device:
         # computed here, under the loader's meta device, it would cost a second of torch imports
-        self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32), persistent=False
+        )
 
     def tie_embeddings(self) -> None:
         """With tied embeddings, the LM head shares the embedding's weight where the stage
