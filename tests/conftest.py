@@ -61,3 +61,12 @@ def pytest_collection_modifyitems(config, items):
     gives: the serving tests' session server joins the local Ray instance, which those
     fixtures restart. The sort is stable: every other test keeps its order."""
     items.sort(key=lambda item: 0 if _RAY_RESTARTING_FIXTURES & set(getattr(item, "fixturenames", ())) else 1)
+
+
+def pytest_collection_finish(session):
+    """Start the interpreted kernel tests' child pytest in the background now
+    (``tests/interpreted.py``), so that it runs beside the rest of the session."""
+    if not session.config.option.collectonly:
+        from tests.interpreted import start_child
+
+        start_child(session.items)
