@@ -17,12 +17,12 @@ from typing import Any
 
 from cluster.executor import EngineDeadError, RayExecutor
 from cluster.input_processor import InputProcessor, InvalidRequestError
-from cluster.model_source import resolve_model
+from cluster.model_source import model_len, resolve_model
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput, StreamDelta
 from cluster.request import Request
 from cluster.scheduler import ScheduledStep, Scheduler, StepUpdate
-from metadata.config import ConfigError, EngineConfig
+from metadata.config import EngineConfig
 from metadata.sampling_params import SamplingParams
 from metadata.wire import StepStats, encode
 
@@ -63,12 +63,7 @@ class EngineCore:
                 source.generation.sampling,
             )
         arch = self.arch
-        limit = arch.max_position_embeddings
-        if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
-            raise ConfigError(
-                f"max_model_len {cfg.model.max_model_len} exceeds the model's max_position_embeddings {limit}"
-            )
-        self.max_model_len = cfg.model.max_model_len or limit
+        self.max_model_len = model_len(cfg.model.max_model_len, arch)
         if not ray.is_initialized():
             ray.init(address=cfg.parallel.ray_address, log_to_driver=True)
         self.device = resolve_device(cfg)

@@ -21,7 +21,7 @@ from typing import Any
 
 from cluster.cache_dir import syncless_cache_dir
 from cluster.generation_config import GenerationDefaults, load_generation_defaults
-from metadata.config import EngineConfig
+from metadata.config import ConfigError, EngineConfig
 from workers.models.arch import ModelArch, ModelLoadError, load_arch
 from workers.models.gguf_arch import is_gguf
 
@@ -147,3 +147,29 @@ def resolve_model(cfg: EngineConfig) -> ModelSource:
     return ModelSource(
         path=str(path), arch=arch, tokenizer=tok, served_name=name, eos_token_ids=eos, generation=generation
     )
+
+
+def model_len(requested: int | None, arch: ModelArch) -> int:
+    """The context length to serve: ``requested`` (``max_model_len``) or the model's own. A
+    sliding-window model is served only up to its window (``ModelArch.usable_context``): a
+    longer request is refused, and with none asked the window is the default."""
+    limit = arch.usable_context()
+    if requested is None:
+        if limit < arch.max_position_embeddings:
+            logger.warning(
+                "the model attends over a sliding window of %d tokens, which syncless does not implement: "
+                "serving contexts of up to %d tokens (max_model_len), where full attention is the same",
+                limit,
+                limit,
+            )
+        return limit
+    if requested > arch.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings {arch.max_position_embeddings}"
+        )
+    if requested > limit:
+        raise ConfigError(
+            f"max_model_len {requested} exceeds the model's sliding window of {limit} tokens; syncless does "
+            f"not implement windowed attention, so it serves such a model up to max_model_len {limit}"
+        )
+    return requested

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -55,6 +55,7 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     cls = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     }[arch]

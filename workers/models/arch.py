@@ -9,7 +9,8 @@ from pathlib import Path
 from workers.models.gguf_arch import is_gguf, load_gguf_arch
 from workers.models.model_arch import ModelArch, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mistral is Llama's layout (its own head_dim, an optional sliding window)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -56,8 +57,9 @@ def load_arch(model_dir: str | Path) -> ModelArch:
             f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
+    window = None  # Mistral's is on when set; Qwen2 keeps one in its config, on only with use_sliding_window
+    if cfg.get("sliding_window") and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window")):
+        window = int(cfg["sliding_window"])
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}
@@ -89,6 +91,7 @@ def load_arch(model_dir: str | Path) -> ModelArch:
         bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         quantization=checkpoint_quantization(cfg.get("quantization_config"), path),
+        sliding_window=window,
     )
 
 

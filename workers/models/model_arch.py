@@ -34,6 +34,17 @@ class ModelArch:
     torch_dtype: str | None
     quantization: str | None = None
     """'fp8' for a checkpoint whose projections are stored in FP8 (``weight_scale`` tensors)."""
+    sliding_window: int | None = None
+    """A token attends to the last ``sliding_window`` positions only (Mistral v0.1, Qwen2 with
+    ``use_sliding_window``). Not implemented: such a model is served only up to a context that
+    fits the window, where both attentions are the same (``usable_context``)."""
+
+    def usable_context(self) -> int:
+        """The longest context served exactly: ``max_position_embeddings``, or the sliding window
+        when it is shorter (inside it, windowed and full attention see the same positions)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         kv_heads = max(1, self.num_kv_heads // tp_size)

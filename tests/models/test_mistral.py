@@ -1,0 +1,70 @@
+"""Mistral checkpoints (Llama's layout with their own head_dim and an optional sliding window):
+greedy outputs equal transformers' ``MistralForCausalLM``; a sliding-window model is served up
+to its window, where windowed and full attention are the same, and a longer
+``max_model_len`` is refused."""
+
+import json
+import logging
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from metadata.config import ConfigError
+from tests.checkpoints import hf_greedy
+from workers.models.arch import load_arch
+
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def mistral(ckpt_dir):
+    # head_dim 32 with hidden 64 and 4 heads: not hidden // heads, as in Mistral-Nemo
+    return ckpt_dir("mistral", head_dim=32, sliding_window=WINDOW, seed=3)
+
+
+def test_greedy_matches_transformers_within_the_window(ray_local, mistral, caplog):
+    prompts = [[5 + (7 * i + 3 * j) % 240 for j in range(n)] for i, n in enumerate([1, 9, 30, 50])]
+    expected = hf_greedy(mistral, prompts, 12)  # 50 + 12 < WINDOW: transformers' window masks nothing
+    with caplog.at_level(logging.WARNING, logger="cluster.model_source"):
+        llm = LLM(model=str(mistral), block_size=8, max_num_batched_tokens=24)
+    try:
+        assert llm.engine.max_model_len == WINDOW
+        assert "sliding window of 64 tokens" in caplog.text
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.shutdown()
+
+
+def test_a_context_longer_than_the_window_is_refused(ray_local, mistral):
+    with pytest.raises(ConfigError, match="sliding window of 64 tokens.*max_model_len 64"):
+        LLM(model=str(mistral), max_model_len=WINDOW + 1)
+
+
+@pytest.mark.parametrize(
+    "arch,fields,window",
+    [
+        ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
+        ("MistralForCausalLM", {"sliding_window": None}, None),  # Mistral v0.2+: full attention
+        ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, None),
+        ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
+        ("LlamaForCausalLM", {}, None),
+    ],
+)
+def test_which_configs_have_a_window(tmp_path, arch, fields, window):
+    config = {
+        "architectures": [arch],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32768,
+        **fields,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch_info = load_arch(tmp_path)
+    assert arch_info.sliding_window == window
+    assert arch_info.usable_context() == (window or 32768)
