@@ -48,6 +48,7 @@ _FIELDS = (
     "logprobs",
     "prompt_logprobs",
     "skip_special_tokens",
+    "truncate_prompt_tokens",
 )
 
 
@@ -68,6 +69,8 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
         kw["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.logit_bias:
         kw["logit_bias"] = dict(sp.logit_bias)
+    if sp.allowed_token_ids:
+        kw["allowed_token_ids"] = list(sp.allowed_token_ids)
     if sp.HasField("structured_outputs"):
         so = sp.structured_outputs
         given = {k: getattr(so, k) for k in ("json", "regex", "grammar", "json_object") if so.HasField(k)}
@@ -217,7 +220,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             params = sampling_from_proto(request.sampling, self.generation)
-            prompt = await self.preprocessor.prompt(prompt)
+            prompt = await self.preprocessor.prompt(prompt, truncating=params.truncate_prompt_tokens is not None)
             # a max_tokens the client set past the context is refused, the default is cut
             stream = await self.engine.add_request(
                 rid, prompt, params, "max_tokens" if request.sampling.HasField("max_tokens") else None

@@ -313,7 +313,8 @@ class OpenAIServer:
         params = completion_params(req, self.max_logprobs, self.generation)
         prompts = parse_completion_prompts(req.prompt)
         try:
-            prompts = [await self.preprocessor.prompt(p) for p in prompts]
+            cut = params.truncate_prompt_tokens is not None
+            prompts = [await self.preprocessor.prompt(p, truncating=cut) for p in prompts]
         except InvalidRequestError as exc:
             raise engine_error(exc) from None
         rid = req.request_id or new_id("cmpl")

@@ -75,7 +75,9 @@ class InputProcessor:
             self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
         return self._grammars
 
-    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Any, truncating: bool = False) -> tuple[str | None, list[int]]:
+        """``truncating``: the caller keeps only the prompt's tail (``truncate_prompt_tokens``), so
+        a token list longer than ``max_model_len`` is not refused here."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -91,14 +93,14 @@ class InputProcessor:
                 raise InvalidRequestError(f"unknown prompt keys {sorted(extra)}", "prompt")
             text = prompt.get("prompt")
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.tokenize(prompt["prompt"])
+            return self.tokenize(prompt["prompt"], truncating)
         elif isinstance(prompt, list):
             ids, text = prompt, None
         else:
             raise InvalidRequestError(
                 "a prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}", "prompt"
             )
-        if isinstance(ids, list):
+        if isinstance(ids, list) and not truncating:
             check_prompt_size(ids, self.max_model_len)
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt_token_ids")
@@ -135,7 +137,10 @@ class InputProcessor:
             params.validate()
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), str(exc).split(" ")[0]) from None
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, params.truncate_prompt_tokens is not None)
+        if params.truncate_prompt_tokens is not None:  # -1: the most that leave room for one output token
+            fits = min(self.max_model_len, kv_capacity or self.max_model_len) - 1
+            ids = ids[-(fits if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens) :]
         n = len(ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
@@ -179,6 +184,12 @@ class InputProcessor:
         bad_bias = [t for t in bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary", "logit_bias")
+        allowed = list(dict.fromkeys(params.allowed_token_ids or ()))
+        bad_allowed = [t for t in allowed if t >= self.vocab_size]
+        if bad_allowed:
+            raise InvalidRequestError(
+                f"allowed_token_ids: token id {bad_allowed[0]} is outside the vocabulary", "allowed_token_ids"
+            )
         compiled = None
         if params.structured_outputs is not None:
             from cluster.structured_output import GrammarError
@@ -216,6 +227,7 @@ class InputProcessor:
                 num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
                 logit_bias_ids=list(bias),
                 logit_bias_values=[float(v) for v in bias.values()],
+                allowed_token_ids=allowed,
             )
             out.append(
                 Request(

@@ -79,6 +79,8 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM extras
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
@@ -277,6 +279,8 @@ def to_sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
         "logit_bias": _logit_bias(req.logit_bias),
+        "allowed_token_ids": req.allowed_token_ids,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "structured_outputs": _structured_outputs(req),
     }
     kw = {k: v for k, v in kw.items() if v is not None}

@@ -61,13 +61,15 @@ class PromptPreprocessor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------- prompts
-    async def prompt(self, prompt: Any, field: str = "prompt") -> dict[str, Any]:
-        """A completion prompt (text, token ids or ``{"prompt_token_ids"}``) as the engine's input."""
+    async def prompt(self, prompt: Any, field: str = "prompt", truncating: bool = False) -> dict[str, Any]:
+        """A completion prompt (text, token ids or ``{"prompt_token_ids"}``) as the engine's input.
+        ``truncating``: the engine keeps only its tail (``truncate_prompt_tokens``), so a token
+        list longer than ``max_model_len`` is not refused."""
         if isinstance(prompt, str):
             check_prompt_size(prompt, self.max_model_len, field)
             return await self._run(self._encode, prompt, field)
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
-        if isinstance(ids, list):
+        if isinstance(ids, list) and not truncating:
             check_prompt_size(ids, self.max_model_len, field)
         return prompt
 

@@ -16,6 +16,7 @@ MAX_INT32 = (1 << 31) - 1  # top_k, min_tokens and max_tokens become device int 
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+MAX_ALLOWED_TOKEN_IDS = 65536  # entries in one request's allowed_token_ids
 
 
 class SamplingParamsError(ValueError):
@@ -123,6 +124,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: dict[int, float] | None = None
     """Added to the named tokens' logits before penalties and sampling (each in [-100, 100], as
     OpenAI bounds them); logprobs stay those of the unbiased logits (vLLM's default)."""
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these token ids (vLLM's ``allowed_token_ids``; applied with ``logit_bias``,
+    before penalties); logprobs stay those of the unrestricted logits."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this-many tokens (left truncation, as vLLM); -1: the most that
+    leave room for one output token (``max_model_len - 1``, or fewer where the KV cache holds
+    fewer tokens)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrained decoding (``StructuredOutputsParams``; a mapping of its fields is taken too)."""
     cache_salt: str | None = None
@@ -214,6 +222,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             self._validate_logit_bias(bad)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise bad("allowed_token_ids", "a non-empty list of token ids", ids)
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise bad("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids", f"<{len(ids)} ids>")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in ids):
+                raise bad("allowed_token_ids", "a list of token ids >= 0", ids)
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not (t == -1 or 1 <= t <= MAX_INT32)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit)", t)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)

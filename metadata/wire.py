@@ -54,6 +54,7 @@ class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unkno
     num_prompt_logprobs: int = -1  # the same for each prompt token (StepPlan.prompt_logprob_handles)
     logit_bias_ids: list[int] = []  # added to these ids' logits before sampling ...
     logit_bias_values: list[float] = []  # ... these values
+    allowed_token_ids: list[int] = []  # sample only among these (empty: every id)
 
 
 class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

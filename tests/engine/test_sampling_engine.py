@@ -247,6 +247,74 @@ def test_logit_bias_matches_transformers(llm):
     assert plain.outputs[0].token_ids == free
 
 
+def test_allowed_token_ids_match_transformers(llm):
+    """Greedy among allowed ids (plain greedy's first token not among them), with a logit bias
+    inside the set, equals transformers' argmax over the allowed ids; logprobs stay the
+    unrestricted ones; sampled tokens stay in their set, beside an unrestricted greedy row."""
+    hf = HF(llm.engine.model_dir)
+    q = _prompt(21, 10)
+    free = hf.greedy(q, 6)
+    allowed = sorted({7, 9, 30, 31, free[1], free[2]} - {free[0]})
+    bias = {30: 2.0}
+    want = []
+    for _ in range(6):
+        lg = hf.logits(q + want)[-1]
+        lg[30] += 2.0
+        masked = torch.full_like(lg, -math.inf)
+        masked[allowed] = lg[allowed]
+        want.append(int(masked.argmax()))
+    few = [11, 12, 13]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed, logit_bias=bias, logprobs=0
+        ),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=few),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    restricted, sampled, plain = llm.generate([{"prompt_token_ids": q}] * 3, params)
+    got = restricted.outputs[0]
+    assert got.token_ids == want and set(want) <= set(allowed)
+    raw = hf.logits(q + want).log_softmax(-1)[len(q) - 1 : -1]
+    for i, (tok, lp) in enumerate(zip(want, got.logprobs)):
+        assert lp[tok] == pytest.approx(float(raw[i, tok]), abs=2e-4)
+    assert set(sampled.outputs[0].token_ids) <= set(few) and len(set(sampled.outputs[0].token_ids)) > 1
+    assert plain.outputs[0].token_ids == free
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(llm):
+    """``truncate_prompt_tokens=k`` serves the prompt's last k tokens (what the output reports
+    and what greedy continues); -1 keeps as many as leave room for one output token (here the
+    KV cache's 112 slots bind, not max_model_len), so a longer token list is served, not refused."""
+    hf = HF(llm.engine.model_dir)
+    q = _prompt(22, 40)
+    cut, long_out = llm.generate(
+        [{"prompt_token_ids": q}, {"prompt_token_ids": _prompt(23, 300)}],
+        [
+            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=7),
+            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=-1),
+        ],
+    )
+    assert cut.prompt_token_ids == q[-7:]
+    assert cut.outputs[0].token_ids == hf.greedy(q[-7:], 5)
+    assert long_out.prompt_token_ids == _prompt(23, 300)[-(BLOCK * NUM_BLOCKS - 1) :]
+    assert len(long_out.outputs[0].token_ids) == 1 and long_out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, 256]}, "allowed_token_ids: token id 256 is outside the vocabulary"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ],
+)
+def test_bad_allowed_ids_and_truncation_are_refused(llm, kw, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2, **kw))
+
+
 def test_eos_ignore_eos_and_min_tokens(llm, eos_setup):
     p0, g0, k, eos, hf = (eos_setup[x] for x in ("p0", "g0", "k", "eos", "hf"))
     assert llm.engine.eos_token_ids == (eos,)

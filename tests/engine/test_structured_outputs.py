@@ -101,6 +101,26 @@ def test_sampled_outputs_satisfy_their_constraint(llm):
                 assert o.text in ("yes", "no", "maybe")
 
 
+def test_allowed_token_ids_narrow_a_constraint(llm):
+    """A row with a constraint and ``allowed_token_ids`` samples where both allow (the AND of
+    the two masks), beside a row with the ids alone."""
+    tok = llm.get_tokenizer()
+    chars = "12-abc"
+    ids = [tok.convert_tokens_to_ids(c) for c in chars] + list(llm.engine.eos_token_ids)
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=40, n=2, structured_outputs=CONSTRAINTS[1], allowed_token_ids=ids
+        )
+        for s in range(3)
+    ]
+    params.append(SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, allowed_token_ids=ids[:3]))
+    outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)
+    texts = [o.text for out in outs[:3] for o in out.outputs]
+    assert all(re.fullmatch("[12]{2}-[abc]{3}", t) for t in texts), texts
+    assert len(set(texts)) > 1
+    assert set(outs[3].outputs[0].text) <= set("12-") and len(outs[3].outputs[0].token_ids) == 12
+
+
 @pytest.mark.parametrize(
     "constraint,error,text",
     [

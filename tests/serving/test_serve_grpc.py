@@ -78,6 +78,16 @@ def test_generate_stream_equals_offline(stub, md, offline):
             "w60 w61 w62",
             SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logit_bias={7: 100.0}, ignore_eos=True),
         ),
+        (  # allowed ids, and a token list past the context cut to its tail
+            pb2.GenerateRequest(
+                token_ids=pb2.TokenIds(ids=list(range(10, 250)) * 3),
+                sampling=pb2.SamplingParams(
+                    temperature=0.9, seed=1, max_tokens=4, allowed_token_ids=[7, 8], truncate_prompt_tokens=9
+                ),
+            ),
+            {"prompt_token_ids": list(range(10, 250)) * 3},
+            SamplingParams(temperature=0.9, seed=1, max_tokens=4, allowed_token_ids=[7, 8], truncate_prompt_tokens=9),
+        ),
         (  # a constrained output
             pb2.GenerateRequest(
                 text="w70",
@@ -167,6 +177,16 @@ def test_health_and_model_info(channel, stub, md, model_name):
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "max_tokens"),
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logprobs=50)), "INVALID_ARGUMENT", "logprobs"),
         (pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(seed=-1)), "INVALID_ARGUMENT", "seed"),
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(allowed_token_ids=[5, 100000])),
+            "INVALID_ARGUMENT",
+            "allowed_token_ids",
+        ),
+        (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(truncate_prompt_tokens=0)),
+            "INVALID_ARGUMENT",
+            "truncate_prompt_tokens",
+        ),
         (
             pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(logit_bias={5: 200.0})),
             "INVALID_ARGUMENT",

@@ -196,6 +196,29 @@ def test_logit_bias_equals_offline(openai_client, offline, model_name):
     assert r.choices[0].text == ref.outputs[0].text
 
 
+def test_allowed_token_ids_and_truncation_equal_offline(openai_client, offline, model_name):
+    """vLLM's allowed_token_ids and truncate_prompt_tokens extras, on completions (a token list
+    longer than the context is served when truncated) and chat, equal the offline API's."""
+    long_prompt = list(range(10, 250)) * 3  # 720 tokens, past max_model_len
+    params = SamplingParams(
+        temperature=0.8, seed=2, max_tokens=6, ignore_eos=True, allowed_token_ids=[7, 9, 11], truncate_prompt_tokens=20
+    )
+    (ref,) = offline.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+    assert ref.prompt_token_ids == long_prompt[-20:] and set(ref.outputs[0].token_ids) <= {7, 9, 11}
+    extra = {"allowed_token_ids": [7, 9, 11], "truncate_prompt_tokens": 20, "ignore_eos": True}
+    r = openai_client.completions.create(
+        model=model_name, prompt=long_prompt, temperature=0.8, seed=2, max_tokens=6, extra_body=extra
+    )
+    assert r.choices[0].text == ref.outputs[0].text and r.usage.prompt_tokens == 20
+    c = openai_client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "w5"}],
+        max_tokens=4,
+        extra_body={"allowed_token_ids": [12], "ignore_eos": True},
+    )
+    assert c.choices[0].message.content.split() == ["w12"] * 4
+
+
 def test_structured_outputs_equal_offline(openai_client, offline, model_name):
     """vLLM's structured_outputs (a choice; this word-level vocabulary can spell nothing else)
     on chat and completions, equal to the offline API's."""
