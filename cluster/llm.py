@@ -4,6 +4,7 @@ and ``.chat(messages, params)``; ``LLM()`` serves the embedded default (SmolLM2-
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Sequence
 
 from cluster.engine import EngineCore
@@ -17,7 +18,9 @@ from metadata.sampling_params import SamplingParams
 class LLM:
     """Runs an engine in the calling process (workers in Ray actors)."""
 
-    def __init__(self, model: str | None = None, **options: Any):
+    def __init__(self, model: str | os.PathLike | None = None, **options: Any):
+        if isinstance(model, os.PathLike):  # (a pathlib.Path, as users of transformers pass)
+            model = os.fspath(model)
         self.config = EngineConfig.from_options(model=model, **options)
         self.data_parallel = None  # replica actors when data_parallel_size > 1 (cluster.dp_offline)
         if self.config.parallel.data_parallel_size > 1:

@@ -40,7 +40,7 @@ def test_greedy_matches_transformers_within_the_window(ray_local, mistral, caplo
 
 def test_a_context_longer_than_the_window_is_refused(ray_local, mistral):
     with pytest.raises(ConfigError, match="sliding window of 64 tokens.*max_model_len 64"):
-        LLM(model=str(mistral), max_model_len=WINDOW + 1)
+        LLM(model=mistral, max_model_len=WINDOW + 1)  # (a pathlib.Path is taken as its string)
 
 
 @pytest.mark.parametrize(
