@@ -238,13 +238,20 @@ def test_logit_bias_matches_transformers(llm):
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
     ]
     biased, sampled, plain = llm.generate([{"prompt_token_ids": q}] * 3, params)
-    got = biased.outputs[0]
-    assert got.token_ids == want and want[0] != free[0]
+    assert want[0] != free[0]
+    _check_steered(hf, q, want, biased, sampled, set(favoured))
+    assert plain.outputs[0].token_ids == free
+
+
+def _check_steered(hf, q, want, greedy, sampled, sample_ids):
+    """The steered greedy row's tokens are ``want`` with the unsteered logits' logprobs; the
+    sampled row stays among ``sample_ids`` and takes more than one of them."""
+    got = greedy.outputs[0]
+    assert got.token_ids == want
     raw = hf.logits(q + want).log_softmax(-1)[len(q) - 1 : -1]
     for i, (tok, lp) in enumerate(zip(want, got.logprobs)):
         assert lp[tok] == pytest.approx(float(raw[i, tok]), abs=2e-4)
-    assert set(sampled.outputs[0].token_ids) <= set(favoured) and len(set(sampled.outputs[0].token_ids)) > 1
-    assert plain.outputs[0].token_ids == free
+    assert set(sampled.outputs[0].token_ids) <= sample_ids and len(set(sampled.outputs[0].token_ids)) > 1
 
 
 def test_allowed_token_ids_match_transformers(llm):
@@ -272,12 +279,8 @@ def test_allowed_token_ids_match_transformers(llm):
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
     ]
     restricted, sampled, plain = llm.generate([{"prompt_token_ids": q}] * 3, params)
-    got = restricted.outputs[0]
-    assert got.token_ids == want and set(want) <= set(allowed)
-    raw = hf.logits(q + want).log_softmax(-1)[len(q) - 1 : -1]
-    for i, (tok, lp) in enumerate(zip(want, got.logprobs)):
-        assert lp[tok] == pytest.approx(float(raw[i, tok]), abs=2e-4)
-    assert set(sampled.outputs[0].token_ids) <= set(few) and len(set(sampled.outputs[0].token_ids)) > 1
+    assert set(want) <= set(allowed)
+    _check_steered(hf, q, want, restricted, sampled, set(few))
     assert plain.outputs[0].token_ids == free
 
 
