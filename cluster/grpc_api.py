@@ -71,6 +71,8 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
         kw["logit_bias"] = dict(sp.logit_bias)
     if sp.allowed_token_ids:
         kw["allowed_token_ids"] = list(sp.allowed_token_ids)
+    if sp.bad_words:
+        kw["bad_words"] = list(sp.bad_words)
     if sp.HasField("structured_outputs"):
         so = sp.structured_outputs
         given = {k: getattr(so, k) for k in ("json", "regex", "grammar", "json_object") if so.HasField(k)}

@@ -190,6 +190,13 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"allowed_token_ids: token id {bad_allowed[0]} is outside the vocabulary", "allowed_token_ids"
             )
+        banned, bad_seqs = [], []
+        if params.bad_words:  # (sequences the model can never output are dropped)
+            from cluster.bad_words import bad_word_sequences
+
+            seqs = [s for s in bad_word_sequences(self.tokenizer, params.bad_words) if max(s) < self.vocab_size]
+            banned = sorted({s[0] for s in seqs if len(s) == 1})
+            bad_seqs = [s for s in seqs if len(s) > 1]
         compiled = None
         if params.structured_outputs is not None:
             from cluster.structured_output import GrammarError
@@ -202,6 +209,11 @@ class InputProcessor:
         grammars = None  # (one matcher a sequence)
         if compiled is not None:
             grammars = [self.grammars.matcher(compiled, eos + extra) for _ in range(params.n)]
+        if bad_seqs:  # (around the structured-output matcher, if any)
+            from cluster.bad_words import BadWordsMatcher
+
+            inner = grammars or [None] * params.n
+            grammars = [BadWordsMatcher(bad_seqs, self.vocab_size, g) for g in inner]
         if grammars and not grammars[0].can_start():
             raise InvalidRequestError(
                 "structured_outputs: no token of this model's vocabulary can begin the constrained output",
@@ -228,6 +240,7 @@ class InputProcessor:
                 logit_bias_ids=list(bias),
                 logit_bias_values=[float(v) for v in bias.values()],
                 allowed_token_ids=allowed,
+                banned_token_ids=banned,
             )
             out.append(
                 Request(

@@ -14,10 +14,13 @@ from metadata.config import EngineConfig
 
 
 def speculation_eligible(req: Request) -> bool:
-    """Penalties, logit bias, allowed ids, min_tokens masking and logprobs are computed per sampled position
-    by the plain sampler; requests that use them decode without drafts (same outputs, no speedup)."""
+    """Penalties, logit bias, allowed / banned ids, constraints, min_tokens masking and logprobs
+    are computed per sampled position by the plain sampler; requests that use them decode without
+    drafts (same outputs, no speedup)."""
     o = req.options
-    if o.num_logprobs >= 0 or o.logit_bias_ids or o.allowed_token_ids or req.grammar is not None:
+    if o.num_logprobs >= 0 or o.logit_bias_ids or o.allowed_token_ids or o.banned_token_ids:
+        return False
+    if req.grammar is not None:
         return False
     if o.repetition_penalty != 1.0 or o.presence_penalty or o.frequency_penalty:
         return False

@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 MAX_ALLOWED_TOKEN_IDS = 65536  # entries in one request's allowed_token_ids
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # bad_words: words and characters a word
 
 
 class SamplingParamsError(ValueError):
@@ -127,6 +128,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[int] | None = None
     """Sample only among these token ids (vLLM's ``allowed_token_ids``; applied with ``logit_bias``,
     before penalties); logprobs stay those of the unrestricted logits."""
+    bad_words: list[str] | None = None
+    """Words the output never contains (vLLM's ``bad_words``: ``cluster.bad_words``)."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last this-many tokens (left truncation, as vLLM); -1: the most that
     leave room for one output token (``max_model_len - 1``, or fewer where the KV cache holds
@@ -230,6 +233,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise bad("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids", f"<{len(ids)} ids>")
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in ids):
                 raise bad("allowed_token_ids", "a list of token ids >= 0", ids)
+        if self.bad_words is not None:
+            w = self.bad_words
+            if not isinstance(w, (list, tuple)) or len(w) > MAX_BAD_WORDS:
+                raise bad("bad_words", f"a list of at most {MAX_BAD_WORDS} strings", w)
+            if any(not isinstance(x, str) or not x.strip() or len(x) > MAX_BAD_WORD_CHARS for x in w):
+                raise bad("bad_words", f"non-blank strings of at most {MAX_BAD_WORD_CHARS} characters", w)
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not (t == -1 or 1 <= t <= MAX_INT32)):
             raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit)", t)

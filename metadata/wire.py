@@ -55,6 +55,7 @@ class SamplingOptions(msgspec.Struct, array_like=True, frozen=True, forbid_unkno
     logit_bias_ids: list[int] = []  # added to these ids' logits before sampling ...
     logit_bias_values: list[float] = []  # ... these values
     allowed_token_ids: list[int] = []  # sample only among these (empty: every id)
+    banned_token_ids: list[int] = []  # never sample these (one-token bad words)
 
 
 class NewRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

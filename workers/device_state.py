@@ -70,14 +70,14 @@ def option_words(o: SamplingOptions) -> tuple[int, ...]:
 
 def plain_temperature(flags: dict) -> bool:
     """Whether a step's sampling reads no option but the temperature and seed (greedy or
-    temperature rows only: no top-k / top-p / min-p, penalties, min_tokens, logit bias or allowed ids)."""
+    temperature rows only: no top-k / top-p / min-p, penalties, min_tokens, logit bias, allowed or banned ids)."""
     return not (
         flags["any_top_k_top_p"]
         or flags["any_min_p"]
         or flags["any_penalties"]
         or flags["any_min_tokens"]
         or flags["any_logit_bias"]
-        or flags["any_allowed_ids"]
+        or flags["any_id_rules"]
     )
 
 
@@ -91,7 +91,7 @@ def option_flags(opts: list[SamplingOptions]) -> dict:
         any_penalties=any(has_penalties(o) for o in opts),
         any_min_tokens=any(o.min_tokens > 0 and o.min_tokens_stop_ids for o in opts),
         any_logit_bias=any(o.logit_bias_ids for o in opts),
-        any_allowed_ids=any(o.allowed_token_ids for o in opts),
+        any_id_rules=any(o.allowed_token_ids or o.banned_token_ids for o in opts),
     )
 
 

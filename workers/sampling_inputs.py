@@ -71,7 +71,7 @@ def build_sampling_batch(
         dv = to_device(torch.tensor([ri, ids, vals], dtype=torch.float64), dev)
         bias = (dv[0].long(), dv[1].long(), dv[2].float())
     allowed = allowed_tokens(masks, st.vocab, dev) if masks is not None else None
-    if flags["any_allowed_ids"]:
+    if flags["any_id_rules"]:
         allowed = restrict_to_ids(allowed, masks, opts, st.vocab, dev)
     return SamplingBatch(
         allowed=allowed,
@@ -115,26 +115,30 @@ def restrict_to_ids(
     dev: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``allowed`` (the constrained rows' masks, or None) narrowed by each row's
-    ``allowed_token_ids``: the rows of either, and the ids each may take, bool [C, vocab]. The
-    row lists and (row, id) pairs travel in one copy; a row with both takes their AND."""
+    ``allowed_token_ids`` and ``banned_token_ids``: the rows of any of them, and the ids each may
+    take, bool [C, vocab]. The row lists and (row, id) pairs travel in one copy."""
     grammar_rows = [i for i, m in enumerate(masks or ()) if m] if allowed is not None else []
     id_rows = [i for i, o in enumerate(opts) if o.allowed_token_ids]
-    rows = sorted(set(grammar_rows) | set(id_rows))
+    ban_rows = [i for i, o in enumerate(opts) if o.banned_token_ids]
+    rows = sorted(set(grammar_rows) | set(id_rows) | set(ban_rows))
     local = {r: j for j, r in enumerate(rows)}
     parts = [
         rows,
         [local[i] for i in grammar_rows],  # the grammar masks' rows in ``keep``
         [local[i] for i in id_rows],  # the rows restricted to ids
-        [local[i] for i in id_rows for _ in opts[i].allowed_token_ids],  # (row, id) pairs
+        [local[i] for i in id_rows for _ in opts[i].allowed_token_ids],  # (row, allowed id) pairs
         [t for i in id_rows for t in opts[i].allowed_token_ids],
+        [local[i] for i in ban_rows for _ in opts[i].banned_token_ids],  # (row, banned id) pairs
+        [t for i in ban_rows for t in opts[i].banned_token_ids],
     ]
     dv = to_device(torch.tensor([t for part in parts for t in part], dtype=torch.int64), dev)
-    rows_d, grammar_d, id_rows_d, pair_rows_d, pair_ids_d = dv.split([len(part) for part in parts])
+    rows_d, grammar_d, id_rows_d, pair_rows_d, pair_ids_d, ban_rows_d, ban_ids_d = dv.split([len(p) for p in parts])
     # device values: a Python scalar would be copied host-to-device first, blocking
     true, false = torch.ones((), dtype=torch.bool, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
     keep = torch.ones(len(rows), vocab, dtype=torch.bool, device=dev)
     keep.index_put_((id_rows_d,), false)
     keep.index_put_((pair_rows_d, pair_ids_d.clamp(max=vocab - 1)), true)
+    keep.index_put_((ban_rows_d, ban_ids_d.clamp(max=vocab - 1)), false)
     if allowed is not None:
         keep.index_put_((grammar_d,), keep[grammar_d] & allowed[1])
     return rows_d, keep

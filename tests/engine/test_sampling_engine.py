@@ -284,6 +284,35 @@ def test_allowed_token_ids_match_transformers(llm):
     assert plain.outputs[0].token_ids == free
 
 
+def test_bad_words_match_transformers(llm):
+    """A one-token bad word is banned at every step; a bad word of several tokens only where the
+    output ends with its other tokens. Greedy equals transformers' under the same bans, beside
+    a row without bad words; sampled rows never output a bad word."""
+    hf = HF(llm.engine.model_dir)
+    q = _prompt(24, 9)
+    free = hf.greedy(q, 10)
+    pair, single = (free[0], free[1]), free[4]  # (this word-level vocabulary: "wN" is token N)
+    words = [f"w{pair[0]} w{pair[1]}", f"w{single}"]
+    want = []
+    for _ in range(10):
+        lg = hf.logits(q + want)[-1]
+        lg[single] = -math.inf
+        if want and want[-1] == pair[0]:
+            lg[pair[1]] = -math.inf
+        want.append(int(lg.argmax()))
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=words),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True, n=3, bad_words=words),
+    ]
+    banned, plain, sampled = llm.generate([{"prompt_token_ids": q}] * 3, params)
+    assert banned.outputs[0].token_ids == want and want[0] == pair[0] and want[1] != pair[1]
+    assert plain.outputs[0].token_ids == free
+    for o in sampled.outputs:
+        assert single not in o.token_ids
+        assert all(o.token_ids[i : i + 2] != list(pair) for i in range(len(o.token_ids) - 1))
+
+
 def test_truncate_prompt_tokens_keeps_the_tail(llm):
     """``truncate_prompt_tokens=k`` serves the prompt's last k tokens (what the output reports
     and what greedy continues); -1 keeps as many as leave room for one output token (here the
@@ -311,6 +340,8 @@ def test_truncate_prompt_tokens_keeps_the_tail(llm):
         ({"allowed_token_ids": [3, 256]}, "allowed_token_ids: token id 256 is outside the vocabulary"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": "w5"}, "bad_words"),
     ],
 )
 def test_bad_allowed_ids_and_truncation_are_refused(llm, kw, match):

@@ -101,6 +101,18 @@ def test_sampled_outputs_satisfy_their_constraint(llm):
                 assert o.text in ("yes", "no", "maybe")
 
 
+def test_bad_words_narrow_a_constraint(llm):
+    """Bad words around a constraint: outputs satisfy the regex and hold neither word."""
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=40, n=2, structured_outputs=CONSTRAINTS[1], bad_words=["-a", "7", "1"]
+        )
+        for s in range(4)
+    ]
+    texts = [o.text for out in llm.generate([PROMPT] * 4, params, use_tqdm=False) for o in out.outputs]
+    assert all(re.fullmatch("[0-9]{2}-[b-z][a-z]{2}", t) and not {"7", "1"} & set(t) for t in texts), texts
+
+
 def test_allowed_token_ids_narrow_a_constraint(llm):
     """A row with a constraint and ``allowed_token_ids`` samples where both allow (the AND of
     the two masks), beside a row with the ids alone."""

@@ -82,11 +82,23 @@ def test_generate_stream_equals_offline(stub, md, offline):
             pb2.GenerateRequest(
                 token_ids=pb2.TokenIds(ids=list(range(10, 250)) * 3),
                 sampling=pb2.SamplingParams(
-                    temperature=0.9, seed=1, max_tokens=4, allowed_token_ids=[7, 8], truncate_prompt_tokens=9
+                    temperature=0.9,
+                    seed=1,
+                    max_tokens=4,
+                    allowed_token_ids=[7, 8, 9],
+                    truncate_prompt_tokens=9,
+                    bad_words=["w9"],
                 ),
             ),
             {"prompt_token_ids": list(range(10, 250)) * 3},
-            SamplingParams(temperature=0.9, seed=1, max_tokens=4, allowed_token_ids=[7, 8], truncate_prompt_tokens=9),
+            SamplingParams(
+                temperature=0.9,
+                seed=1,
+                max_tokens=4,
+                allowed_token_ids=[7, 8, 9],
+                truncate_prompt_tokens=9,
+                bad_words=["w9"],
+            ),
         ),
         (  # a constrained output
             pb2.GenerateRequest(

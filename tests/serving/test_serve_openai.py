@@ -196,9 +196,9 @@ def test_logit_bias_equals_offline(openai_client, offline, model_name):
     assert r.choices[0].text == ref.outputs[0].text
 
 
-def test_allowed_token_ids_and_truncation_equal_offline(openai_client, offline, model_name):
-    """vLLM's allowed_token_ids and truncate_prompt_tokens extras, on completions (a token list
-    longer than the context is served when truncated) and chat, equal the offline API's."""
+def test_allowed_ids_truncation_and_bad_words_equal_offline(openai_client, offline, model_name):
+    """vLLM's allowed_token_ids, truncate_prompt_tokens and bad_words extras, on completions (a
+    token list longer than the context is served when truncated) and chat, equal the offline API's."""
     long_prompt = list(range(10, 250)) * 3  # 720 tokens, past max_model_len
     params = SamplingParams(
         temperature=0.8, seed=2, max_tokens=6, ignore_eos=True, allowed_token_ids=[7, 9, 11], truncate_prompt_tokens=20
@@ -217,6 +217,15 @@ def test_allowed_token_ids_and_truncation_equal_offline(openai_client, offline, 
         extra_body={"allowed_token_ids": [12], "ignore_eos": True},
     )
     assert c.choices[0].message.content.split() == ["w12"] * 4
+    # bad_words: the greedy completion's first word, banned
+    free = openai_client.completions.create(model=model_name, prompt="w5 w6", temperature=0, max_tokens=3)
+    first = free.choices[0].text.split()[0]
+    params = SamplingParams(temperature=0, max_tokens=3, bad_words=[first])
+    (ref,) = offline.generate(["w5 w6"], params, use_tqdm=False)
+    r = openai_client.completions.create(
+        model=model_name, prompt="w5 w6", temperature=0, max_tokens=3, extra_body={"bad_words": [first]}
+    )
+    assert r.choices[0].text == ref.outputs[0].text and first not in r.choices[0].text.split()
 
 
 def test_structured_outputs_equal_offline(openai_client, offline, model_name):
