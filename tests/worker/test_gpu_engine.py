@@ -168,8 +168,8 @@ def test_gpu_greedy_matches_transformers(ray_local, gpu_ckpt, eager, dtype, max_
 
 @cuda
 def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
-    """Mixed prefill/decode, preemption, aborts, prompt logprobs, logit bias, allowed ids and
-    structured outputs with sync_check='error': no sync errors."""
+    """Mixed prefill/decode, preemption, aborts, prompt logprobs, logit bias, allowed ids, bad
+    words and structured outputs with sync_check='error': no sync errors."""
     from cluster import LLM, SamplingParams
 
     llm = LLM(
@@ -199,6 +199,7 @@ def test_sync_check_error_full_async_run(ray_local, gpu_ckpt):
                 logit_bias={7: 2.0, 9: -1.0} if i % 7 == 0 else None,
                 structured_outputs={"choice": ["w7", "w9 w11"]} if i % 6 == 1 else None,
                 allowed_token_ids=[7, 9, 11, 13] if i % 8 == 3 and i % 6 != 1 else None,
+                bad_words=["w5", "w8 w9"] if i % 9 == 4 else None,
             )
             eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
         steps = 0
