@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -56,6 +56,7 @@ def write_checkpoint(
     cls = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     }[arch]
@@ -72,6 +73,8 @@ def write_checkpoint(
     )
     if arch == "qwen3":
         kw["head_dim"] = hidden // heads
+    if arch == "phi3":
+        kw["pad_token_id"] = 0
     kw.update(extra)
     config = getattr(transformers, cls[0])(**kw)
     torch.manual_seed(seed)

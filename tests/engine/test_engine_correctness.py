@@ -34,8 +34,9 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
         ),
         ("qwen2", {}),
         ("qwen3", {"tie_word_embeddings": True}),
+        ("phi3", {}),  # q|k|v and gate|up stored fused
     ],
-    ids=["llama", "llama-rope-llama3", "qwen2", "qwen3-tied"],
+    ids=["llama", "llama-rope-llama3", "qwen2", "qwen3-tied", "phi3"],
 )
 def test_greedy_matches_transformers(ray_local, ckpt_dir, arch, extra):
     model = ckpt_dir(arch, **extra)

@@ -9,8 +9,16 @@ from pathlib import Path
 from workers.models.gguf_arch import is_gguf, load_gguf_arch
 from workers.models.model_arch import ModelArch, ModelLoadError
 
-# Mistral is Llama's layout (its own head_dim, an optional sliding window)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mistral is Llama's layout (its own head_dim, an optional sliding window); Phi-3 too, with its
+# q|k|v and gate|up projections stored fused (the loader splits them)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")  # a sliding_window these set is on
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -58,8 +66,12 @@ def load_arch(model_dir: str | Path) -> ModelArch:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     window = None  # Mistral's is on when set; Qwen2 keeps one in its config, on only with use_sliding_window
-    if cfg.get("sliding_window") and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window")):
+    if cfg.get("sliding_window") and (arch in _WINDOWED or cfg.get("use_sliding_window")):
         window = int(cfg["sliding_window"])
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary = float(rotary if rotary is not None else 1.0)
+    if rotary != 1.0:
+        raise ModelLoadError(f"{path}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported")
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}

@@ -108,7 +108,7 @@ def load_model(
         if gguf is not None:
             tensors = gguf.tensors(wanted)
         else:
-            tensors = _safetensors_tensors(checkpoint_files(model_path), wanted)
+            tensors = split_fused(_safetensors_tensors(checkpoint_files(model_path), wanted), arch)
         _fill(model, arch, tensors, model_path)
     if quantization == "fp8" or arch.quantization == "fp8":
         if not fp8_at_load:  # dummy weights of either
@@ -134,6 +134,29 @@ def _safetensors_tensors(files: list[Path], wanted=None) -> Iterator[tuple[str, 
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if "rotary_emb.inv_freq" not in name and (wanted is None or wanted(name)):
                     yield name, f.get_tensor(name)
+
+
+_STORED_FUSED = re.compile(r"^(.*)\.(qkv_proj|gate_up_proj)\.(weight|bias|weight_scale)$")
+
+
+def split_fused(tensors: Iterable[tuple[str, torch.Tensor]], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` tensors as the q / k / v and gate / up parts
+    other checkpoints store (the loader fuses those again, sharded); the rest as they come. A
+    per-tensor scale (one value) goes to every part."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    for name, t in tensors:
+        m = _STORED_FUSED.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, fused, kind = m.groups()
+        if fused == "qkv_proj":
+            parts, sizes = ("q_proj", "k_proj", "v_proj"), [q, kv, kv]
+        else:
+            parts, sizes = ("gate_proj", "up_proj"), [t.shape[0] // 2] * 2
+        pieces = [t] * len(parts) if t.numel() == 1 else t.split(sizes, dim=0)
+        for part, piece in zip(parts, pieces, strict=True):
+            yield f"{prefix}.{part}.{kind}", piece
 
 
 def _stage_reads(model: LlamaForCausalLM, ckpt_name: str) -> bool:

@@ -1,7 +1,8 @@
-"""Mistral checkpoints (Llama's layout with their own head_dim and an optional sliding window):
-greedy outputs equal transformers' ``MistralForCausalLM``; a sliding-window model is served up
-to its window, where windowed and full attention are the same, and a longer
-``max_model_len`` is refused."""
+"""Llama-layout checkpoints beyond Llama and Qwen: Mistral (its own head_dim, an optional sliding
+window) equals transformers' ``MistralForCausalLM`` greedily; a sliding-window model (Mistral
+v0.1, Phi-3-mini) is served up to its window, where windowed and full attention are the same,
+and a longer ``max_model_len`` is refused; partial rotary embeddings are refused. (Phi-3's fused
+projections against transformers: ``tests/engine/test_engine_correctness.py``.)"""
 
 import json
 import logging
@@ -11,7 +12,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from metadata.config import ConfigError
 from tests.checkpoints import hf_greedy
-from workers.models.arch import load_arch
+from workers.models.arch import ModelLoadError, load_arch
 
 WINDOW = 64
 
@@ -51,6 +52,8 @@ def test_a_context_longer_than_the_window_is_refused(ray_local, mistral):
         ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, None),
         ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
         ("LlamaForCausalLM", {}, None),
+        ("Phi3ForCausalLM", {"sliding_window": 2047}, 2047),  # Phi-3-mini-4k
+        ("Phi3ForCausalLM", {"sliding_window": None}, None),
     ],
 )
 def test_which_configs_have_a_window(tmp_path, arch, fields, window):
@@ -68,3 +71,22 @@ def test_which_configs_have_a_window(tmp_path, arch, fields, window):
     arch_info = load_arch(tmp_path)
     assert arch_info.sliding_window == window
     assert arch_info.usable_context() == (window or 32768)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"partial_rotary_factor": 0.75}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}],
+)
+def test_partial_rotary_embeddings_are_refused(tmp_path, fields):
+    config = {
+        "architectures": ["Phi3ForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        **fields,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="partial rotary embeddings"):
+        load_arch(tmp_path)
