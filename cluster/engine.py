@@ -105,6 +105,12 @@ class EngineCore:
             self.recover()
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(params, SamplingParams) and params.priority and not self.scheduler.by_priority:
+            raise InvalidRequestError(
+                f"priority {params.priority}: this engine schedules first come, first served; start it with "
+                "scheduling_policy='priority' (--scheduling-policy priority) to use request priorities",
+                "priority",
+            )
         blocks = self.scheduler.blocks
         reqs = self.inputs.make_requests(
             request_id, prompt, params, blocks.num_blocks * blocks.block_size, strict_field

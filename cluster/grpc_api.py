@@ -49,6 +49,7 @@ _FIELDS = (
     "prompt_logprobs",
     "skip_special_tokens",
     "truncate_prompt_tokens",
+    "priority",
 )
 
 

@@ -250,6 +250,7 @@ class InputProcessor:
                     prompt=text,
                     prompt_token_ids=ids,
                     params=params,
+                    priority=params.priority,
                     options=opts,
                     max_tokens=max_tokens,
                     eos_token_ids=eos,

@@ -7,6 +7,8 @@ import itertools
 import os
 from typing import Any, Sequence
 
+import msgspec
+
 from cluster.engine import EngineCore
 from cluster.generation_config import GenerationDefaults, load_generation_defaults
 from cluster.model_source import default_model_path
@@ -88,7 +90,10 @@ class LLM:
         prompts: str | dict | Sequence[str | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one scheduling priority a prompt (lower first; the engine must run with
+        ``scheduling_policy='priority'``), as vLLM takes it."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -98,6 +103,10 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            params = [msgspec.structs.replace(sp, priority=p) for sp, p in zip(params, priority)]
         if self.data_parallel is not None:
             return self.data_parallel.generate(prompts, params, use_tqdm)
         # Validate everything before anything runs: one bad prompt fails the call, cleanly.

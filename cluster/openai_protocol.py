@@ -82,6 +82,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM extras
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
+    priority: int | None = None
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
@@ -283,6 +284,7 @@ def to_sampling_params(
         "allowed_token_ids": req.allowed_token_ids,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "bad_words": req.bad_words,
+        "priority": req.priority,
         "structured_outputs": _structured_outputs(req),
     }
     kw = {k: v for k, v in kw.items() if v is not None}

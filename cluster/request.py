@@ -46,6 +46,8 @@ class Request:
     """Stop tokens the model's generation config adds (``cluster.generation_config``): they
     finish a request as its ``stop_token_ids`` do, naming the token (as vLLM reports them)."""
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # (SamplingParams.priority; the scheduler orders by it under 'priority')
+    order: int = 0  # arrival rank, set by the scheduler: ties in priority go first come, first served
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -96,10 +96,18 @@ class Scheduler:
         self.num_preemptions = 0
         self._deferred_free: list[Request] = []  # finished by this result: freed after its commit
         self.drafts = DraftPlanner(cfg, max_model_len)
+        # 'priority': waiting and running stay sorted by (priority, order), so the queue's head
+        # is admitted first and running[-1] (the lowest priority, latest) is preempted first
+        self.by_priority = cfg.scheduler.scheduling_policy == "priority"
+        self._order = itertools.count()
 
     # ------------------------------------------------------------ intake
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.order = next(self._order)
+        if self.by_priority:
+            _insert_sorted(self.waiting, req)
+        else:
+            self.waiting.append(req)
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Finish (or abort) a request: free its blocks, release its worker row next step.
@@ -197,7 +205,10 @@ class Scheduler:
             req.handle = req.kv_handle = next(self._handles)
             req.num_confirmed_kv = req.num_computed_tokens
             self.by_handle[req.handle] = req
-            self.running.append(req)
+            if self.by_priority:  # (the running loop is over: rows already scheduled keep their order)
+                _insert_sorted(self.running, req)
+            else:
+                self.running.append(req)
             new_reqs.append(
                 NewRequest(
                     handle=req.handle,
@@ -289,7 +300,10 @@ class Scheduler:
             self._pending_preempt.append(req.handle)
             self.by_handle.pop(req.handle, None)
             req.handle = -1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            _insert_sorted(self.waiting, req)
+        else:
+            self.waiting.appendleft(req)
 
     # ------------------------------------------------------------ results
     def update_from_result(self, step: ScheduledStep, result: StepResult) -> StepUpdate:
@@ -428,3 +442,13 @@ class Scheduler:
     def prefix_cache_stats(self) -> dict:
         """Token-level queries and hits of placed requests, hit rate, cached blocks, evictions."""
         return self.blocks.stats()
+
+
+def _insert_sorted(queue, req: Request) -> None:
+    """Insert ``req`` into ``queue`` (a deque or list kept sorted by (priority, order)) after
+    every entry that goes before it."""
+    key = (req.priority, req.order)
+    i = len(queue)
+    while i > 0 and (queue[i - 1].priority, queue[i - 1].order) > key:
+        i -= 1
+    queue.insert(i, req)

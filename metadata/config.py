@@ -72,6 +72,10 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """'fcfs': requests are admitted in arrival order, and the latest admitted is preempted
+    first. 'priority': by each request's ``priority`` (lower first, as vLLM), then arrival; the
+    running request of the lowest priority (latest among equals) is preempted first."""
 
 
 class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -136,6 +136,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fewer tokens)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrained decoding (``StructuredOutputsParams``; a mapping of its fields is taken too)."""
+    priority: int = 0
+    """Scheduling priority under ``scheduling_policy='priority'`` (lower is served first); vLLM
+    takes it beside the params (``LLM.generate(..., priority=[...])``, the HTTP extra), and
+    those set it here."""
     cache_salt: str | None = None
     """Prefix-cache isolation: requests share cached KV blocks only with requests of the same salt."""
 
@@ -239,6 +243,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise bad("bad_words", f"a list of at most {MAX_BAD_WORDS} strings", w)
             if any(not isinstance(x, str) or not x.strip() or len(x) > MAX_BAD_WORD_CHARS for x in w):
                 raise bad("bad_words", f"non-blank strings of at most {MAX_BAD_WORD_CHARS} characters", w)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) > MAX_INT32:
+            raise bad("priority", f"an integer in [-{MAX_INT32}, {MAX_INT32}]", self.priority)
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not (t == -1 or 1 <= t <= MAX_INT32)):
             raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit)", t)

@@ -332,6 +332,18 @@ def test_truncate_prompt_tokens_keeps_the_tail(llm):
     assert len(long_out.outputs[0].token_ids) == 1 and long_out.outputs[0].finish_reason == "length"
 
 
+def test_priorities_reach_the_engine(llm):
+    """``LLM.generate(..., priority=[...])`` as vLLM takes it: one a prompt; this FCFS engine
+    serves priority 0 and refuses another naming the policy to start with."""
+    p = [{"prompt_token_ids": [5, 6]}] * 2
+    outs = llm.generate(p, SamplingParams(max_tokens=2), priority=[0, 0])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    with pytest.raises(ValueError, match="priority 3: .*scheduling_policy='priority'"):
+        llm.generate(p, SamplingParams(max_tokens=2), priority=[0, 3])
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(p, SamplingParams(max_tokens=2), priority=[0])
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [

@@ -195,6 +195,11 @@ def test_health_and_model_info(channel, stub, md, model_name):
             "allowed_token_ids",
         ),
         (
+            pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(priority=1)),
+            "INVALID_ARGUMENT",
+            "priority",
+        ),
+        (
             pb2.GenerateRequest(text="w5", sampling=pb2.SamplingParams(truncate_prompt_tokens=0)),
             "INVALID_ARGUMENT",
             "truncate_prompt_tokens",
