@@ -63,6 +63,7 @@ class APIError(Exception):
 # ------------------------------------------------------------------ requests
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM extra: with include_usage, usage in every chunk)
 
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

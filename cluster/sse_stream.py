@@ -57,7 +57,14 @@ async def stream_response(
     )
     await resp.prepare(request)
 
-    async def send(obj: dict[str, Any]) -> None:
+    n_prompt = sum(len(s.prompt_token_ids) for s in streams)
+    so = ctx.stream_options
+    every_chunk = so is not None and so.include_usage and so.continuous_usage_stats
+    n_out = 0
+
+    async def send(obj: dict[str, Any], counted: bool = True) -> None:
+        if every_chunk and counted:  # (vLLM's continuous_usage_stats: the usage so far)
+            obj["usage"] = usage(n_prompt, n_out)
         await resp.write(b"data: " + _encode(obj) + b"\n\n")
 
     if chat:
@@ -75,7 +82,6 @@ async def stream_response(
                 )
             )
     finished: set[tuple[int, int]] = set()
-    n_out = 0
     merged = merge_streams(streams)
     try:
         async for i, d in merged:
@@ -89,18 +95,18 @@ async def stream_response(
             for o in s.output.outputs if s.output else []:
                 if (i, o.index) not in finished:
                     await send(make(ctx, i, s, o.index, [], "", None, o.finish_reason or "abort", None))
-        if ctx.stream_options is not None and ctx.stream_options.include_usage:
+        if so is not None and so.include_usage:
             chunk = ctx.chunk([])
-            chunk["usage"] = usage(sum(len(s.prompt_token_ids) for s in streams), n_out)
-            await send(chunk)
+            chunk["usage"] = usage(n_prompt, n_out)
+            await send(chunk, counted=False)
     except EngineUnavailable as exc:
-        await send(APIError(503, str(exc)).body())
+        await send(APIError(503, str(exc)).body(), counted=False)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         error_id = uuid.uuid4().hex[:12]
         logger.exception("internal error %s while streaming %s", error_id, ctx.rid)
-        await send(APIError(500, f"internal server error (error id {error_id})").body())
+        await send(APIError(500, f"internal server error (error id {error_id})").body(), counted=False)
     finally:
         await merged.aclose()
     await resp.write(b"data: [DONE]\n\n")

@@ -314,6 +314,22 @@ def test_chat_stream_and_logprobs(openai_client, offline, model_name):
     assert usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
 
 
+def test_continuous_usage_stats(openai_client, model_name):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far
+    (chat's role chunks included), growing to the final usage chunk's."""
+    for chat in (False, True):
+        kw = dict(model=model_name, temperature=0, max_tokens=5, n=2, extra_body={"ignore_eos": True}, stream=True)
+        kw["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        if chat:
+            chunks = list(openai_client.chat.completions.create(messages=[{"role": "user", "content": "w5"}], **kw))
+        else:
+            chunks = list(openai_client.completions.create(prompt="w5 w6", **kw))
+        done = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert done == sorted(done) and done[0] == (0 if chat else 1) and done[-1] == 10 and not chunks[-1].choices
+        assert len(set(done)) > 2  # (the count grows chunk by chunk)
+
+
 def test_disconnect_aborts_and_frees_kv(server, model_name):
     """A streaming client that goes away, and a non-streaming one that is cancelled, free their blocks."""
     headers = {"Authorization": f"Bearer {server.api_key}"}
