@@ -113,7 +113,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
-_GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 _GGUF_NAMES = {  # Hugging Face suffix -> GGUF block tensor (llama.cpp's names)
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -126,6 +131,8 @@ _GGUF_NAMES = {  # Hugging Face suffix -> GGUF block tensor (llama.cpp's names)
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -156,8 +163,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", rope_freqs=None) -> 
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:
+        w.add_pad_token_id(cfg["pad_token_id"])
     qt = gguf.GGMLQuantizationType[qtype]
 
     def permute(t, n_head):  # llama.cpp's LlamaModel.permute

@@ -36,8 +36,9 @@ def _generate(gguf_file, tokenizer_dir, prompts, n=MAX_NEW):
         ("llama", "Q8_0", {"tie_word_embeddings": True}),
         ("qwen3", "F16", {"head_dim": 128}),  # transformers reads no head_dim for qwen3 GGUF: 128
         ("qwen2", "BF16", {}),
+        ("phi3", "Q8_0", {}),  # fused attn_qkv and ffn_up (gate|up)
     ],
-    ids=["llama-f32", "llama-q8_0-tied", "qwen3-f16", "qwen2-bf16"],
+    ids=["llama-f32", "llama-q8_0-tied", "qwen3-f16", "qwen2-bf16", "phi3-q8_0"],
 )
 def test_gguf_greedy_matches_transformers_gguf(ray_local, ckpt_dir, tmp_path, arch, qtype, extra):
     hf_dir = ckpt_dir(arch, **extra)

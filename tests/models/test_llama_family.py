@@ -90,3 +90,12 @@ def test_partial_rotary_embeddings_are_refused(tmp_path, fields):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="partial rotary embeddings"):
         load_arch(tmp_path)
+
+
+def test_a_gguf_files_sliding_window_is_read(ckpt_dir, tmp_path):
+    """llama.cpp's ``phi3.attention.sliding_window`` bounds the context as config.json's does."""
+    from tests.checkpoints import write_gguf
+
+    f = write_gguf(ckpt_dir("phi3", sliding_window=48), tmp_path / "phi3-window.gguf")
+    arch = load_arch(f)
+    assert (arch.architecture, arch.sliding_window, arch.usable_context()) == ("Phi3ForCausalLM", 48, 48)

@@ -1,6 +1,6 @@
 """Read a GGUF file's architecture into a ``ModelArch`` (torch-free: the driver uses it).
 
-Llama, Qwen2 and Qwen3 files are served; their weights may be stored as F32, F16, BF16,
+Llama (Mistral's files too), Phi-3, Qwen2 and Qwen3 files are served; their weights may be stored as F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or one of the K-quants (Q2_K .. Q6_K) and are dequantized
 at load (``workers.models.gguf_loader``). Anything else is refused here, before any
 worker starts, with a ``ModelLoadError`` naming what is supported.
@@ -13,7 +13,12 @@ from pathlib import Path
 from workers.models.model_arch import ModelArch, ModelLoadError
 
 # general.architecture -> the Hugging Face class the same weights would have
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_QUANT_TYPES = (
     "F32",
     "F16",
@@ -120,6 +125,9 @@ def load_gguf_arch(path: str | Path, reader=None) -> ModelArch:
     )
     if "blk.0.ffn_gate_inp.weight" in tensors:
         raise ModelLoadError(f"{path}: mixture-of-experts GGUF files are not supported")
+    if "rope_factors_long.weight" in tensors:
+        raise ModelLoadError(f"{path}: longrope scaling (Phi-3 128k) is not supported")
+    window = key("attention.sliding_window")
     return ModelArch(
         architecture=GGUF_ARCHITECTURES[name],
         vocab_size=int(vocab),
@@ -134,10 +142,11 @@ def load_gguf_arch(path: str | Path, reader=None) -> ModelArch:
         rope_scaling=scaling,
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         mlp_bias="blk.0.ffn_down.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         eos_token_ids=eos,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         torch_dtype=None,
+        sliding_window=int(window) if window else None,
     )

@@ -3,7 +3,8 @@
 Each worker reads the file itself (its path is in the config): nothing crosses a process
 boundary but the path. Quantized tensors are dequantized with ``gguf.quants.dequantize``;
 the loader (``workers.models.loader``) casts them to the run dtype and shards them like
-safetensors weights. llama.cpp's converter permutes the rows of a Llama-family model's
+safetensors weights (Phi-3's fused q|k|v and gate|up split as its safetensors ones are).
+llama.cpp's converter permutes the rows of a Llama-family model's
 Q and K projections (to its own rotary layout, pairs interleaved per head); that is
 undone here. Qwen2/Qwen3 files are converted without the permutation.
 """
@@ -31,6 +32,7 @@ _BLOCK = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v in one tensor (the loader splits it)
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -43,13 +45,15 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SKIP = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face checkpoint name of a GGUF tensor; None for an unknown one."""
+def hf_name(gguf_name: str, fused_ffn: bool = False) -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor; None for an unknown one.
+    ``fused_ffn``: ``ffn_up`` holds gate|up (Phi-3), as Hugging Face's ``gate_up_proj``."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+        part = "mlp.gate_up_proj" if fused_ffn and m.group(2) == "ffn_up" else _BLOCK[m.group(2)]
+        return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     return None
 
 
@@ -69,13 +73,14 @@ class GGUFCheckpoint:
         self.reader = open_gguf(path)  # parsed once per process (tens of ms)
         self.arch: ModelArch = load_gguf_arch(path, self.reader)
         self.llama = field(self.reader, "general.architecture") == "llama"
+        self.fused_ffn = field(self.reader, "general.architecture") == "phi3"
 
     def tensors(self, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) for every weight (or each one whose name
         ``wanted`` accepts: the others are never dequantized), dequantized and, for Llama,
         with Q/K rows restored. Unknown names pass through unchanged (the loader refuses them)."""
         for t in self.reader.tensors:
-            name = hf_name(t.name) or t.name
+            name = hf_name(t.name, self.fused_ffn) or t.name
             if t.name in _SKIP or (wanted is not None and not wanted(name)):
                 continue
             w = _dequantize(t)

@@ -106,7 +106,7 @@ def load_model(
     else:
         wanted = lambda n: _stage_reads(model, n)  # noqa: E731 - a stage reads only its own tensors
         if gguf is not None:
-            tensors = gguf.tensors(wanted)
+            tensors = split_fused(gguf.tensors(wanted), arch)
         else:
             tensors = split_fused(_safetensors_tensors(checkpoint_files(model_path), wanted), arch)
         _fill(model, arch, tensors, model_path)
