@@ -62,6 +62,8 @@ RICH_OPTIONS = (
     dict(min_tokens=8, stop_token_ids=[11, 12]),
     dict(logprobs=0),
     dict(top_k=5, repetition_penalty=1.05),
+    dict(logit_bias={7: 2.0, 9: -1.0}, allowed_token_ids=list(range(3, 200))),  # (device masks)
+    dict(top_p=0.95, bad_words=["w5"]),
     {},
 )  # (an odd count: each set meets greedy and temperature rows in turn)
 
