@@ -76,7 +76,8 @@ def sampling_from_proto(sp, defaults: GenerationDefaults | None = None) -> Sampl
         kw["bad_words"] = list(sp.bad_words)
     if sp.HasField("structured_outputs"):
         so = sp.structured_outputs
-        given = {k: getattr(so, k) for k in ("json", "regex", "grammar", "json_object") if so.HasField(k)}
+        fields = ("json", "regex", "grammar", "json_object", "disable_any_whitespace")
+        given = {k: getattr(so, k) for k in fields if so.HasField(k)}
         kw["structured_outputs"] = {**given, **({"choice": list(so.choice)} if so.choice else {})}
     try:
         return (defaults or NO_GENERATION_DEFAULTS).params(**kw)

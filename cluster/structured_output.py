@@ -67,10 +67,16 @@ class GrammarBackend:
         c = self._compiler_for_tokenizer()  # (it caches compilations by their text)
         kind = (so.given() or ["json"])[0]
         try:
+            compact = so.disable_any_whitespace
             if so.json is not None:
-                return c.compile_json_schema(so.json if isinstance(so.json, str) else json.dumps(so.json))
-            if so.json_object:
-                return c.compile_builtin_json_grammar()
+                schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+                return c.compile_json_schema(schema, any_whitespace=not compact)
+            if so.json_object:  # (any JSON object; compact: the same as a schema)
+                return (
+                    c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                    if compact
+                    else c.compile_builtin_json_grammar()
+                )
             if so.regex is not None:
                 return c.compile_regex(so.regex)
             if so.choice is not None:  # each choice a quoted EBNF string

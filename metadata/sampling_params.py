@@ -61,6 +61,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON (``json``, ``json_object``) with fixed whitespace, one space after each colon and comma
+    (vLLM's option): by default any whitespace is allowed, which a weak model can spend
+    ``max_tokens`` on."""
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -88,6 +92,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
             raise SamplingParamsError("structured_outputs json must be a JSON schema (an object or its text)")
         elif kind == "json_object" and value is not True:
             raise SamplingParamsError("structured_outputs json_object must be true")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError("structured_outputs disable_any_whitespace must be true or false")
         text = value if isinstance(value, str) else msgspec.json.encode(value).decode() if kind == "json" else ""
         if len(text) > MAX_GRAMMAR_CHARS:
             raise SamplingParamsError(f"structured_outputs {kind} must be at most {MAX_GRAMMAR_CHARS} characters")

@@ -50,7 +50,8 @@ def _reference(demo, constraint, max_tokens):
     vocab = model.config.vocab_size
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab), max_threads=1)
     if "json" in constraint:
-        compiled = compiler.compile_json_schema(json.dumps(constraint["json"]))
+        compact = constraint.get("disable_any_whitespace", False)
+        compiled = compiler.compile_json_schema(json.dumps(constraint["json"]), any_whitespace=not compact)
     elif "regex" in constraint:
         compiled = compiler.compile_regex(constraint["regex"])
     else:
@@ -83,6 +84,16 @@ def test_greedy_under_constraints_matches_transformers(llm, demo):
     assert re.fullmatch("[0-9]{2}-[a-z]{3}", outs[1].outputs[0].text)
     assert outs[2].outputs[0].text in ("yes", "no", "maybe")
     assert len(outs[3].outputs[0].token_ids) == 8
+
+
+def test_compact_json_matches_transformers(llm, demo):
+    """``disable_any_whitespace``: greedy JSON under xgrammar's fixed-whitespace schema equals
+    transformers' under the same mask, and (where the default runs on in whitespace) ends."""
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=48, structured_outputs=compact))[0]
+    assert out.outputs[0].token_ids == _reference(demo, compact, 48)
+    assert out.outputs[0].finish_reason == "stop" and json.loads(out.outputs[0].text)["tag"] in ("red", "blue")
+    assert out.outputs[0].text == json.dumps(json.loads(out.outputs[0].text))  # one space after : and ,
 
 
 def test_sampled_outputs_satisfy_their_constraint(llm):

@@ -106,7 +106,9 @@ def _write_minimal(path, arch: str, tensor_type: str = "F32"):
 
 def test_unsupported_gguf_refused_with_what_is_supported(tmp_path):
     f = _write_minimal(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, phi3, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, phi3, qwen2, qwen3"
+    ):
         load_arch(f)
     f = _write_minimal(tmp_path / "iq4.gguf", "llama", "IQ4_NL")
     with pytest.raises(

@@ -240,8 +240,13 @@ def test_structured_outputs_equal_offline(openai_client, offline, model_name):
         model=model_name, prompt="w5 w6", temperature=0.9, seed=4, max_tokens=5, extra_body=extra
     )
     assert r.choices[0].text == ref.outputs[0].text
+    extra_chat = {"structured_outputs": {**choice, "disable_any_whitespace": True}}  # (vLLM's field; JSON only)
     c = openai_client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "w5"}], temperature=0, max_tokens=5, extra_body=extra
+        model=model_name,
+        messages=[{"role": "user", "content": "w5"}],
+        temperature=0,
+        max_tokens=5,
+        extra_body=extra_chat,
     )
     assert c.choices[0].message.content.strip() in ("w7", "w9", "w11")
     # vLLM's older field name, the same constraint
