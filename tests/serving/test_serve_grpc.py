@@ -104,11 +104,19 @@ def test_generate_stream_equals_offline(stub, md, offline):
             pb2.GenerateRequest(
                 text="w70",
                 sampling=pb2.SamplingParams(
-                    temperature=0.7, seed=3, max_tokens=4, structured_outputs=pb2.StructuredOutputs(choice=["w8", "w9"])
+                    temperature=0.7,
+                    seed=3,
+                    max_tokens=4,
+                    structured_outputs=pb2.StructuredOutputs(choice=["w8", "w9"], disable_any_whitespace=True),
                 ),
             ),
             "w70",
-            SamplingParams(temperature=0.7, seed=3, max_tokens=4, structured_outputs={"choice": ["w8", "w9"]}),
+            SamplingParams(
+                temperature=0.7,
+                seed=3,
+                max_tokens=4,
+                structured_outputs={"choice": ["w8", "w9"], "disable_any_whitespace": True},
+            ),
         ),
     ]
     for req, prompt, params in cases:
