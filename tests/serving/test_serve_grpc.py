@@ -45,6 +45,9 @@ def _collect(responses):
 
 
 def test_generate_stream_equals_offline(stub, md, offline):
+    steer = dict(
+        temperature=0.9, seed=1, max_tokens=4, allowed_token_ids=[7, 8, 9], truncate_prompt_tokens=9, bad_words=["w9"]
+    )
     cases = [
         (
             pb2.GenerateRequest(
@@ -78,27 +81,12 @@ def test_generate_stream_equals_offline(stub, md, offline):
             "w60 w61 w62",
             SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logit_bias={7: 100.0}, ignore_eos=True),
         ),
-        (  # allowed ids, and a token list past the context cut to its tail
+        (  # allowed ids, bad words, and a token list past the context cut to its tail
             pb2.GenerateRequest(
-                token_ids=pb2.TokenIds(ids=list(range(10, 250)) * 3),
-                sampling=pb2.SamplingParams(
-                    temperature=0.9,
-                    seed=1,
-                    max_tokens=4,
-                    allowed_token_ids=[7, 8, 9],
-                    truncate_prompt_tokens=9,
-                    bad_words=["w9"],
-                ),
+                token_ids=pb2.TokenIds(ids=list(range(10, 250)) * 3), sampling=pb2.SamplingParams(**steer)
             ),
             {"prompt_token_ids": list(range(10, 250)) * 3},
-            SamplingParams(
-                temperature=0.9,
-                seed=1,
-                max_tokens=4,
-                allowed_token_ids=[7, 8, 9],
-                truncate_prompt_tokens=9,
-                bad_words=["w9"],
-            ),
+            SamplingParams(**steer),
         ),
         (  # a constrained output
             pb2.GenerateRequest(
