@@ -107,6 +107,7 @@ class OptionTensors:
         self.floats: tuple[torch.Tensor, ...] | None = None  # rows of [7, R]
         self.ints: tuple[torch.Tensor, ...] | None = None  # rows of [3, R]
         self.flags: dict = {}
+        self.id_rules: tuple | None = None  # (rows, their device rows, bool [n, vocab]): sampling_inputs.id_rule_masks
 
     def get(
         self,
@@ -125,7 +126,7 @@ class OptionTensors:
         same = bool(self.flags) and len(opts) == len(self.opts) and all(a is b for a, b in zip(opts, self.opts))
         if not same:
             self.opts, self.flags = list(opts), option_flags(opts)
-            self.floats = self.ints = None
+            self.floats = self.ints = self.id_rules = None
         if self.floats is not None or (
             lazy and table is not None and rows is not None and plain_temperature(self.flags)
         ):

@@ -72,7 +72,9 @@ def build_sampling_batch(
         bias = (dv[0].long(), dv[1].long(), dv[2].float())
     allowed = allowed_tokens(masks, st.vocab, dev) if masks is not None else None
     if flags["any_id_rules"]:
-        allowed = restrict_to_ids(allowed, masks, opts, st.vocab, dev)
+        if cached.id_rules is None:  # (the same requests in the same order: built once)
+            cached.id_rules = id_rule_masks(opts, st.vocab, dev)
+        allowed = restrict_to_ids(allowed, masks, cached.id_rules, dev)
     return SamplingBatch(
         allowed=allowed,
         logit_bias=bias,
@@ -107,38 +109,50 @@ def allowed_tokens(masks: list[bytes], vocab: int, dev: torch.device) -> tuple[t
     return dv[: len(rows)], ((w[:, ids >> 5] >> (ids & 31)) & 1).bool()
 
 
-def restrict_to_ids(
-    allowed: tuple[torch.Tensor, torch.Tensor] | None,
-    masks: list[bytes] | None,
-    opts: list[SamplingOptions],
-    vocab: int,
-    dev: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``allowed`` (the constrained rows' masks, or None) narrowed by each row's
-    ``allowed_token_ids`` and ``banned_token_ids``: the rows of any of them, and the ids each may
-    take, bool [C, vocab]. The row lists and (row, id) pairs travel in one copy."""
-    grammar_rows = [i for i, m in enumerate(masks or ()) if m] if allowed is not None else []
-    id_rows = [i for i, o in enumerate(opts) if o.allowed_token_ids]
-    ban_rows = [i for i, o in enumerate(opts) if o.banned_token_ids]
-    rows = sorted(set(grammar_rows) | set(id_rows) | set(ban_rows))
-    local = {r: j for j, r in enumerate(rows)}
+def id_rule_masks(opts: list[SamplingOptions], vocab: int, dev: torch.device) -> tuple:
+    """The rows with ``allowed_token_ids`` or ``banned_token_ids``, their device rows, and the ids
+    each may take, bool [n, vocab]; the lists and (row, id) pairs travel in one copy. A
+    request's ids never change, so the step's ``OptionTensors`` keeps this while its rows do."""
+    rows = [i for i, o in enumerate(opts) if o.allowed_token_ids or o.banned_token_ids]
+    allow = [j for j, i in enumerate(rows) if opts[i].allowed_token_ids]
     parts = [
         rows,
-        [local[i] for i in grammar_rows],  # the grammar masks' rows in ``keep``
-        [local[i] for i in id_rows],  # the rows restricted to ids
-        [local[i] for i in id_rows for _ in opts[i].allowed_token_ids],  # (row, allowed id) pairs
-        [t for i in id_rows for t in opts[i].allowed_token_ids],
-        [local[i] for i in ban_rows for _ in opts[i].banned_token_ids],  # (row, banned id) pairs
-        [t for i in ban_rows for t in opts[i].banned_token_ids],
+        allow,  # the rows restricted to ids
+        [j for j in allow for _ in opts[rows[j]].allowed_token_ids],  # (row, allowed id) pairs
+        [t for j in allow for t in opts[rows[j]].allowed_token_ids],
+        [j for j, i in enumerate(rows) for _ in opts[i].banned_token_ids],  # (row, banned id) pairs
+        [t for i in rows for t in opts[i].banned_token_ids],
     ]
     dv = to_device(torch.tensor([t for part in parts for t in part], dtype=torch.int64), dev)
-    rows_d, grammar_d, id_rows_d, pair_rows_d, pair_ids_d, ban_rows_d, ban_ids_d = dv.split([len(p) for p in parts])
+    rows_d, allow_d, pair_rows, pair_ids, ban_rows, ban_ids = dv.split([len(p) for p in parts])
     # device values: a Python scalar would be copied host-to-device first, blocking
     true, false = torch.ones((), dtype=torch.bool, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
     keep = torch.ones(len(rows), vocab, dtype=torch.bool, device=dev)
-    keep.index_put_((id_rows_d,), false)
-    keep.index_put_((pair_rows_d, pair_ids_d.clamp(max=vocab - 1)), true)
-    keep.index_put_((ban_rows_d, ban_ids_d.clamp(max=vocab - 1)), false)
-    if allowed is not None:
-        keep.index_put_((grammar_d,), keep[grammar_d] & allowed[1])
+    keep.index_put_((allow_d,), false)
+    keep.index_put_((pair_rows, pair_ids), true)
+    keep.index_put_((ban_rows, ban_ids), false)
+    return rows, rows_d, keep
+
+
+def restrict_to_ids(
+    allowed: tuple[torch.Tensor, torch.Tensor] | None,
+    masks: list[bytes] | None,
+    id_rules: tuple,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``allowed`` (the constrained rows' masks, or None) narrowed by ``id_rules``
+    (``id_rule_masks``): the rows of either and the ids each may take, bool [C, vocab]; a row
+    with both takes their AND."""
+    id_rows, id_rows_d, id_keep = id_rules
+    grammar_rows = [i for i, m in enumerate(masks or ()) if m] if allowed is not None else []
+    if not grammar_rows:
+        return id_rows_d, id_keep
+    rows = sorted(set(grammar_rows) | set(id_rows))
+    local = {r: j for j, r in enumerate(rows)}
+    parts = [rows, [local[i] for i in id_rows], [local[i] for i in grammar_rows]]
+    dv = to_device(torch.tensor([t for part in parts for t in part], dtype=torch.int64), dev)
+    rows_d, id_local, grammar_local = dv.split([len(p) for p in parts])
+    keep = torch.ones(len(rows), id_keep.shape[1], dtype=torch.bool, device=dev)
+    keep.index_put_((id_local,), id_keep)
+    keep.index_put_((grammar_local,), keep[grammar_local] & allowed[1])
     return rows_d, keep
