@@ -68,13 +68,13 @@ def load_arch(model_dir: str | Path) -> ModelArch:
     window = None  # Mistral's is on when set; Qwen2 keeps one in its config, on only with use_sliding_window
     if cfg.get("sliding_window") and (arch in _WINDOWED or cfg.get("use_sliding_window")):
         window = int(cfg["sliding_window"])
-    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rope = cfg.get("rope_parameters") or {}
+    rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rotary = float(rotary if rotary is not None else 1.0)
     if rotary != 1.0:
         raise ModelLoadError(f"{path}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported")
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
-    rope = cfg.get("rope_parameters") or {}
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = cfg.get("rope_scaling") or (rope if rope else None)
     head_dim = cfg.get("head_dim") or hidden // heads

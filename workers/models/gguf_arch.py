@@ -1,9 +1,9 @@
 """Read a GGUF file's architecture into a ``ModelArch`` (torch-free: the driver uses it).
 
-Llama (Mistral's files too), Phi-3, Qwen2 and Qwen3 files are served; their weights may be stored as F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or one of the K-quants (Q2_K .. Q6_K) and are dequantized
-at load (``workers.models.gguf_loader``). Anything else is refused here, before any
-worker starts, with a ``ModelLoadError`` naming what is supported.
+Llama (Mistral's files too), Phi-3, Qwen2 and Qwen3 files are served; their weights may be
+stored as F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or one of the K-quants (Q2_K .. Q6_K)
+and are dequantized at load (``workers.models.gguf_loader``). Anything else is refused here,
+before any worker starts, with a ``ModelLoadError`` naming what is supported.
 """
 
 from __future__ import annotations

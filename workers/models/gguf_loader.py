@@ -72,8 +72,8 @@ class GGUFCheckpoint:
         self.path = path
         self.reader = open_gguf(path)  # parsed once per process (tens of ms)
         self.arch: ModelArch = load_gguf_arch(path, self.reader)
-        self.llama = field(self.reader, "general.architecture") == "llama"
-        self.fused_ffn = field(self.reader, "general.architecture") == "phi3"
+        name = field(self.reader, "general.architecture")
+        self.llama, self.fused_ffn = name == "llama", name == "phi3"  # (fused_ffn: gate|up in ffn_up)
 
     def tensors(self, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) for every weight (or each one whose name
